@@ -1,0 +1,1 @@
+"""thunder_tp: tensor parallelism for Lightning Thunder."""
