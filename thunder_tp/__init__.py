@@ -1,1 +1,19 @@
 """thunder_tp: tensor parallelism for Lightning Thunder."""
+
+from thunder_tp.annotate import annotate
+from thunder_tp.executor import executors
+from thunder_tp.layouts import Partial, Replicate, Shard
+from thunder_tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel
+from thunder_tp.transform import TensorParallel
+
+__all__ = [
+    "ColwiseParallel",
+    "Partial",
+    "Replicate",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "Shard",
+    "TensorParallel",
+    "annotate",
+    "executors",
+]

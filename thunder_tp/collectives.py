@@ -1,6 +1,192 @@
-"""Collective symbols of the TP group, their conjugate grads and torch.distributed implementations."""
+"""Collective symbols of the TP group, their conjugate grads and torch.distributed implementations.
 
+Each symbol is an opaque operator of `comm_executor`:
+- `fn` is a synchronous torch.distributed implementation (used when the executor is not listed);
+- its execution transform lowers it to Thunder's async torchex prims plus a wait, which Thunder's
+  wait sorting moves as late as data allows;
+- its grad is the conjugate collective (Megatron's f/g operator pairs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from thunder.core.prims import get_grad, put_grad
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import register_grad
+from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
+
+from thunder_tp.layouts import Shard, local_shape, shard_tensor, unshard_tensor
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
 register_executor(comm_executor)
+
+Blocks = tuple[int, ...] | None
+
+
+# --- shapes of the results --------------------------------------------------------------------
+
+
+def _like(a: TensorProxy, *_args) -> TensorProxy:
+    return TensorProxy(like=a)
+
+
+def _gathered_meta(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    shape = list(a.shape)
+    shape[dim] *= group.size()
+    return TensorProxy(like=a, shape=tuple(shape))
+
+
+def _scattered_meta(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    return TensorProxy(like=a, shape=local_shape(a.shape, Shard(dim), group.size()))
+
+
+def _packed_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int) -> TensorProxy:
+    piece = local_shape(a.shape, Shard(dim), size)
+    return TensorProxy(like=a, shape=(size * piece[0], *piece[1:]))
+
+
+def _unpacked_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int, piece: tuple[int, ...]) -> TensorProxy:
+    shape = list(piece)
+    shape[dim] *= size
+    return TensorProxy(like=a, shape=tuple(shape))
+
+
+# --- local data movement around the dim-0 collectives of torch.distributed ----------------------
+
+
+def _pack(a: torch.Tensor, dim: int, blocks: Blocks, size: int) -> torch.Tensor:
+    """Every rank's piece of `a`, concatenated along dim 0 (the layout reduce_scatter_tensor expects)."""
+    return torch.cat([shard_tensor(a, Shard(dim, blocks), r, size).contiguous() for r in range(size)], 0)
+
+
+def _unpack(a: torch.Tensor, dim: int, blocks: Blocks, size: int, piece: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of the dim-0 concatenation made by all_gather_into_tensor."""
+    return unshard_tensor(a.view(size, *piece).unbind(0), Shard(dim, blocks))
+
+
+def _local(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    return shard_tensor(a, Shard(dim, blocks), dist.get_rank(group), group.size())
+
+
+def _all_reduce(a: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    out = a.contiguous().clone()
+    dist.all_reduce(out, op, group)
+    return out
+
+
+def _all_gather(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    size = group.size()
+    out = torch.empty((size * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
+    dist.all_gather_into_tensor(out, a.contiguous(), group)
+    return _unpack(out, dim, blocks, size, tuple(a.shape))
+
+
+def _reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    size = group.size()
+    packed = _pack(a, dim, blocks, size)
+    out = torch.empty((packed.shape[0] // size, *packed.shape[1:]), dtype=a.dtype, device=a.device)
+    dist.reduce_scatter_tensor(out, packed, dist.ReduceOp.SUM, group)
+    return out.view(local_shape(a.shape, Shard(dim), size))
+
+
+tp_pack = comm_executor.register_operator("tp_pack", meta=_packed_meta, fn=_pack)
+tp_unpack = comm_executor.register_operator("tp_unpack", meta=_unpacked_meta, fn=_unpack)
+
+# --- the TP collectives ---------------------------------------------------------------------------
+
+tp_copy_to_tp = comm_executor.register_operator("tp_copy_to_tp", meta=_like, fn=lambda a, group: a)
+tp_reduce_from_tp = comm_executor.register_operator("tp_reduce_from_tp", meta=_like, fn=_all_reduce)
+tp_gather = comm_executor.register_operator("tp_gather", meta=_gathered_meta, fn=_all_gather)
+tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathered_meta, fn=_all_gather)
+tp_scatter = comm_executor.register_operator("tp_scatter", meta=_scattered_meta, fn=_local)
+tp_reduce_scatter = comm_executor.register_operator("tp_reduce_scatter", meta=_scattered_meta, fn=_reduce_scatter)
+tp_all_reduce_max = comm_executor.register_operator(
+    "tp_all_reduce_max", meta=_like, fn=lambda a, group: _all_reduce(a, group, dist.ReduceOp.MAX)
+)
+
+#: symbol name -> the kind of collective it issues
+COLLECTIVE_KINDS: dict[str, str] = {
+    "tp_reduce_from_tp": "all_reduce",
+    "tp_all_reduce_max": "all_reduce",
+    "tp_gather": "all_gather",
+    "tp_gather_to_tp": "all_gather",
+    "tp_reduce_scatter": "reduce_scatter",
+}
+
+
+# --- async lowering: Thunder's torchex prims + wait (sorted late by thunder's sort_waits) ---------
+
+
+def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
+
+    return wait_prim_impl(all_reduce_prim_impl(a, DistributedReduceOps.SUM, group, True, False))
+
+
+def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
+
+    size = group.size()
+    gathered = wait_prim_impl(all_gather_prim_impl(tp_pack(a, 0, None, 1), group, True, None))
+    if dim == 0 and blocks is None:
+        return gathered
+    return tp_unpack(gathered, dim, blocks, size, tuple(a.shape))
+
+
+def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.executors.torchex import reduce_scatter_prim_impl, wait_prim_impl
+
+    packed = tp_pack(a, dim, blocks, group.size())
+    out = wait_prim_impl(reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None))
+    if dim == 0:
+        return out
+    from thunder.torch import reshape
+
+    return reshape(out, local_shape(a.shape, Shard(dim), group.size()))
+
+
+comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce)
+comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
+comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
+comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)
+for _sym in (tp_copy_to_tp, tp_scatter, tp_all_reduce_max, tp_pack, tp_unpack):
+    comm_executor.register_implementation(_sym, _sym)
+
+
+# --- conjugate grads ----------------------------------------------------------------------------
+
+
+def _copy_to_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    out = tp_copy_to_tp(a, group)
+    put_grad(a, tp_reduce_from_tp(get_grad(out), group))
+    return out
+
+
+def _reduce_from_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    out = tp_reduce_from_tp(a, group)
+    put_grad(a, get_grad(out))
+    return out
+
+
+def _all_reduce_max_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    return tp_all_reduce_max(a, group)  # used only as a shift constant: no gradient flows through it
+
+
+def _conjugate(forward, backward):
+    def grad(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+        out = forward(a, dim, blocks, group)
+        put_grad(a, backward(get_grad(out), dim, blocks, group))
+        return out
+
+    return grad
+
+
+register_grad(tp_copy_to_tp, _copy_to_tp_grad)
+register_grad(tp_reduce_from_tp, _reduce_from_tp_grad)
+register_grad(tp_all_reduce_max, _all_reduce_max_grad)
+register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
+register_grad(tp_gather_to_tp, _conjugate(tp_gather_to_tp, tp_reduce_scatter))
+register_grad(tp_scatter, _conjugate(tp_scatter, tp_gather))
+register_grad(tp_reduce_scatter, _conjugate(tp_reduce_scatter, tp_gather))

@@ -1,0 +1,76 @@
+"""Helpers shared by the TP tests: run a model single-device and under TP on the same inputs, compare."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import thunder
+import torch
+import torch.distributed as dist
+
+import thunder_tp
+from thunder_tp.layouts import Layout, REPLICATE, shard_tensor
+
+
+def rank_and_size(group=None) -> tuple[int, int]:
+    """This rank and the group size."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def collective_counts(trace) -> dict[str, int]:
+    """How many of each collective a final trace issues (top-level torchex prims and thunder_tp symbols)."""
+    counts: dict[str, int] = {}
+    for b in trace.bound_symbols:
+        name = b.sym.name
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            if name.startswith(f"torch_{kind}_prim_impl") or name in _TP_SYNC.get(kind, ()):
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+_TP_SYNC = {"all_reduce": ("tp_reduce_from_tp", "tp_all_reduce_max"), "all_gather": ("tp_gather", "tp_gather_to_tp"),
+            "reduce_scatter": ("tp_reduce_scatter",)}
+
+
+def compare_with_single_device(
+    make_model: Callable[[], torch.nn.Module],
+    make_inputs: Callable[[], tuple],
+    transform: thunder_tp.TensorParallel,
+    *,
+    grad: bool = True,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    executors=None,
+) -> dict:
+    """Check output, input grads and every parameter grad (shards vs chunks of full grads); return traces info."""
+    rank, size = rank_and_size(transform.process_group)
+    torch.manual_seed(0)
+    reference = make_model()
+    torch.manual_seed(0)
+    model = make_model()
+    model.load_state_dict(reference.state_dict())
+    inputs = make_inputs()
+    ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+    jm = thunder.jit(model, transforms=[transform], executors=executors or thunder_tp.executors())
+    with torch.set_grad_enabled(grad):
+        expected = reference(*ref_inputs)
+        actual = jm(*inputs)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"output: {m}")
+    info = {"forward": collective_counts(thunder.last_traces(jm)[-1])}
+    if not grad:
+        return info
+    torch.manual_seed(1)
+    cotangent = torch.randn_like(expected)
+    (expected * cotangent).sum().backward()
+    (actual * cotangent).sum().backward()
+    info["backward"] = collective_counts(thunder.last_backward_traces(jm)[-1])
+    for x, r in zip(inputs, ref_inputs):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            torch.testing.assert_close(x.grad, r.grad, rtol=rtol, atol=atol, msg=lambda m: f"input grad: {m}")
+    for name, p in reference.named_parameters():
+        layout: Layout = transform.parameter_layouts.get(name, REPLICATE)
+        want = shard_tensor(p.grad, layout, rank, size)
+        got = jm.get_parameter(name).grad
+        assert got is not None, f"no grad for {name}"
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+    return info

@@ -1,0 +1,51 @@
+"""Styles as layout constraints: `annotate` calls around each op that consumes a styled weight.
+
+A row-parallel linear's bias is split off and added after the output constraint, so it is added
+once to the reduced result rather than once per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import thunder.torch as ltorch
+from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+
+from thunder_tp.annotate import tp_annotate
+from thunder_tp.styles import RowwiseParallel, Style
+
+
+def _styled_weight(bsym, styles: Mapping[str, Style]) -> Style | None:
+    for a in bsym.args[1:]:
+        if isinstance(a, TensorProxy) and a.name in styles:
+            return styles[a.name]
+    return None
+
+
+def _constrain(t: TensorProxy, layout) -> TensorProxy:
+    return t if layout is None else tp_annotate(t, repr(layout))
+
+
+def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceCtx:
+    """Insert the input/output constraints of each style (keyed by weight proxy name) into `trace`."""
+    new = from_trace(trace)
+    swap: dict = {}
+    with tracectx(new):
+        for bsym in trace.bound_symbols:
+            bsym = bsym.from_bsym_swap_proxies(swap)
+            style = _styled_weight(bsym, styles) if isinstance(bsym.output, TensorProxy) else None
+            if style is None:
+                new.bound_symbols.append(bsym)
+                continue
+            x, *rest = bsym.args
+            x = _constrain(x, style.input_layout)
+            bias = bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("bias")
+            split_bias = bsym.sym.id == ltorch.linear.id and isinstance(style, RowwiseParallel) and bias is not None
+            y = ltorch.linear(x, rest[0], None) if split_bias else bsym.sym(x, *rest, **bsym.kwargs)
+            y = _constrain(y, style.output_layout)
+            if split_bias:
+                y = ltorch.add(y, bias)
+            swap[variableify(bsym.output)] = y
+    new.set_provenance(TraceProvenance("thunder_tp: style constraints"))
+    return new

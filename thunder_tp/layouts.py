@@ -1,0 +1,152 @@
+"""Layouts of a tensor on the TP group (Replicate, Shard, Partial) and the TP group itself."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank holds the whole tensor."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Each rank holds one contiguous chunk of `dim`.
+
+    `blocks` describes a fused dim made of several blocks (e.g. q|k|v): each block is chunked
+    separately and a rank holds the concatenation of its chunk of every block.
+    """
+
+    dim: int
+    blocks: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})" if self.blocks is None else f"Shard({self.dim}, blocks={self.blocks})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Each rank holds a summand; the value is the sum over ranks."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_op != "sum":
+            raise ValueError(f"Partial({self.reduce_op!r}) is not supported; only Partial('sum') is")
+
+    def __repr__(self) -> str:
+        return "Partial()"
+
+
+Layout = Replicate | Shard | Partial
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+_LAYOUT_RE = re.compile(r"^(Replicate|Partial)\(\)$|^Shard\((-?\d+)(?:, blocks=\(([\d, ]*)\))?\)$")
+
+
+def parse_layout(text: str) -> Layout:
+    """Inverse of repr(layout); layouts travel through traces as strings."""
+    m = _LAYOUT_RE.match(text)
+    if m is None:
+        raise ValueError(f"Not a layout: {text!r}")
+    if m.group(1) == "Replicate":
+        return REPLICATE
+    if m.group(1) == "Partial":
+        return PARTIAL
+    blocks = m.group(3)
+    return Shard(int(m.group(2)), tuple(int(b) for b in blocks.split(",") if b.strip()) if blocks else None)
+
+
+def normalize(layout: Layout, ndim: int) -> Layout:
+    """Shard with a non-negative dim; other layouts unchanged."""
+    if isinstance(layout, Shard) and layout.dim < 0:
+        return Shard(layout.dim + ndim, layout.blocks)
+    return layout
+
+
+def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) -> None:
+    """Raise a ValueError naming `what` if `layout` cannot split a tensor of `shape` over `size` ranks."""
+    if not isinstance(layout, Shard):
+        return
+    if not -len(shape) <= layout.dim < len(shape):
+        raise ValueError(f"{what}: {layout} is out of range for a tensor of shape {tuple(shape)}")
+    n = shape[layout.dim]
+    blocks = layout.blocks or (n,)
+    if sum(blocks) != n:
+        raise ValueError(f"{what}: blocks {layout.blocks} do not add up to dim {layout.dim} of size {n}")
+    for b in blocks:
+        if b % size:
+            part = f"block of size {b} in dim {layout.dim}" if layout.blocks else f"dim {layout.dim} of size {n}"
+            raise ValueError(
+                f"{what}: {part} is not divisible by the TP group size {size}; "
+                f"choose a TP size that divides {b} or leave this tensor replicated"
+            )
+
+
+def local_shape(shape: Sequence[int], layout: Layout, size: int) -> tuple[int, ...]:
+    """Shape of one rank's piece."""
+    out = list(shape)
+    if isinstance(layout, Shard):
+        out[layout.dim] //= size
+    return tuple(out)
+
+
+def local_blocks(blocks: tuple[int, ...] | None, size: int) -> tuple[int, ...] | None:
+    """Sizes of one rank's chunk of each block."""
+    return None if blocks is None else tuple(b // size for b in blocks)
+
+
+def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int) -> torch.Tensor:
+    """This rank's piece of a full tensor (works on meta tensors too)."""
+    if not isinstance(layout, Shard):
+        return t
+    dim = layout.dim
+    pieces = t.split(list(layout.blocks), dim) if layout.blocks else (t,)
+    return torch.cat([p.chunk(size, dim)[rank] for p in pieces], dim)
+
+
+def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The full tensor from every rank's piece, in rank order."""
+    if isinstance(layout, Replicate):
+        return pieces[0]
+    if isinstance(layout, Partial):
+        return torch.stack(list(pieces)).sum(0)
+    dim = layout.dim
+    if layout.blocks is None:
+        return torch.cat(list(pieces), dim)
+    size = len(pieces)
+    per_rank = [p.split(list(local_blocks(layout.blocks, size)), dim) for p in pieces]
+    return torch.cat([torch.cat([r[i] for r in per_rank], dim) for i in range(len(layout.blocks))], dim)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """The process group that TP shards over, with this process's rank in it."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, process_group: dist.ProcessGroup | None) -> TPGroup:
+        """Resolve `None` to the default group; fail clearly when torch.distributed is not initialized."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "thunder_tp.TensorParallel needs an initialized torch.distributed process group: call "
+                "torch.distributed.init_process_group(...) (e.g. run under torchrun) before thunder.jit"
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("This process is not a member of the given TP process group")
+        return cls(group, dist.get_world_size(group), rank)

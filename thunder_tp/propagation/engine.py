@@ -1,0 +1,171 @@
+"""Layout propagation: one rule per op proposes strategies; the cheapest one under the cost model wins.
+
+A rule maps an op (its tensor inputs with their current layouts) to candidate `Strategy`s: the layout
+each tensor input must have and the layout of each tensor output. An op without a rule is tried
+through its subsymbols (Thunder's decomposition); without those, everything is Replicate.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.symbol import BoundSymbol, Symbol
+
+from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPGroup, check_shardable, normalize
+from thunder_tp.reshard import redistribute_cost
+
+LocalFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Required layout of each tensor input, resulting layout of each tensor output.
+
+    `local` computes the op on local pieces, called like the op (tensors replaced by local ones);
+    None means the op itself does.
+    """
+
+    inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+    local: LocalFn | None = None
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether any input or output is not Replicate (its Replicate inputs then get Partial grads)."""
+        return any(not isinstance(x, Replicate) for x in (*self.inputs, *self.outputs))
+
+
+DECOMPOSE = object()  # marker: propagate through the op's subsymbols instead
+
+Rule = Callable[["Op"], Iterable[Strategy]]
+_RULES: dict[Any, Rule] = {}
+
+
+def register_rule(*syms: Symbol | str) -> Callable[[Rule], Rule]:
+    """Register a propagation rule for the given symbols (or symbol ids)."""
+
+    def decorator(rule: Rule) -> Rule:
+        for sym in syms:
+            _RULES[sym.id if isinstance(sym, Symbol) else sym] = rule
+        return rule
+
+    return decorator
+
+
+@dataclass
+class Op:
+    """What a rule sees: one bound symbol, its tensor inputs and their current layouts."""
+
+    bsym: BoundSymbol
+    layouts: list[Layout]
+    tp: TPGroup
+
+    @cached_property
+    def tensors(self) -> list[TensorProxy]:
+        """Tensor inputs, in pytree order of (args, kwargs)."""
+        return [x for x in tree_flatten((self.bsym.args, self.bsym.kwargs))[0] if isinstance(x, TensorProxy)]
+
+    @cached_property
+    def outputs(self) -> list[TensorProxy]:
+        """Tensor outputs, in pytree order."""
+        return [x for x in tree_flatten(self.bsym.output)[0] if isinstance(x, TensorProxy)]
+
+    @cached_property
+    def arguments(self) -> dict[str, Any]:
+        """The op's arguments bound to its signature, defaults applied."""
+        meta = self.bsym.sym.meta or self.bsym.sym.__call__
+        try:
+            bound = inspect.signature(meta).bind(*self.bsym.args, **self.bsym.kwargs)
+        except (TypeError, ValueError):
+            return {}
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """One bound argument by name."""
+        return self.arguments.get(name, default)
+
+    def layout_of(self, t: TensorProxy) -> Layout:
+        """Current layout of one of the op's tensor inputs."""
+        return self.layouts[[x.name for x in self.tensors].index(t.name)]
+
+    def replicated(self) -> Strategy:
+        """Everything Replicate."""
+        return Strategy((REPLICATE,) * len(self.tensors), (REPLICATE,) * len(self.outputs))
+
+
+@dataclass
+class Step:
+    """One op of the local program: the (logical) bound symbol and the strategy it runs with."""
+
+    bsym: BoundSymbol
+    strategy: Strategy
+
+
+@dataclass
+class Propagation:
+    """Drives the rules over a trace; `layouts` maps proxy names to layouts."""
+
+    layouts: dict[str, Layout]
+    tp: TPGroup
+    parameters: frozenset[str] = frozenset()
+    steps: list[Step] = field(default_factory=list)
+
+    def run(self, bsyms: Iterable[BoundSymbol]) -> list[Step]:
+        """Choose a strategy for every bound symbol, decomposing rule-less ops where needed."""
+        for bsym in bsyms:
+            op = Op(bsym, [self.layouts[t.name] for t in _tensor_inputs(bsym)], self.tp)
+            strategy = self.choose(op)
+            if strategy is DECOMPOSE:
+                self.run(bsym.subsymbols)
+                continue
+            for t, layout in zip(op.outputs, strategy.outputs):
+                self.layouts[t.name] = normalize(layout, t.ndim)
+            self.steps.append(Step(bsym, strategy))
+        return self.steps
+
+    def choose(self, op: Op) -> Strategy | object:
+        """The cheapest valid candidate of the op's rule (ties: the rule's order)."""
+        rule = _RULES.get(op.bsym.sym.id)
+        if rule is None:
+            if all(isinstance(x, Replicate) for x in op.layouts):
+                return op.replicated()
+            return DECOMPOSE if op.bsym.subsymbols else op.replicated()
+        candidates = [s for s in rule(op) if self._valid(op, s)]
+        if not candidates:
+            return DECOMPOSE if op.bsym.subsymbols else op.replicated()
+        return min(candidates, key=lambda s: self._cost(op, s))
+
+    def _valid(self, op: Op, s: Strategy) -> bool:
+        for t, layout in (*zip(op.tensors, s.inputs), *zip(op.outputs, s.outputs)):
+            try:
+                check_shardable(t.shape, normalize(layout, t.ndim), self.tp.size, t.name)
+            except ValueError:
+                return False
+        return len(s.inputs) == len(op.tensors) and len(s.outputs) == len(op.outputs)
+
+    def _cost(self, op: Op, s: Strategy) -> float:
+        return sum(
+            redistribute_cost(cur, normalize(req, t.ndim), t, self.tp.size, is_parameter=t.name in self.parameters)
+            for t, cur, req in zip(op.tensors, op.layouts, s.inputs)
+        )
+
+
+def _tensor_inputs(bsym: BoundSymbol) -> list[TensorProxy]:
+    return [x for x in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(x, TensorProxy)]
+
+
+def sharded_dims(layouts: Iterable[Layout]) -> set[int]:
+    """Dims that some input is sharded on."""
+    return {x.dim for x in layouts if isinstance(x, Shard)}
+
+
+def has_partial(layouts: Iterable[Layout]) -> bool:
+    """Whether some input is Partial."""
+    return any(isinstance(x, Partial) for x in layouts)

@@ -1,0 +1,32 @@
+"""Rules for normalizations and softmax: any dim outside the normalized ones may stay sharded."""
+
+from __future__ import annotations
+
+import thunder.torch as ltorch
+
+from thunder_tp.layouts import REPLICATE, Shard
+from thunder_tp.propagation.engine import Op, Strategy, register_rule
+
+
+def _batch_dim_strategies(op: Op, normalized: set[int]) -> list[Strategy]:
+    x = op.tensors[0]
+    rest = (REPLICATE,) * (len(op.tensors) - 1)
+    return [
+        *(Strategy((Shard(d), *rest), (Shard(d),)) for d in range(x.ndim) if d not in normalized),
+        op.replicated(),
+    ]
+
+
+@register_rule(ltorch.layer_norm, ltorch.rms_norm)
+def norm(op: Op) -> list[Strategy]:
+    """Weight and bias replicated; the input sharded on a dim it is not normalized over."""
+    x = op.tensors[0]
+    n = len(op.arg("normalized_shape"))
+    return _batch_dim_strategies(op, set(range(x.ndim - n, x.ndim)))
+
+
+@register_rule(ltorch.softmax, ltorch.log_softmax)
+def softmax(op: Op) -> list[Strategy]:
+    """Sharded on any dim but the softmax dim."""
+    x = op.tensors[0]
+    return _batch_dim_strategies(op, {op.arg("dim") % x.ndim})

@@ -1,0 +1,89 @@
+"""Rules for elementwise ops (unary, binary, ternary, with broadcasting) and type conversions."""
+
+from __future__ import annotations
+
+from numbers import Number
+
+import thunder.core.prims as prims
+import thunder.torch as ltorch
+from thunder.core.proxies import TensorProxy
+
+from thunder_tp.layouts import PARTIAL, REPLICATE, Layout, Partial, Shard
+from thunder_tp.propagation.engine import Op, Strategy, register_rule
+
+_UNARY = ("abs", "exp", "log", "log1p", "expm1", "gelu", "silu", "relu", "tanh", "sigmoid", "rsqrt", "sqrt",
+          "erf", "reciprocal", "sin", "cos", "square", "logical_not", "clamp", "to", "type_as", "clone",
+          "contiguous", "dropout")
+_BINARY = ("pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+           "bitwise_and", "masked_fill", "where")
+_PRIMS = ("abs", "exp", "log", "log1p", "expm1", "erf", "tanh", "rsqrt", "sqrt", "reciprocal", "sin", "cos",
+          "convert_element_type", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "where",
+          "bitwise_and", "bitwise_not")
+
+
+def elementwise_strategies(op: Op) -> list[Strategy]:
+    """Keep a shard of any output dim that every non-broadcast input can be sharded on."""
+    out = op.outputs[0]
+    strategies = []
+    for d in range(out.ndim):
+        blocks = _blocks_on(op, d)
+        layouts: list[Layout] = []
+        for t in op.tensors:
+            td = d - (out.ndim - t.ndim)
+            layouts.append(Shard(td, blocks) if td >= 0 and t.shape[td] == out.shape[d] else REPLICATE)
+        strategies.append(Strategy(tuple(layouts), (Shard(d, blocks),)))
+    strategies.append(op.replicated())
+    return strategies
+
+
+def _blocks_on(op: Op, d: int) -> tuple[int, ...] | None:
+    """Blocks of the first input currently sharded on output dim d, if blocked."""
+    out = op.outputs[0]
+    for t, layout in zip(op.tensors, op.layouts):
+        if isinstance(layout, Shard) and layout.dim == d - (out.ndim - t.ndim):
+            return layout.blocks
+    return None
+
+
+def _all_partial(op: Op) -> Strategy:
+    return Strategy((PARTIAL,) * len(op.tensors), (PARTIAL,))
+
+
+def _partial_in(op: Op, position: int) -> Strategy:
+    """Partial through the tensor at `position` (the op is linear in it), the others Replicate."""
+    layouts = [REPLICATE] * len(op.tensors)
+    layouts[position] = PARTIAL
+    return Strategy(tuple(layouts), (PARTIAL,))
+
+
+@register_rule(*(getattr(ltorch, n) for n in _UNARY + _BINARY), *(getattr(prims, n) for n in _PRIMS))
+def elementwise(op: Op) -> list[Strategy]:
+    """Elementwise ops that are not linear."""
+    return elementwise_strategies(op)
+
+
+@register_rule(ltorch.neg, prims.neg)
+def negation(op: Op) -> list[Strategy]:
+    """Linear: a Partial stays Partial."""
+    return [_all_partial(op), *elementwise_strategies(op)]
+
+
+@register_rule(ltorch.add, ltorch.sub, prims.add, prims.sub)
+def addition(op: Op) -> list[Strategy]:
+    """Sum of Partials is Partial (not with a number: it would be added once per rank)."""
+    numbers = [a for a in op.bsym.args[:2] if isinstance(a, Number)]
+    partial = [_all_partial(op)] if not numbers and any(isinstance(x, Partial) for x in op.layouts) else []
+    return [*partial, *elementwise_strategies(op)]
+
+
+@register_rule(ltorch.mul, prims.mul)
+def multiplication(op: Op) -> list[Strategy]:
+    """Partial times a Replicate factor is Partial."""
+    return [*(_partial_in(op, i) for i in range(len(op.tensors))), *elementwise_strategies(op)]
+
+
+@register_rule(ltorch.true_divide, ltorch.div, prims.div)
+def division(op: Op) -> list[Strategy]:
+    """Partial numerator over a Replicate denominator is Partial."""
+    linear = isinstance(op.bsym.args[0], TensorProxy) and op.arg("rounding_mode") is None
+    return [*([_partial_in(op, 0)] if linear else []), *elementwise_strategies(op)]

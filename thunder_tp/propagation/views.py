@@ -1,0 +1,243 @@
+"""Rules for view-like ops: one generic propagation over how each output dim maps to input dims.
+
+A view op is described by a `DimMap`: for each output dim, the input dim it is (`int`), or None
+for a new dim. Reshapes group dims whose products match; a shard survives a reshape when it is on
+the outermost dim of its group and lands on that group's outermost output dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import thunder.core.prims as prims
+import thunder.torch as ltorch
+
+from thunder_tp.layouts import PARTIAL, Partial, Replicate, Shard, local_blocks
+from thunder_tp.propagation.engine import Op, Strategy, register_rule
+
+DimMap = list[int | None]
+
+
+def _through(op: Op, dim_map: DimMap, local=None) -> list[Strategy]:
+    """Carry the input's shard (or Partial) to every output along `dim_map`; Replicate otherwise."""
+    layout = op.layouts[0]
+    strategies = [op.replicated()]
+    n_out = len(op.outputs)
+    if isinstance(layout, Partial):
+        strategies.insert(0, Strategy((PARTIAL,), (PARTIAL,) * n_out))
+    elif isinstance(layout, Shard) and layout.dim in dim_map:
+        out_layout = Shard(dim_map.index(layout.dim), layout.blocks)
+        strategies.insert(0, Strategy((layout,), (out_layout,) * n_out, local))
+    return strategies
+
+
+def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of input and output dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, gj, pi, pj = [i], [j], in_shape[i], out_shape[j]
+        while pi != pj:
+            if pi < pj and i + 1 < len(in_shape):
+                i += 1
+                gi.append(i)
+                pi *= in_shape[i]
+            elif j + 1 < len(out_shape):
+                j += 1
+                gj.append(j)
+                pj *= out_shape[j]
+            else:
+                break
+        groups.append((gi, gj))
+        i, j = i + 1, j + 1
+    if groups:  # trailing size-1 dims join the last group
+        groups[-1][0].extend(range(i, len(in_shape)))
+        groups[-1][1].extend(range(j, len(out_shape)))
+    return groups
+
+
+@register_rule(ltorch.reshape, ltorch.view, prims.reshape, ltorch.flatten, ltorch.view_as)
+def reshape(op: Op) -> list[Strategy]:
+    """Shard on the outermost dim of a group moves to the group's outermost output dim."""
+    x, out = op.tensors[0], op.outputs[0]
+    layout = op.layouts[0]
+    if isinstance(layout, Partial) or not isinstance(layout, Shard):
+        return _through(op, [])
+    for gi, gj in view_groups(x.shape, out.shape):
+        if layout.dim not in gi:
+            continue
+        outer_in = [d for d in gi if x.shape[d] != 1]
+        outer_out = [d for d in gj if out.shape[d] != 1]
+        if not outer_in or outer_in[0] != layout.dim or not outer_out:
+            break
+        target = outer_out[0]
+        if layout.blocks is not None and (len(outer_in) != 1 or len(outer_out) != 1):
+            break
+        local_shape = list(out.shape)
+        local_shape[target] //= op.tp.size
+        return [
+            Strategy((layout,), (Shard(target, layout.blocks),), lambda a, *_, **__: ltorch.reshape(a, local_shape)),
+            op.replicated(),
+        ]
+    return [op.replicated()]
+
+
+def _permutation(op: Op) -> DimMap:
+    ndim = op.tensors[0].ndim
+    sym = op.bsym.sym.name
+    if sym in ("transpose", "t"):
+        d0, d1 = (op.arg("dim0", 0), op.arg("dim1", 1)) if sym == "transpose" else (0, 1)
+        perm = list(range(ndim))
+        d0, d1 = d0 % ndim, d1 % ndim
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+        return perm
+    if sym == "movedim":
+        src, dst = op.arg("source") % ndim, op.arg("destination") % ndim
+        perm = [d for d in range(ndim) if d != src]
+        perm.insert(dst, src)
+        return perm
+    dims = op.bsym.args[1:] if sym == "permute" and not isinstance(op.bsym.args[1], Sequence) else op.bsym.args[1]
+    return [d % ndim for d in dims]
+
+
+@register_rule(ltorch.transpose, ltorch.permute, ltorch.movedim, ltorch.t, prims.transpose)
+def permute(op: Op) -> list[Strategy]:
+    """Dims move with the permutation."""
+    return _through(op, _permutation(op))
+
+
+@register_rule(ltorch.unsqueeze)
+def unsqueeze(op: Op) -> list[Strategy]:
+    """A new size-1 dim shifts the dims after it."""
+    out = op.outputs[0]
+    new = op.arg("dim") % out.ndim
+    return _through(op, [None if d == new else d - (d > new) for d in range(out.ndim)])
+
+
+@register_rule(ltorch.squeeze)
+def squeeze(op: Op) -> list[Strategy]:
+    """Removed size-1 dims shift the dims after them."""
+    x, out = op.tensors[0], op.outputs[0]
+    return _through(op, _match_dims(x.shape, out.shape))
+
+
+def _match_dims(in_shape: Sequence[int], out_shape: Sequence[int]) -> DimMap:
+    """Map each output dim to the input dim it keeps, skipping input size-1 dims that disappeared."""
+    dim_map, i = [], 0
+    for size in out_shape:
+        while i < len(in_shape) and in_shape[i] != size and in_shape[i] == 1:
+            i += 1
+        dim_map.append(i if i < len(in_shape) else None)
+        i += 1
+    return dim_map
+
+
+def _broadcast_map(in_ndim: int, in_shape: Sequence[int], out_shape: Sequence[int], dims: Sequence[int]) -> DimMap:
+    dim_map: DimMap = [None] * len(out_shape)
+    for i, o in enumerate(dims):
+        if in_shape[i] == out_shape[o]:
+            dim_map[o] = i
+    return dim_map
+
+
+@register_rule(ltorch.expand, ltorch.expand_as)
+def expand(op: Op) -> list[Strategy]:
+    """Expanded (size-1) dims are new; the others keep their shard; the local target shrinks."""
+    x, out = op.tensors[0], op.outputs[0]
+    offset = out.ndim - x.ndim
+    dim_map = _broadcast_map(x.ndim, x.shape, out.shape, [i + offset for i in range(x.ndim)])
+    return _through(op, dim_map, _local_target(op, dim_map, lambda a, shape: ltorch.expand(a, shape)))
+
+
+@register_rule(prims.broadcast_in_dim)
+def broadcast_in_dim(op: Op) -> list[Strategy]:
+    """Like expand, with explicit broadcast dims."""
+    x, out = op.tensors[0], op.outputs[0]
+    dims = op.bsym.args[2]
+    dim_map = _broadcast_map(x.ndim, x.shape, out.shape, dims)
+    return _through(op, dim_map, _local_target(op, dim_map, lambda a, shape: prims.broadcast_in_dim(a, shape, dims)))
+
+
+def _local_target(op: Op, dim_map: DimMap, call):
+    layout = op.layouts[0]
+    if not isinstance(layout, Shard) or layout.dim not in dim_map:
+        return None
+    shape = list(op.outputs[0].shape)
+    shape[dim_map.index(layout.dim)] //= op.tp.size
+    return lambda a, *_, **__: call(a, tuple(shape))
+
+
+def _getitem_map(ndim: int, key) -> DimMap | None:
+    """Output->input dims of basic indexing; dims that are sliced map to None (not shard-preserving)."""
+    key = key if isinstance(key, tuple) else (key,)
+    consumed = sum(1 for k in key if k is not None and k is not Ellipsis)
+    dim_map: DimMap = []
+    i = 0
+    for k in key:
+        if k is Ellipsis:
+            dim_map.extend(range(i, i + ndim - consumed))
+            i += ndim - consumed
+        elif k is None:
+            dim_map.append(None)
+        elif isinstance(k, slice):
+            dim_map.append(i if k == slice(None) else None)
+            i += 1
+        elif isinstance(k, int):
+            i += 1
+        else:
+            return None  # advanced indexing
+    dim_map.extend(range(i, ndim))
+    return dim_map
+
+
+@register_rule(ltorch.getitem)
+def getitem(op: Op) -> list[Strategy]:
+    """Basic indexing keeps a shard on a dim it takes whole."""
+    dim_map = _getitem_map(op.tensors[0].ndim, op.bsym.args[1])
+    if dim_map is None or len(op.tensors) != 1:
+        return [op.replicated()]
+    return _through(op, dim_map)
+
+
+@register_rule(ltorch.split, ltorch.chunk, ltorch.tensor_split)
+def split(op: Op) -> list[Strategy]:
+    """Splitting another dim keeps the shard; splitting a blocked dim at its blocks shards each piece."""
+    x, layout = op.tensors[0], op.layouts[0]
+    dim = op.arg("dim", 0) % x.ndim
+    if not isinstance(layout, Shard) or layout.dim != dim:
+        return _through(op, list(range(x.ndim)))
+    sizes = tuple(o.shape[dim] for o in op.outputs)
+    if layout.blocks != sizes:
+        return [op.replicated()]
+    local = local_blocks(sizes, op.tp.size)
+    return [
+        Strategy((layout,), (Shard(dim),) * len(sizes), lambda a, *_, **__: ltorch.split(a, local, dim)),
+        op.replicated(),
+    ]
+
+
+@register_rule(ltorch.cat, ltorch.stack)
+def concatenate(op: Op) -> list[Strategy]:
+    """Concatenating along another dim keeps a common shard; Partials concatenate to a Partial."""
+    out = op.outputs[0]
+    dim = op.arg("dim", 0) % out.ndim
+    stack = op.bsym.sym.name == "stack"
+    strategies = [op.replicated()]
+    if all(isinstance(x, Partial) for x in op.layouts):
+        strategies.insert(0, Strategy((PARTIAL,) * len(op.tensors), (PARTIAL,)))
+    for layout in {x for x in op.layouts if isinstance(x, Shard) and (x.dim != dim or stack)}:
+        out_dim = layout.dim + (stack and layout.dim >= dim)
+        strategies.insert(0, Strategy((layout,) * len(op.tensors), (Shard(out_dim, layout.blocks),)))
+    return strategies
+
+
+@register_rule(ltorch.repeat_interleave)
+def repeat_interleave(op: Op) -> list[Strategy]:
+    """Repeating whole entries of the sharded dim keeps the shard (each rank repeats its own entries)."""
+    x, layout = op.tensors[0], op.layouts[0]
+    dim = op.arg("dim")
+    if len(op.tensors) != 1 or dim is None or op.arg("output_size") is not None:
+        return [op.replicated()]
+    if isinstance(layout, Shard) and layout.blocks is None:
+        return [Strategy((layout,), (layout,)), op.replicated()]
+    return _through(op, list(range(x.ndim)))

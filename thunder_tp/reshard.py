@@ -1,0 +1,68 @@
+"""Resharding: the alpha-beta cost of a redistribution and the collective that performs it."""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
+
+from thunder_tp import collectives as C
+from thunder_tp.layouts import Layout, Partial, Replicate, Shard
+
+#: latency of one collective, in bytes-equivalent (alpha / beta)
+ALPHA_BYTES = 64 * 1024
+#: resharding a parameter is a last resort: its layout is the user's
+PARAMETER_PENALTY = 1000.0
+#: a local slice moves no data but is not free
+SLICE_COST = 1.0
+
+
+def nbytes(t: TensorProxy) -> int:
+    """Bytes of the full (logical) tensor."""
+    return math.prod(t.shape) * dtypes.to_torch_dtype(t.dtype).itemsize
+
+
+def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is_parameter: bool = False) -> float:
+    """Alpha-beta cost of turning `t` from `src` into `dst` over `size` ranks."""
+    if src == dst:
+        return 0.0
+    moved = nbytes(t) * (size - 1) / size
+    match src, dst:
+        case Replicate(), Shard():
+            cost = SLICE_COST
+        case Shard(), Replicate():
+            cost = ALPHA_BYTES + moved
+        case Partial(), Replicate():
+            cost = ALPHA_BYTES + 2 * moved
+        case Partial(), Shard():
+            cost = ALPHA_BYTES + moved
+        case Shard(), Shard():  # gather, then slice
+            cost = ALPHA_BYTES + moved + SLICE_COST
+        case _:  # -> Partial is never chosen
+            return math.inf
+    return cost * (PARAMETER_PENALTY if is_parameter else 1.0)
+
+
+def is_differentiable(t: TensorProxy) -> bool:
+    """Whether a gradient can flow to `t` (floating dtype)."""
+    return dtypes.is_inexact_dtype(t.dtype)
+
+
+def redistribute(x: TensorProxy, src: Layout, dst: Layout, group: dist.ProcessGroup) -> TensorProxy:
+    """Emit the collective that turns local piece `x` from `src` into `dst` (inside a trace context)."""
+    match src, dst:
+        case _ if src == dst:
+            return x
+        case Partial(), Replicate():
+            return C.tp_reduce_from_tp(x, group)
+        case Partial(), Shard():
+            return C.tp_reduce_scatter(x, dst.dim, dst.blocks, group)
+        case Shard(), Replicate():
+            return C.tp_gather(x, src.dim, src.blocks, group)
+        case Replicate(), Shard():
+            return C.tp_scatter(x, dst.dim, dst.blocks, group)
+        case Shard(), Shard():
+            return C.tp_scatter(C.tp_gather(x, src.dim, src.blocks, group), dst.dim, dst.blocks, group)
+    raise NotImplementedError(f"thunder_tp cannot redistribute {src} to {dst}")

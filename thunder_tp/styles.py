@@ -1,0 +1,148 @@
+"""Parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel) and plan matching.
+
+A style says how a module's parameters are split (`parameter_layouts`) and which layouts the input
+and output of the op that consumes its weight are constrained to (`input_layout`, `output_layout`),
+as DTensor's styles do at module boundaries.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.nn as nn
+from thunder.core.proxies import DistParallelType
+
+from thunder_tp.layouts import REPLICATE, Layout, Shard
+
+_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+
+
+def _kind(module: nn.Module, style: str) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    raise TypeError(
+        f"{style} supports nn.Linear and nn.Embedding, not {type(module).__name__}; "
+        "annotate its parameters with thunder_tp.annotate or leave the module out of the plan"
+    )
+
+
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """nn.Linear: weight and bias split on dim 0 (output features); nn.Embedding: embedding dim.
+
+    `blocks`: the output features are fused blocks (e.g. q|k|v) each split separately.
+    `input_layout`: what the input is turned into (Replicate: gathered if it arrives sharded).
+    `output_layout`: None keeps the output sharded on its last dim.
+    """
+
+    input_layout: Layout | None = REPLICATE
+    output_layout: Layout | None = None
+    blocks: tuple[int, ...] | None = None
+
+    def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
+        """Layout of each of the module's own parameters."""
+        if _kind(module, "ColwiseParallel") == "embedding":
+            return {"weight": Shard(1)}
+        layouts = {"weight": Shard(0, self.blocks)}
+        if module.bias is not None:
+            layouts["bias"] = Shard(0, self.blocks)
+        return layouts
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """nn.Linear: weight split on dim 1 (input features), bias replicated and added once after the reduction;
+    nn.Embedding: vocabulary split (weight dim 0).
+
+    `output_layout`: where the partial sums are reduced to (Replicate: all_reduce; Shard(1): reduce_scatter).
+    """
+
+    input_layout: Layout | None = None
+    output_layout: Layout | None = REPLICATE
+
+    def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
+        """Layout of each of the module's own parameters."""
+        if _kind(module, "RowwiseParallel") == "embedding":
+            return {"weight": Shard(0)}
+        layouts: dict[str, Layout] = {"weight": Shard(1)}
+        if module.bias is not None:
+            layouts["bias"] = REPLICATE
+        return layouts
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """A norm computed on sequence-sharded activations: parameters replicated, output sharded on `seq_dim`."""
+
+    seq_dim: int = 1
+
+    @property
+    def input_layout(self) -> Layout | None:
+        return None
+
+    @property
+    def output_layout(self) -> Layout:
+        return Shard(self.seq_dim)
+
+    def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
+        """Every parameter replicated."""
+        params = dict(module.named_parameters(recurse=False))
+        if "weight" not in params and not isinstance(module, _NORM_TYPES):
+            raise TypeError(f"SequenceParallel applies to normalization modules with a weight, not {type(module).__name__}")
+        return {name: REPLICATE for name in params}
+
+
+Style = ColwiseParallel | RowwiseParallel | SequenceParallel
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
+    """Module name -> style for every module a plan key (exact or glob) matches; unmatched keys raise."""
+    names = [name for name, _ in model.named_modules() if name]
+    matched: dict[str, Style] = {}
+    for pattern, style in plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+            hint = f"; close names: {', '.join(close)}" if close else ""
+            raise KeyError(f"TP plan key {pattern!r} matches no module of {type(model).__name__}{hint}")
+        for name in hits:
+            if name in matched and matched[name] != style:
+                raise ValueError(f"Module {name!r} matches two plan keys with different styles")
+            matched[name] = style
+    return matched
+
+
+def styles_from_distparallel_type(model: nn.Module) -> dict[str, Style]:
+    """Styles implied by COLUMN_WISE / ROW_WISE set on parameters (Thunder's meaning: weight dim 0 / dim 1)."""
+    styles: dict[str, Style] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        kind = getattr(weight, "distparallel_type", None)
+        if kind not in (DistParallelType.COLUMN_WISE, DistParallelType.ROW_WISE):
+            continue
+        dim0 = kind is DistParallelType.COLUMN_WISE
+        if isinstance(module, nn.Embedding):
+            styles[name] = RowwiseParallel() if dim0 else ColwiseParallel()
+        elif isinstance(module, nn.Linear):
+            styles[name] = ColwiseParallel() if dim0 else RowwiseParallel()
+        else:
+            raise TypeError(f"{name}.weight has distparallel_type {kind.name}, but {type(module).__name__} is not supported")
+    return styles
+
+
+def check_distparallel_type(name: str, param, layout: Layout) -> None:
+    """A COLUMN_WISE / ROW_WISE already on a planned parameter must agree with the plan."""
+    kind = getattr(param, "distparallel_type", None)
+    expected = {DistParallelType.COLUMN_WISE: Shard(0), DistParallelType.ROW_WISE: Shard(1)}.get(kind)
+    if expected is None:
+        return
+    if not isinstance(layout, Shard) or layout.dim != expected.dim:
+        raise ValueError(
+            f"Parameter {name!r} has distparallel_type {kind.name} (shard dim {expected.dim}) but the TP plan gives "
+            f"it {layout}; remove the attribute or change the plan"
+        )

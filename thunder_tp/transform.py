@@ -1,0 +1,122 @@
+"""TensorParallel: shards parameters, then drives annotate -> propagate -> reshard -> rewrite on each trace."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from thunder.core import prims
+from thunder.core.proxies import DistParallelType, TensorProxy
+from thunder.core.trace import TraceCtx
+from thunder.core.transform_common import Transform
+
+from thunder_tp.constraints import constrain_styled_ops
+from thunder_tp.layouts import REPLICATE, Layout, Shard, TPGroup, check_shardable, local_shape, shard_tensor
+from thunder_tp.propagation import Propagation
+from thunder_tp.rewrite import rewrite
+from thunder_tp.styles import Style, check_distparallel_type, match_plan, styles_from_distparallel_type
+
+_DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
+_UNPACK_PARAMETER = ("unpack_parameter", "unpack_buffer")
+
+
+class TensorParallel(Transform):
+    """Tensor parallelism from a plan of styles, `distparallel_type` on parameters and `annotate` calls."""
+
+    def __init__(self, plan: Mapping[str, Style] | None = None, process_group: dist.ProcessGroup | None = None):
+        self.plan = dict(plan or {})
+        self.process_group = process_group
+        self.parameter_layouts: dict[str, Layout] = {}
+        self.weight_styles: dict[str, Style] = {}
+        self._tp: TPGroup | None = None
+
+    @property
+    def tp(self) -> TPGroup:
+        """The TP group (resolved on first use, so a transform can be built before init_process_group)."""
+        if self._tp is None:
+            self._tp = TPGroup.of(self.process_group)
+        return self._tp
+
+    # --- module ---------------------------------------------------------------------------------
+
+    def transform_module(self, model) -> None:
+        """Record every styled parameter's layout and replace it by this rank's shard."""
+        module = model._model
+        styles = styles_from_distparallel_type(module) | match_plan(module, self.plan)
+        for module_name, style in styles.items():
+            submodule = module.get_submodule(module_name)
+            for pname, layout in style.parameter_layouts(submodule).items():
+                name = f"{module_name}.{pname}"
+                param = getattr(submodule, pname)
+                check_distparallel_type(name, param, layout)
+                check_shardable(param.shape, layout, self.tp.size, f"parameter {name!r}")
+                self.parameter_layouts[name] = layout
+            self.weight_styles[f"{module_name}.weight"] = style
+        for name, layout in self.parameter_layouts.items():
+            if isinstance(layout, Shard):
+                param = model.get_parameter(name)
+                shard = shard_tensor(param.detach(), layout, self.tp.rank, self.tp.size).clone()
+                model._overrides_parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
+
+    def transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
+        """Shard full tensors of a submodule's state dict (keys relative to the submodule)."""
+        prefix = f"{submodule_name}." if submodule_name else ""
+        return {k: self._shard_full(prefix + k, v) for k, v in state_dict.items()}
+
+    def _shard_full(self, name: str, value: Any) -> Any:
+        layout = self.parameter_layouts.get(name)
+        if isinstance(layout, Shard) and isinstance(value, torch.Tensor):
+            return shard_tensor(value, layout, self.tp.rank, self.tp.size).clone()
+        return value
+
+    # --- traces ---------------------------------------------------------------------------------
+
+    def transform_traces_pre_prologue(self, prologue: TraceCtx, computation: TraceCtx, epilogue, **kwargs):
+        """Rewrite the computation into the local program and fix the prologue's shape checks."""
+        param_names = _parameter_names(prologue)
+        layouts = self._initial_layouts(computation, param_names)
+        styles = {proxy: self.weight_styles[name] for proxy, name in param_names.items() if name in self.weight_styles}
+        logical = constrain_styled_ops(computation, styles)
+        body = [b for b in logical.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
+        propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
+        steps = propagation.run(body)
+        sharded = {name: layout for name, layout in layouts.items() if isinstance(layout, Shard)}
+        _localize_prologue(prologue, computation, sharded, self.tp.size)
+        return prologue, rewrite(logical, steps, propagation.layouts, self.tp), epilogue
+
+    def _initial_layouts(self, computation: TraceCtx, param_names: dict[str, str]) -> dict[str, Layout]:
+        layouts: dict[str, Layout] = {}
+        for a in _flat_args(computation):
+            layout = self.parameter_layouts.get(param_names.get(a.name, ""), REPLICATE)
+            layouts[a.name] = layout
+            if isinstance(layout, Shard) and a.distparallel_type not in _DATA_PARALLEL_TYPES:
+                a._distparallel_type = DistParallelType.COLUMN_WISE if layout.dim == 0 else DistParallelType.ROW_WISE
+        return layouts
+
+
+def _flat_args(trace: TraceCtx) -> list[TensorProxy]:
+    return [b.output for b in trace.bound_symbols if b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL and isinstance(b.output, TensorProxy)]
+
+
+def _parameter_names(prologue: TraceCtx) -> dict[str, str]:
+    """Proxy name -> qualified parameter/buffer name, from the prologue's unpacking."""
+    return {
+        b.output.name: b.args[1]
+        for b in prologue.bound_symbols
+        if b.sym.name in _UNPACK_PARAMETER and isinstance(b.output, TensorProxy)
+    }
+
+
+def _localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[str, Layout], size: int) -> None:
+    """Sharded inputs arrive as local pieces: give their proxies local shapes and check those."""
+    proxies = {id(p): p for p in (*prologue.output[0], *_flat_args(computation)) if isinstance(p, TensorProxy)}
+    for proxy in proxies.values():
+        if proxy.name in sharded:
+            proxy._shape = local_shape(proxy.shape, sharded[proxy.name], size)
+    for i, b in enumerate(prologue.bound_symbols):
+        if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
+            t, shape, *rest = b.args
+            prologue.bound_symbols[i] = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size), *rest))
