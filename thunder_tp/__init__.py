@@ -1,5 +1,6 @@
 """thunder_tp: tensor parallelism for Lightning Thunder."""
 
+from thunder_tp import plans
 from thunder_tp.annotate import annotate
 from thunder_tp.executor import executors
 from thunder_tp.layouts import Partial, Replicate, Shard
@@ -16,4 +17,5 @@ __all__ = [
     "TensorParallel",
     "annotate",
     "executors",
+    "plans",
 ]

@@ -23,14 +23,21 @@ def _styled_weight(bsym, styles: Mapping[str, Style]) -> Style | None:
     return None
 
 
-def _constrain(t: TensorProxy, layout) -> TensorProxy:
-    return t if layout is None else tp_annotate(t, repr(layout))
+def _constrain(t: TensorProxy, layout, memo: dict) -> TensorProxy:
+    """`t` annotated with `layout`, once per (value, layout), so that consumers share one redistribution."""
+    if layout is None:
+        return t
+    key = (t.name, repr(layout))
+    if key not in memo:
+        memo[key] = tp_annotate(t, repr(layout))
+    return memo[key]
 
 
 def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceCtx:
     """Insert the input/output constraints of each style (keyed by weight proxy name) into `trace`."""
     new = from_trace(trace)
     swap: dict = {}
+    memo: dict = {}
     with tracectx(new):
         for bsym in trace.bound_symbols:
             bsym = bsym.from_bsym_swap_proxies(swap)
@@ -39,11 +46,11 @@ def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceC
                 new.bound_symbols.append(bsym)
                 continue
             x, *rest = bsym.args
-            x = _constrain(x, style.input_layout)
+            x = _constrain(x, style.input_layout, memo)
             bias = bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("bias")
             split_bias = bsym.sym.id == ltorch.linear.id and isinstance(style, RowwiseParallel) and bias is not None
             y = ltorch.linear(x, rest[0], None) if split_bias else bsym.sym(x, *rest, **bsym.kwargs)
-            y = _constrain(y, style.output_layout)
+            y = _constrain(y, style.output_layout, memo)
             if split_bias:
                 y = ltorch.add(y, bias)
             swap[variableify(bsym.output)] = y

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from thunder.core import prims
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy
 from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_tp import collectives as C
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, TPGroup
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import is_differentiable, redistribute
 
@@ -23,7 +24,6 @@ class LocalValues:
 
     tp: TPGroup
     layouts: dict[str, Layout]
-    only_sharded_consumers: set[str]
     values: dict[str, Any] = field(default_factory=dict)
     _memo: dict[tuple[str, Layout, bool], TensorProxy] = field(default_factory=dict)
 
@@ -36,22 +36,28 @@ class LocalValues:
         return self._memo[key]
 
     def _make(self, t: TensorProxy, layout: Layout, into_tp_region: bool) -> TensorProxy:
-        src, group = self.layouts[t.name], self.tp.group
-        if into_tp_region and isinstance(src, Shard) and t.name in self.only_sharded_consumers:
-            return C.tp_gather_to_tp(self.values[t.name], src.dim, src.blocks, group)  # grad: reduce_scatter
         if into_tp_region:
-            return C.tp_copy_to_tp(self.get(t, layout), group)
-        return redistribute(self.values[t.name], src, layout, group)
+            return C.tp_copy_to_tp(self.get(t, layout), self.tp.group)
+        return redistribute(self.values[t.name], self.layouts[t.name], layout, self.tp.group)
 
 
-def _consumers_of_gathers(steps: list[Step], layouts: dict[str, Layout], returned: set[str]) -> set[str]:
-    """Sharded values gathered to Replicate only by sharded compute (their gather's grad is a reduce_scatter)."""
-    kinds: dict[str, set[bool]] = defaultdict(set)
-    for step in steps:
-        for t, req in zip(_tensors(step.bsym), step.strategy.inputs):
-            if isinstance(req, Replicate) and isinstance(layouts.get(t.name), Shard):
-                kinds[t.name].add(step.strategy.is_sharded)
-    return {name for name, k in kinds.items() if k == {True} and name not in returned}
+def fuse_gather_into_tp_region(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
+    """gather followed by copy_to_tp as its only use -> gather_to_tp (backward: one reduce_scatter)."""
+    uses: Counter[str] = Counter(t.name for b in bsyms for t in _tensors(b))
+    gathers = {b.output.name: b for b in bsyms if b.sym.id == C.tp_gather.id}
+    fused: dict[str, BoundSymbol] = {}  # gather output name -> its copy_to_tp
+    for b in bsyms:
+        source = b.args[0].name if b.sym.id == C.tp_copy_to_tp.id else None
+        if source in gathers and uses[source] == 1:
+            fused[source] = b
+    result = []
+    for b in bsyms:
+        if b.sym.id == C.tp_copy_to_tp.id and b.args[0].name in fused:
+            continue
+        if b.sym.id == C.tp_gather.id and b.output.name in fused:
+            b = C.tp_gather_to_tp.bind(*b.args, output=fused[b.output.name].output)
+        result.append(b)
+    return result
 
 
 def _tensors(bsym) -> list[TensorProxy]:
@@ -63,8 +69,7 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
     ret = trace.bound_symbols[-1]
     assert ret.sym.id == prims.PrimIDs.RETURN, "a computation trace ends with its return"
     arg_names = {a.name for a in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(a, Proxy)}
-    returned = {t.name for t in _tensors(ret)} - arg_names
-    local = LocalValues(tp, layouts, _consumers_of_gathers(steps, layouts, returned))
+    local = LocalValues(tp, layouts)
     new = from_trace(trace)
     with tracectx(new):
         for bsym in trace.bound_symbols:
@@ -75,6 +80,7 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
             _emit(step, local)
         outputs = tree_map(lambda x: _returned(x, local, arg_names), ret.args)
         prims.python_return(*outputs)
+    new.bound_symbols = fuse_gather_into_tp_region(new.bound_symbols)
     new.set_provenance(TraceProvenance("thunder_tp: tensor-parallel rewrite"))
     return new
 

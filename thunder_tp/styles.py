@@ -38,11 +38,23 @@ class ColwiseParallel:
     `blocks`: the output features are fused blocks (e.g. q|k|v) each split separately.
     `input_layout`: what the input is turned into (Replicate: gathered if it arrives sharded).
     `output_layout`: None keeps the output sharded on its last dim.
+    `unit`: features come in indivisible groups of this size (e.g. one attention head).
     """
 
     input_layout: Layout | None = REPLICATE
     output_layout: Layout | None = None
     blocks: tuple[int, ...] | None = None
+    unit: int = 1
+
+    def check(self, module_name: str, size: int) -> None:
+        """Each rank must own whole units (heads) of every block."""
+        for block in self.blocks or ():
+            if (block // self.unit) % size:
+                raise ValueError(
+                    f"{module_name}: a block of {block // self.unit} units of {self.unit} features (e.g. attention "
+                    f"heads or K/V query groups) cannot be split over {size} ranks; use a TP size that divides "
+                    f"{block // self.unit}"
+                )
 
     def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
         """Layout of each of the module's own parameters."""
@@ -64,6 +76,9 @@ class RowwiseParallel:
 
     input_layout: Layout | None = None
     output_layout: Layout | None = REPLICATE
+
+    def check(self, module_name: str, size: int) -> None:
+        """Nothing beyond divisibility of the weight."""
 
     def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
         """Layout of each of the module's own parameters."""
@@ -88,6 +103,9 @@ class SequenceParallel:
     @property
     def output_layout(self) -> Layout:
         return Shard(self.seq_dim)
+
+    def check(self, module_name: str, size: int) -> None:
+        """Nothing to check: parameters are replicated."""
 
     def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
         """Every parameter replicated."""

@@ -48,6 +48,7 @@ class TensorParallel(Transform):
         styles = styles_from_distparallel_type(module) | match_plan(module, self.plan)
         for module_name, style in styles.items():
             submodule = module.get_submodule(module_name)
+            style.check(module_name, self.tp.size)
             for pname, layout in style.parameter_layouts(submodule).items():
                 name = f"{module_name}.{pname}"
                 param = getattr(submodule, pname)

@@ -1,0 +1,44 @@
+"""The TP plan for a litgpt.GPT: vocab-parallel embedding, head-parallel attention, Megatron MLP, parallel head."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from thunder_tp.layouts import REPLICATE, Shard
+from thunder_tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel, Style
+
+_MLP_PLANS = {
+    "LLaMAMLP": {"fc_1": "col", "fc_2": "col", "proj": "row"},
+    "GemmaMLP": {"fc_1": "col", "fc_2": "col", "proj": "row"},
+    "GptNeoxMLP": {"fc": "col", "proj": "row"},
+}
+SEQUENCE_DIM = 1
+
+
+def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Style]:
+    """Plan for a litgpt GPT; keys are globs covering every block.
+
+    sequence_parallel: norms and the residual stream sharded on the sequence dim (all_gather into each TP
+    region, reduce_scatter out of it). loss_parallel: lm_head's output stays vocab-sharded, for a
+    cross-entropy inside the jitted program.
+    """
+    config = model.config
+    if config.mlp_class_name not in _MLP_PLANS:
+        raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for {config.mlp_class_name}")
+    hs = config.head_size
+    q, kv = config.n_head * hs, config.n_query_groups * hs
+    reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
+    block = "transformer.h.*."
+    plan: dict[str, Style] = {
+        "transformer.wte": RowwiseParallel(output_layout=reduced),
+        f"{block}attn.qkv": ColwiseParallel(blocks=(q, kv, kv), unit=hs),
+        f"{block}attn.proj": RowwiseParallel(output_layout=reduced),
+        "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
+    }
+    for name, kind in _MLP_PLANS[config.mlp_class_name].items():
+        plan[f"{block}mlp.{name}"] = ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
+    if sequence_parallel:
+        norms = ["norm_1"] + ([] if config.shared_attention_norm else ["norm_2"])
+        plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in norms})
+        plan["transformer.ln_f"] = SequenceParallel(SEQUENCE_DIM)
+    return plan
