@@ -29,13 +29,20 @@ def _mlp_input():
 PLAN = {"fc1": thunder_tp.ColwiseParallel(), "fc2": thunder_tp.RowwiseParallel()}
 
 
-def _mlp(grad):
-    return compare_with_single_device(MLP, _mlp_input, thunder_tp.TensorParallel(PLAN), grad=grad)
+def _mlp(grad, fused=False):
+    executors = thunder_tp.executors() if fused else None
+    return compare_with_single_device(MLP, _mlp_input, thunder_tp.TensorParallel(PLAN), grad=grad, executors=executors)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mlp_training(world):
     info = run_ranks(_mlp, world, True)[0]
+    assert info["forward"] == {"all_reduce": 1}, info
+    assert info["backward"] == {"all_reduce": 1}, info
+
+
+def test_mlp_training_with_fusion_executor():
+    info = run_ranks(_mlp, 2, True, True)[0]
     assert info["forward"] == {"all_reduce": 1}, info
     assert info["backward"] == {"all_reduce": 1}, info
 

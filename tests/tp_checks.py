@@ -9,7 +9,13 @@ import torch
 import torch.distributed as dist
 
 import thunder_tp
-from thunder_tp.layouts import Layout, REPLICATE, shard_tensor
+from thunder_tp.collectives import comm_executor
+from thunder_tp.layouts import REPLICATE, Layout, shard_tensor
+
+
+#: comm executor + Thunder's defaults: no Inductor compile, so correctness tests stay fast on CPU;
+#: the fusion executor is exercised by tests/test_executor.py and the TP tests that pass thunder_tp.executors().
+FAST_EXECUTORS = [comm_executor, *thunder.get_default_executors()]
 
 
 def rank_and_size(group=None) -> tuple[int, int]:
@@ -51,7 +57,7 @@ def compare_with_single_device(
     model.load_state_dict(reference.state_dict())
     inputs = make_inputs()
     ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
-    jm = thunder.jit(model, transforms=[transform], executors=executors or thunder_tp.executors())
+    jm = thunder.jit(model, transforms=[transform], executors=executors or FAST_EXECUTORS)
     with torch.set_grad_enabled(grad):
         expected = reference(*ref_inputs)
         actual = jm(*inputs)
