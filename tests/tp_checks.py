@@ -38,6 +38,12 @@ _TP_SYNC = {"all_reduce": ("tp_reduce_from_tp", "tp_all_reduce_max"), "all_gathe
             "reduce_scatter": ("tp_reduce_scatter",)}
 
 
+def assert_close_scaled(actual, expected, *, rtol: float, atol: float, what: str) -> None:
+    """assert_close with `atol` relative to the expected tensor's largest magnitude (at least 1)."""
+    scale = max(1.0, expected.detach().abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * scale, msg=lambda m: f"{what}: {m}")
+
+
 def compare_with_single_device(
     make_model: Callable[[], torch.nn.Module],
     make_inputs: Callable[[], tuple],
@@ -61,7 +67,7 @@ def compare_with_single_device(
     with torch.set_grad_enabled(grad):
         expected = reference(*ref_inputs)
         actual = jm(*inputs)
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"output: {m}")
+    assert_close_scaled(actual, expected, rtol=rtol, atol=atol, what="output")
     info = {"forward": collective_counts(thunder.last_traces(jm)[-1])}
     if not grad:
         return info
@@ -72,11 +78,11 @@ def compare_with_single_device(
     info["backward"] = collective_counts(thunder.last_backward_traces(jm)[-1])
     for x, r in zip(inputs, ref_inputs):
         if isinstance(x, torch.Tensor) and x.requires_grad:
-            torch.testing.assert_close(x.grad, r.grad, rtol=rtol, atol=atol, msg=lambda m: f"input grad: {m}")
+            assert_close_scaled(x.grad, r.grad, rtol=rtol, atol=atol, what="input grad")
     for name, p in reference.named_parameters():
         layout: Layout = transform.parameter_layouts.get(name, REPLICATE)
         want = shard_tensor(p.grad, layout, rank, size)
         got = jm.get_parameter(name).grad
         assert got is not None, f"no grad for {name}"
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+        assert_close_scaled(got, want, rtol=rtol, atol=atol, what=f"grad of {name}")
     return info

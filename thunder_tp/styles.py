@@ -127,7 +127,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
         if not hits:
             close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
             hint = f"; close names: {', '.join(close)}" if close else ""
-            raise KeyError(f"TP plan key {pattern!r} matches no module of {type(model).__name__}{hint}")
+            raise ValueError(f"TP plan key {pattern!r} matches no module of {type(model).__name__}{hint}")
         for name in hits:
             if name in matched and matched[name] != style:
                 raise ValueError(f"Module {name!r} matches two plan keys with different styles")

@@ -133,14 +133,12 @@ class Propagation:
     def choose(self, op: Op) -> Strategy | object:
         """The cheapest valid candidate of the op's rule (ties: the rule's order)."""
         rule = _RULES.get(op.bsym.sym.id)
-        if rule is None:
-            if all(isinstance(x, Replicate) for x in op.layouts):
-                return op.replicated()
-            return DECOMPOSE if op.bsym.subsymbols else op.replicated()
-        candidates = [s for s in rule(op) if self._valid(op, s)]
-        if not candidates:
-            return DECOMPOSE if op.bsym.subsymbols else op.replicated()
-        return min(candidates, key=lambda s: self._cost(op, s))
+        candidates = [s for s in rule(op) if self._valid(op, s)] if rule is not None else []
+        if candidates:
+            return min(candidates, key=lambda s: self._cost(op, s))
+        if all(isinstance(x, Replicate) for x in op.layouts) or not _decomposable(op.bsym):
+            return op.replicated()
+        return DECOMPOSE
 
     def _valid(self, op: Op, s: Strategy) -> bool:
         for t, layout in (*zip(op.tensors, s.inputs), *zip(op.outputs, s.outputs)):
@@ -155,6 +153,11 @@ class Propagation:
             redistribute_cost(cur, normalize(req, t.ndim), t, self.tp.size, is_parameter=t.name in self.parameters)
             for t, cur, req in zip(op.tensors, op.layouts, s.inputs)
         )
+
+
+def _decomposable(bsym: BoundSymbol) -> bool:
+    """Whether every op of the decomposition has a rule (prims without one may also lack a grad)."""
+    return bool(bsym.subsymbols) and all(s.sym.id in _RULES or _decomposable(s) for s in bsym.subsymbols)
 
 
 def _tensor_inputs(bsym: BoundSymbol) -> list[TensorProxy]:

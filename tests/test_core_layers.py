@@ -1,0 +1,185 @@
+"""Core TP on single layers, meta-device models, distparallel_type, annotate(), rule-less ops and bf16."""
+
+import pytest
+import thunder
+import torch
+import torch.nn as nn
+from thunder.core.proxies import DistParallelType
+
+import thunder_tp
+from thunder_tp import ColwiseParallel, RowwiseParallel, Shard, TensorParallel, annotate
+from tests.dist import run_ranks
+from tests.test_core_mlp import HIDDEN, MLP, PLAN, _mlp_input
+from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device, rank_and_size
+
+
+def _linear(style_name, bias):
+    style = {"col": ColwiseParallel(), "row": RowwiseParallel()}[style_name]
+    make = lambda: nn.Sequential(nn.Linear(64, 96, bias=bias))  # noqa: E731
+    inputs = lambda: (torch.randn(4, 5, 64, requires_grad=True),)  # noqa: E731
+    return compare_with_single_device(make, inputs, TensorParallel({"0": style}))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("style", ["col", "row"])
+def test_linear(style, bias, world):
+    info = run_ranks(_linear, world, style, bias)[0]
+    if style == "col":  # output gathered for the caller; input grad all-reduced
+        assert info["forward"] == {"all_gather": 1} and info["backward"] == {"all_reduce": 1}, info
+    else:  # input sliced locally; partial sums reduced once, bias added after
+        assert info["forward"] == {"all_reduce": 1} and info["backward"] == {"all_gather": 1}, info
+
+
+def _embedding(style_name):
+    style = {"col": ColwiseParallel(), "row": RowwiseParallel()}[style_name]
+    make = lambda: nn.Sequential(nn.Embedding(64, 32))  # noqa: E731
+    inputs = lambda: (torch.randint(0, 64, (3, 7)),)  # noqa: E731
+    return compare_with_single_device(make, inputs, TensorParallel({"0": style}))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("style", ["col", "row"])
+def test_embedding(style, world):
+    info = run_ranks(_embedding, world, style)[0]
+    kind = "all_gather" if style == "col" else "all_reduce"  # embedding dim gathered / vocabulary partials summed
+    assert info["forward"] == {kind: 1}, info
+
+
+def _meta_mlp():
+    from thunder.transforms import MaterializationTransform
+
+    with torch.device("meta"):
+        model = MLP()
+    init = MaterializationTransform.init_from_original_module_init()
+    torch.manual_seed(0)  # materialization re-runs each module's init at full size (same seed on all ranks), then shards
+    transforms = [TensorParallel(PLAN), MaterializationTransform("cpu", init=init)]
+    jm = thunder.jit(model, transforms=transforms, executors=FAST_EXECUTORS)
+    torch.manual_seed(0)
+    reference = MLP()
+    (x,) = _mlp_input()
+    torch.testing.assert_close(jm(x), reference(x), rtol=1e-5, atol=1e-5)
+    rank, size = rank_and_size()
+    expected = torch.chunk(reference.fc1.weight, size, 0)[rank]
+    torch.testing.assert_close(jm.get_parameter("fc1.weight"), expected)
+    return tuple(jm.get_parameter("fc2.weight").shape)
+
+
+def test_mlp_created_on_meta_device():
+    assert run_ranks(_meta_mlp, 2) == [(HIDDEN, 256), (HIDDEN, 256)]
+
+
+def _annotated_mlp():
+    model = MLP()
+    model.fc1.weight.distparallel_type = DistParallelType.COLUMN_WISE
+    model.fc2.weight.distparallel_type = DistParallelType.ROW_WISE
+    return model
+
+
+def _distparallel_type():
+    transform = TensorParallel()
+    info = compare_with_single_device(_annotated_mlp, _mlp_input, transform)
+    info["layouts"] = {k: repr(v) for k, v in transform.parameter_layouts.items()}
+    return info
+
+
+def test_distparallel_type_annotations():
+    info = run_ranks(_distparallel_type, 2)[0]
+    assert info["layouts"] == {"fc1.weight": "Shard(0)", "fc1.bias": "Shard(0)", "fc2.weight": "Shard(1)",
+                               "fc2.bias": "Replicate()"}
+    assert info["forward"] == {"all_reduce": 1} and info["backward"] == {"all_reduce": 1}, info
+
+
+def _matmul_fn(a, b):
+    return annotate(a, Shard(0)) @ annotate(b, Shard(1))
+
+
+def _annotated_matmul():
+    torch.manual_seed(0)
+    a = torch.randn(8, 6, requires_grad=True)
+    b = torch.randn(6, 12, requires_grad=True)
+    jf = thunder.jit(_matmul_fn, transforms=[TensorParallel()], executors=FAST_EXECUTORS)
+    out = jf(a, b)
+    torch.testing.assert_close(out, a @ b)
+    out.sum().backward()
+    a_ref, b_ref = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    (a_ref @ b_ref).sum().backward()
+    torch.testing.assert_close(a.grad, a_ref.grad)
+    torch.testing.assert_close(b.grad, b_ref.grad)
+    return str(thunder.last_traces(jf)[-1])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_annotated_matmul_returns_full_product(world):
+    trace = run_ranks(_annotated_matmul, world)[0]
+    assert "all_gather" in trace
+
+
+class MLPWithUnknownOp(MLP):
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        return self.fc2(torch.roll(h, 1, -1))  # no rule: runs on the gathered value, then re-sliced
+
+
+def _unknown_op():
+    return compare_with_single_device(MLPWithUnknownOp, _mlp_input, TensorParallel(PLAN))
+
+
+def test_op_without_rule_falls_back_to_replicate():
+    info = run_ranks(_unknown_op, 2)[0]
+    assert info["forward"].get("all_gather") == 1, info
+
+
+def _bf16():
+    make = lambda: MLP().to(torch.bfloat16)  # noqa: E731
+    inputs = lambda: tuple(x.detach().to(torch.bfloat16).requires_grad_() for x in _mlp_input())  # noqa: E731
+    return compare_with_single_device(make, inputs, TensorParallel(PLAN), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_mlp():
+    info = run_ranks(_bf16, 2)[0]
+    assert info["forward"] == {"all_reduce": 1}, info
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def _error(make_model, plan):
+    with pytest.raises(Exception) as excinfo:
+        thunder.jit(make_model(), transforms=[TensorParallel(plan)], executors=FAST_EXECUTORS)
+    return f"{type(excinfo.value).__name__}: {excinfo.value}"
+
+
+def _conflicting():
+    model = MLP()
+    model.fc1.weight.distparallel_type = DistParallelType.ROW_WISE
+    return model
+
+
+def _not_divisible():
+    return MLP(ffn=510)
+
+
+def _bad_inputs():
+    return {
+        "unmatched": _error(MLP, {"fc3": ColwiseParallel()}),
+        "unmatched_glob": _error(MLP, {"layers.*.fc1": ColwiseParallel()}),
+        "not_divisible": _error(_not_divisible, PLAN),
+        "unsupported": _error(lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU()), {"1": ColwiseParallel()}),
+        "conflict": _error(_conflicting, PLAN),
+    }
+
+
+def test_bad_inputs_give_clear_errors():
+    errors = run_ranks(_bad_inputs, 4)[0]
+    assert "'fc3' matches no module" in errors["unmatched"] and "fc1" in errors["unmatched"], errors
+    assert "'layers.*.fc1' matches no module" in errors["unmatched_glob"], errors
+    assert "'fc1.weight'" in errors["not_divisible"] and "510" in errors["not_divisible"], errors
+    assert "not divisible by the TP group size 4" in errors["not_divisible"], errors
+    assert "ReLU" in errors["unsupported"] and "nn.Linear" in errors["unsupported"], errors
+    assert "ROW_WISE" in errors["conflict"] and "fc1.weight" in errors["conflict"], errors
+
+
+def test_uninitialized_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        thunder.jit(MLP(), transforms=[TensorParallel(PLAN)], executors=thunder_tp.executors())
