@@ -1,0 +1,112 @@
+"""litgpt GPT under TP / TP+SP / TP+loss parallel vs single device: loss, every grad, 3 SGD steps, collectives."""
+
+import pytest
+import thunder
+import torch
+from litgpt import GPT
+from litgpt.model import CausalSelfAttention
+
+import thunder_tp
+from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
+from thunder_tp.layouts import REPLICATE, shard_tensor
+from tests.dist import run_ranks
+from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, compare_with_single_device, rank_and_size
+
+MODES = {"tp": {}, "tp_sp": {"sequence_parallel": True}, "tp_lp": {"loss_parallel": True}}
+STEPS, LR, RTOL, ATOL = 3, 0.5, 1e-5, 1e-5
+
+
+def _train(name, mode):
+    """Single-device and TP training side by side; every step's loss, first step's grads, final params."""
+    rank, size = rank_and_size()
+    config = make_config(name)
+    torch.manual_seed(0)
+    reference = GPTWithLoss(config)
+    model = GPTWithLoss(config)
+    model.load_state_dict(reference.state_dict())
+    plan = {f"gpt.{k}": v for k, v in thunder_tp.plans.litgpt(model.gpt, **MODES[mode]).items()}
+    transform = TensorParallel(plan)
+    jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=LR)
+    opt = torch.optim.SGD(jm.parameters(), lr=LR)
+    layout = lambda n: transform.parameter_layouts.get(n, REPLICATE)  # noqa: E731
+    counts = {}
+    for step in range(STEPS):
+        idx, targets = batch(step)
+        expected, actual = reference(idx, targets), jm(idx, targets)
+        assert_close_scaled(actual, expected, rtol=RTOL, atol=ATOL, what=f"loss at step {step}")
+        expected.backward()
+        actual.backward()
+        if step == 0:
+            counts = {"forward": collective_counts(thunder.last_traces(jm)[-1]),
+                      "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
+            for n, p in reference.named_parameters():
+                want = shard_tensor(p.grad, layout(n), rank, size)
+                assert_close_scaled(jm.get_parameter(n).grad, want, rtol=RTOL, atol=ATOL, what=f"grad of {n}")
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    for n, p in reference.named_parameters():
+        want = shard_tensor(p.detach(), layout(n), rank, size)
+        assert_close_scaled(jm.get_parameter(n).detach(), want, rtol=RTOL, atol=ATOL, what=f"{n} after {STEPS} steps")
+    return counts
+
+
+def _expected_counts(name, mode):
+    """Megatron's minimum per block, plus what the vocab-parallel embedding, head and loss need."""
+    n_layer = make_config(name).n_layer
+    if mode == "tp":  # embedding partials reduced; logits gathered for the loss; head input grad reduced
+        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
+    if mode == "tp_lp":  # the loss reduces max, sum-exp and target logit over the vocabulary instead
+        return {"all_reduce": 2 * n_layer + 1 + 3}, {"all_reduce": 2 * n_layer + 1}
+    # SP: block 2 all_gather + 2 reduce_scatter each way; embedding reduce_scatter; head input and logits gather;
+    # replicated norm weights/biases (and neox's row-parallel biases) used on sequence shards get grad all_reduces
+    replicated_params = {"llama": 2 * n_layer + 1, "neox": 6 * n_layer + 2}[name]
+    forward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 2}
+    backward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 1, "all_reduce": replicated_params}
+    return forward, backward
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["llama", "neox"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_matches_single_device(world, name, mode):
+    counts = run_ranks(_train, world, name, mode)[0]
+    forward, backward = _expected_counts(name, mode)
+    assert counts["forward"] == forward, counts
+    assert counts["backward"] == backward, counts
+
+
+def _attention():
+    config = make_config("llama")
+    hs = config.head_size
+    q, kv = config.n_head * hs, config.n_query_groups * hs
+    plan = {"qkv": ColwiseParallel(blocks=(q, kv, kv), unit=hs), "proj": RowwiseParallel()}
+    cos, sin = GPT(config).rope_cache()
+    cos, sin = cos[:SEQ].unsqueeze(0), sin[:SEQ].unsqueeze(0)
+
+    def inputs():
+        torch.manual_seed(3)
+        return torch.randn(2, SEQ, config.n_embd, requires_grad=True), cos, sin
+
+    return compare_with_single_device(lambda: CausalSelfAttention(config, 0), inputs, TensorParallel(plan))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_causal_self_attention_alone_needs_one_all_reduce(world):
+    counts = run_ranks(_attention, world)[0]
+    assert counts["forward"] == {"all_reduce": 1}, counts
+    assert counts["backward"] == {"all_reduce": 1}, counts
+
+
+def _gqa_too_few_groups():
+    config = make_config("llama")
+    config.n_query_groups = 2
+    model = GPT(config)
+    with pytest.raises(ValueError) as excinfo:
+        thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))])
+    return str(excinfo.value)
+
+
+def test_gqa_with_fewer_query_groups_than_ranks_is_a_clear_error():
+    message = run_ranks(_gqa_too_few_groups, 4)[0]
+    assert "attn.qkv" in message and "cannot be split over 4 ranks" in message, message
