@@ -183,3 +183,18 @@ def test_bad_inputs_give_clear_errors():
 def test_uninitialized_process_group_is_a_clear_error():
     with pytest.raises(RuntimeError, match="init_process_group"):
         thunder.jit(MLP(), transforms=[TensorParallel(PLAN)], executors=thunder_tp.executors())
+
+
+def _proxy_types():
+    jm = thunder.jit(MLP(), transforms=[TensorParallel(PLAN)], executors=FAST_EXECUTORS)
+    jm(*_mlp_input())
+    names = {b.output.name: b.args[1] for b in thunder.last_prologue_traces(jm)[-1].bound_symbols
+             if b.sym.name == "unpack_parameter"}
+    computation = thunder.last_traces(jm)[0]
+    return {names[a.name]: a.distparallel_type.name for a in computation.args if a.name in names}
+
+
+def test_sharded_proxies_carry_distparallel_type():
+    types = run_ranks(_proxy_types, 2)[0]
+    assert types == {"fc1.weight": "COLUMN_WISE", "fc1.bias": "COLUMN_WISE", "fc2.weight": "ROW_WISE",
+                     "fc2.bias": "NONE"}, types

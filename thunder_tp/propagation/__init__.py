@@ -2,7 +2,16 @@
 
 from thunder_tp.annotate import tp_annotate
 from thunder_tp.layouts import normalize, parse_layout
-from thunder_tp.propagation import attention, embedding, losses, matmul, normalization, pointwise, reductions, views
+from thunder_tp.propagation import (  # noqa: F401  (importing a family registers its rules)
+    attention,
+    embedding,
+    losses,
+    matmul,
+    normalization,
+    pointwise,
+    reductions,
+    views,
+)
 from thunder_tp.propagation.engine import Op, Propagation, Step, Strategy, register_rule
 
 

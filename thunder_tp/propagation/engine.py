@@ -17,7 +17,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
 
-from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPGroup, check_shardable, normalize
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, TPGroup, check_shardable, normalize
 from thunder_tp.reshard import redistribute_cost
 
 LocalFn = Callable[..., Any]
@@ -163,12 +163,3 @@ def _decomposable(bsym: BoundSymbol) -> bool:
 def _tensor_inputs(bsym: BoundSymbol) -> list[TensorProxy]:
     return [x for x in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(x, TensorProxy)]
 
-
-def sharded_dims(layouts: Iterable[Layout]) -> set[int]:
-    """Dims that some input is sharded on."""
-    return {x.dim for x in layouts if isinstance(x, Shard)}
-
-
-def has_partial(layouts: Iterable[Layout]) -> bool:
-    """Whether some input is Partial."""
-    return any(isinstance(x, Partial) for x in layouts)

@@ -7,13 +7,12 @@ the outermost dim of its group and lands on that group's outermost output dim.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import thunder.core.prims as prims
 import thunder.torch as ltorch
 
-from thunder_tp.layouts import PARTIAL, Partial, Replicate, Shard, local_blocks
+from thunder_tp.layouts import PARTIAL, Partial, Shard, local_blocks
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 DimMap = list[int | None]
@@ -61,7 +60,7 @@ def reshape(op: Op) -> list[Strategy]:
     """Shard on the outermost dim of a group moves to the group's outermost output dim."""
     x, out = op.tensors[0], op.outputs[0]
     layout = op.layouts[0]
-    if isinstance(layout, Partial) or not isinstance(layout, Shard):
+    if not isinstance(layout, Shard):
         return _through(op, [])
     for gi, gj in view_groups(x.shape, out.shape):
         if layout.dim not in gi:
@@ -132,7 +131,7 @@ def _match_dims(in_shape: Sequence[int], out_shape: Sequence[int]) -> DimMap:
     return dim_map
 
 
-def _broadcast_map(in_ndim: int, in_shape: Sequence[int], out_shape: Sequence[int], dims: Sequence[int]) -> DimMap:
+def _broadcast_map(in_shape: Sequence[int], out_shape: Sequence[int], dims: Sequence[int]) -> DimMap:
     dim_map: DimMap = [None] * len(out_shape)
     for i, o in enumerate(dims):
         if in_shape[i] == out_shape[o]:
@@ -145,7 +144,7 @@ def expand(op: Op) -> list[Strategy]:
     """Expanded (size-1) dims are new; the others keep their shard; the local target shrinks."""
     x, out = op.tensors[0], op.outputs[0]
     offset = out.ndim - x.ndim
-    dim_map = _broadcast_map(x.ndim, x.shape, out.shape, [i + offset for i in range(x.ndim)])
+    dim_map = _broadcast_map(x.shape, out.shape, [i + offset for i in range(x.ndim)])
     return _through(op, dim_map, _local_target(op, dim_map, lambda a, shape: ltorch.expand(a, shape)))
 
 
@@ -154,7 +153,7 @@ def broadcast_in_dim(op: Op) -> list[Strategy]:
     """Like expand, with explicit broadcast dims."""
     x, out = op.tensors[0], op.outputs[0]
     dims = op.bsym.args[2]
-    dim_map = _broadcast_map(x.ndim, x.shape, out.shape, dims)
+    dim_map = _broadcast_map(x.shape, out.shape, dims)
     return _through(op, dim_map, _local_target(op, dim_map, lambda a, shape: prims.broadcast_in_dim(a, shape, dims)))
 
 
