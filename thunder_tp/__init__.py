@@ -4,11 +4,13 @@ from thunder_tp import plans
 from thunder_tp.annotate import annotate
 from thunder_tp.executor import executors
 from thunder_tp.layouts import Partial, Replicate, Shard
+from thunder_tp.mesh import Mesh, init_mesh, parallelize
 from thunder_tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
 
 __all__ = [
     "ColwiseParallel",
+    "Mesh",
     "Partial",
     "Replicate",
     "RowwiseParallel",
@@ -17,5 +19,7 @@ __all__ = [
     "TensorParallel",
     "annotate",
     "executors",
+    "init_mesh",
+    "parallelize",
     "plans",
 ]

@@ -146,7 +146,22 @@ class TPGroup:
                 "torch.distributed.init_process_group(...) (e.g. run under torchrun) before thunder.jit"
             )
         group = process_group if process_group is not None else dist.group.WORLD
-        rank = dist.get_rank(group)
+        me = dist.get_rank()
+        fix = "pass the group that contains this rank, e.g. thunder_tp.init_mesh(dp=..., tp=...).tp_group"
+        if group == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group(ranks) returns on ranks outside `ranks`
+            raise ValueError(f"thunder_tp.TensorParallel: rank {me} is not a member of the given TP process group; {fix}")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"thunder_tp.TensorParallel: process_group must be a torch.distributed.ProcessGroup or None (the "
+                f"default group), got {type(group).__name__}; with a thunder_tp mesh pass mesh.tp_group"
+            )
+        try:
+            rank = dist.get_rank(group)
+        except (ValueError, RuntimeError) as e:  # not created by new_group over the default (world) group
+            raise ValueError(
+                f"thunder_tp.TensorParallel: the TP process group is not a subgroup of the default (world) group "
+                f"({e}); create it with torch.distributed.new_group or thunder_tp.init_mesh"
+            ) from e
         if rank < 0:
-            raise ValueError("This process is not a member of the given TP process group")
+            raise ValueError(f"thunder_tp.TensorParallel: rank {me} is not a member of the given TP process group; {fix}")
         return cls(group, dist.get_world_size(group), rank)

@@ -15,6 +15,7 @@ from thunder.core.transform_common import Transform
 
 from thunder_tp.constraints import constrain_styled_ops
 from thunder_tp.layouts import REPLICATE, Layout, Shard, TPGroup, check_shardable, local_shape, shard_tensor
+from thunder_tp.mesh import check_composition
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
 from thunder_tp.styles import Style, check_distparallel_type, match_plan, styles_from_distparallel_type
@@ -44,6 +45,7 @@ class TensorParallel(Transform):
 
     def transform_module(self, model) -> None:
         """Record every styled parameter's layout and replace it by this rank's shard."""
+        check_composition(self, model)  # 2-D: TP before DDP/FSDP, on a group orthogonal to theirs
         module = model._model
         styles = styles_from_distparallel_type(module) | match_plan(module, self.plan)
         for module_name, style in styles.items():
