@@ -2,6 +2,7 @@
 
 from thunder_tp import plans
 from thunder_tp.annotate import annotate
+from thunder_tp.debug import collectives_table, dump_traces
 from thunder_tp.executor import executors
 from thunder_tp.layouts import Partial, Replicate, Shard
 from thunder_tp.mesh import Mesh, init_mesh, parallelize
@@ -18,6 +19,8 @@ __all__ = [
     "Shard",
     "TensorParallel",
     "annotate",
+    "collectives_table",
+    "dump_traces",
     "executors",
     "init_mesh",
     "parallelize",

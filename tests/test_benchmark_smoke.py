@@ -1,0 +1,111 @@
+"""Smoke test of benchmarks/benchmark_litgpt.py: 2 ranks under torchrun, a 1-layer pythia-14m, a few iterations.
+
+The runs use ``--compile thunder_default`` (no Inductor compile, so they stay short on a small CPU machine); the
+default ``--compile thunder`` (thunder_tp's fusion executor) runs in the main-job smoke of ``.ci/run``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist import REPO_ROOT, free_port
+
+SCRIPT = Path(REPO_ROOT) / "benchmarks" / "benchmark_litgpt.py"
+TINY = ["--model_name", "pythia-14m", "--n_layers", "1", "--block_size", "32", "--micro_batch_size", "1",
+        "--max_iters", "3", "--warmup_iters", "1", "--compile", "thunder_default"]
+TIMEOUT_S = 300
+
+pytest.importorskip("litgpt")
+
+
+def _torchrun(tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """Run the benchmark on 2 ranks; return its JSON results and its output."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    json_path = tmp_path / "results.json"
+    cmd = [*launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(SCRIPT), *TINY, "--json_path", str(json_path), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # everything is on loopback, as in tests/dist.py
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"benchmark did not finish within {TIMEOUT_S} s: {' '.join(cmd)}\n{out[-5000:]}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}: {' '.join(cmd)}\n{output[-8000:]}"
+    return json.loads(json_path.read_text()), output
+
+
+def _check_common(res: dict, output: str) -> None:
+    assert len(res["losses"]) == 3 and all(math.isfinite(x) for x in res["losses"]), res["losses"]
+    assert res["world_size"] == 2 and res["tp_size"] == 2
+    assert res["average_iter_time_ms"] > 0 and res["tokens_per_sec"] > 0
+    assert res["peak_memory_bytes"] > 0
+    assert res["saved_for_backward"]["bytes"] > 0
+    for line in ("Average iter time:", "Tokens/s:", "Collectives per iteration, forward:", "iter 2: loss"):
+        assert line in output, output[-4000:]
+
+
+def test_tp(tmp_path):
+    res, output = _torchrun(tmp_path, "--distributed_mode", "tp", "--dump_thunder_traces", "true",
+                            "--trace_dir", str(tmp_path / "traces"))
+    _check_common(res, output)
+    per_iter = res["collectives"]["per_iteration"]
+    assert per_iter["forward"]["count"] > 0 and per_iter["forward"]["bytes"] > 0
+    assert per_iter["backward"]["count"] > 0 and per_iter["backward"]["bytes"] > 0
+    # one block, TP: the activation all_reduces (b*s*h fp32 = 1*32*128*4 bytes) are there, in both passes
+    for name in ("forward", "backward"):
+        rows = res["collectives"]["tables"][name]
+        assert any(r["kind"] == "all_reduce" and r["group_size"] == 2 and r["bytes_per_call"] == 32 * 128 * 4
+                   for r in rows), rows
+    # a TP-sharded model: a rank holds fewer parameter bytes than the full model
+    assert res["param_bytes_per_rank"] < 0.6 * res["param_bytes_full_model"], res
+    # --dump_thunder_traces: rank 0 printed the traces, every rank wrote its files
+    assert "final forward trace" in output and "final backward trace" in output
+    for r in (0, 1):
+        for name in ("forward.py", "backward.py", "collectives.md"):
+            assert (tmp_path / "traces" / f"rank{r}_{name}").is_file(), name
+
+
+def test_tp_sp_loss_parallel(tmp_path):
+    res, output = _torchrun(tmp_path, "--distributed_mode", "tp_sp", "--loss_parallel", "true")
+    _check_common(res, output)
+    assert res["loss_parallel"] is True
+    for name in ("forward", "backward"):
+        kinds = res["collectives"]["per_iteration"][name]["by_kind"]
+        assert kinds.get("all_gather", {}).get("count", 0) > 0, kinds
+        assert kinds.get("reduce_scatter", {}).get("count", 0) > 0, kinds
+
+
+# --- option parsing (no processes) ------------------------------------------------------------------------
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("benchmark_litgpt", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_options():
+    bench = _bench_module()
+    args = bench.parse_args(["--distributed_mode", "tp", "--dump_thunder_traces", "true", "--loss_parallel", "False"])
+    assert args.dump_thunder_traces is True and args.loss_parallel is False and args.compile == "thunder"
+    assert set(bench.MODES) >= {"none", "tp", "tp_sp"}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dump_thunder_traces", "maybe"])
+    with pytest.raises(SystemExit):  # eager has no TP
+        bench.parse_args(["--compile", "eager", "--distributed_mode", "tp"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--max_iters", "2", "--warmup_iters", "2"])

@@ -1,0 +1,235 @@
+"""Inspecting what a TP-jitted program runs: its final traces and the collectives they issue.
+
+    jm = thunder.jit(model, transforms=[TensorParallel(plan)], executors=thunder_tp.executors())
+    loss = jm(x); loss.backward()
+    thunder_tp.dump_traces(jm, "traces")          # every rank: traces/rank{r}_forward.py, ...
+    thunder_tp.collectives_table(thunder.last_traces(jm)[-1])
+    # [{'kind': 'all_reduce', 'group_size': 2, 'bytes_per_call': 65536, 'count': 1, 'total_bytes': 65536}]
+
+Collectives are found among the top-level bound symbols of a trace (the fusion executor never puts one
+inside a fusion region):
+
+- torchex's implementations of Thunder's distributed prims (``torch_all_reduce_prim_impl``, ...), which
+  is what thunder_tp's collectives (and Thunder's DDP/FSDP) are lowered to in the final traces;
+- Thunder's ``thunder.distributed.prims`` themselves (``all_reduce``, ``all_gather``, ...);
+- thunder_tp's own collective symbols (``tp_reduce_from_tp``, ``tp_gather``, ...; see
+  ``thunder_tp.collectives.COLLECTIVE_KINDS``), where they were not lowered (comm executor not listed).
+
+Sizes are per rank: the trace is the rank's local program, so its proxies have local shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx
+
+from thunder_tp.collectives import COLLECTIVE_KINDS
+
+__all__ = ["collective_calls", "collectives_table", "dump_traces", "format_table", "totals"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+#: top-level symbol name -> collective kind: torchex implementations, Thunder's distributed prims, thunder_tp
+_SYMBOL_KINDS: dict[str, str] = {
+    **{f"torch_{kind}_prim_impl": kind for kind in KINDS},
+    **{kind: kind for kind in KINDS},
+    **COLLECTIVE_KINDS,
+}
+
+
+def _kind(bsym: BoundSymbol) -> str | None:
+    sym = bsym.sym
+    kind = _SYMBOL_KINDS.get(sym.name)
+    if kind is None:
+        return None
+    if sym.name in KINDS:
+        # a bare name such as "all_reduce" must be Thunder's distributed prim, not some other symbol
+        from thunder.distributed.prims import PrimIDs
+
+        if not isinstance(sym.id, PrimIDs):
+            return None
+    return kind
+
+
+def _group(bsym: BoundSymbol) -> Any:
+    for a in (*bsym.args, *bsym.kwargs.values()):
+        if isinstance(a, dist.ProcessGroup):
+            return a
+    return None
+
+
+def _group_size(group: Any) -> int:
+    if group is not None:
+        return group.size()
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _nbytes(t: TensorProxy) -> int:
+    return math.prod(int(s) for s in t.shape) * t.dtype.bytes
+
+
+def collective_calls(trace: TraceCtx) -> list[dict]:
+    """Every collective of ``trace`` in program order: kind, group size, bytes, and the bound symbol."""
+    calls = []
+    for bsym in trace.bound_symbols:
+        kind = _kind(bsym)
+        if kind is None:
+            continue
+        tensor = next((a for a in bsym.flat_args if isinstance(a, TensorProxy)), None)
+        if tensor is None:
+            continue
+        group = _group(bsym)
+        size = _group_size(group)
+        nbytes = _nbytes(tensor)
+        if kind == "all_gather":  # the gathered output
+            nbytes *= size
+        calls.append({"kind": kind, "group_size": size, "bytes": nbytes, "group": group, "bsym": bsym})
+    return calls
+
+
+def collectives_table(trace: TraceCtx | None) -> list[dict]:
+    """The collectives of a final trace, one row per (kind, group size, bytes per call).
+
+    Each row: ``kind`` (all_reduce / all_gather / reduce_scatter / broadcast), ``group_size``,
+    ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered output),
+    ``count`` and ``total_bytes``. Rows are in order of first appearance. A kind with calls of several sizes
+    (e.g. activations and a loss-parallel scalar) gets one row per size. ``None`` gives ``[]``.
+    """
+    if trace is None:
+        return []
+    rows: dict[tuple, dict] = {}
+    for call in collective_calls(trace):
+        key = (call["kind"], call["group_size"], call["bytes"])
+        row = rows.setdefault(
+            key, {"kind": key[0], "group_size": key[1], "bytes_per_call": key[2], "count": 0, "total_bytes": 0}
+        )
+        row["count"] += 1
+        row["total_bytes"] += call["bytes"]
+    return list(rows.values())
+
+
+def totals(table: Iterable[dict]) -> dict[str, dict[str, int]]:
+    """``{kind: {"count": n, "bytes": b}}`` summed over the rows of a :func:`collectives_table`."""
+    out: dict[str, dict[str, int]] = {}
+    for row in table:
+        t = out.setdefault(row["kind"], {"count": 0, "bytes": 0})
+        t["count"] += row["count"]
+        t["bytes"] += row["total_bytes"]
+    return out
+
+
+def format_table(tables: dict[str, list[dict]]) -> str:
+    """A markdown table of ``{pass name: collectives_table}``."""
+    lines = [
+        "| pass | kind | group size | bytes per call | count | total bytes |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, table in tables.items():
+        if not table:
+            lines.append(f"| {name} | (none) | | | 0 | 0 |")
+        for r in table:
+            lines.append(
+                f"| {name} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | {r['count']} | {r['total_bytes']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _group_names(trace: TraceCtx, text: str) -> dict[str, Any]:
+    """The names that the printed ``text`` of ``trace`` gives to process groups (``..._ProcessGroup_0``)."""
+    try:
+        ctx = trace.python_ctx()
+    except Exception:  # naming is cosmetic; never fail a dump over it
+        return {}
+    return {
+        name: obj
+        for name, obj in ctx.items()
+        if isinstance(obj, dist.ProcessGroup) and re.search(rf"\b{re.escape(name)}\b", text)
+    }
+
+
+def _describe_group(group: Any) -> str:
+    size = _group_size(group)
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+        return f"size {size}, global ranks {ranks}"
+    except Exception:
+        return f"size {size}"
+
+
+def _header(trace: TraceCtx, text: str, pass_name: str, rank: int, world: int) -> str:
+    """Comment lines: the collectives of ``trace`` with their group sizes, and what each printed group is."""
+    calls = collective_calls(trace)
+    groups = _group_names(trace, text)
+    group_name = {id(g): name for name, g in groups.items()}
+    lines = [
+        f"# thunder_tp trace dump: {pass_name} trace of rank {rank} (world size {world})",
+        f"# collectives: {len(calls)}",
+    ]
+    for c in calls:
+        outs = [o for o in c["bsym"].flat_outs if hasattr(o, "name")]
+        name = outs[0].name if outs else "?"
+        where = group_name.get(id(c["group"]), "")
+        where = f" over {where}" if where else ""
+        lines.append(
+            f"#   {name} = {c['bsym'].sym.name}(...): {c['kind']}{where}, group size {c['group_size']}, {c['bytes']} bytes"
+        )
+    if groups:
+        lines.append("# process groups:")
+        lines.extend(f"#   {name}: {_describe_group(g)}" for name, g in sorted(groups.items()))
+    return "\n".join(lines) + "\n\n"
+
+
+def _last(traces) -> TraceCtx | None:
+    return traces[-1] if traces else None
+
+
+def dump_traces(jitted, directory: str | os.PathLike) -> list[Path]:
+    """Write this rank's final traces and a table of its collectives into ``directory``; return the paths.
+
+    Files: ``rank{r}_forward.py`` and ``rank{r}_backward.py`` (the final traces as Thunder prints them,
+    preceded by a comment listing the collectives with their group sizes, since the printed trace names a
+    ProcessGroup opaquely) and ``rank{r}_collectives.md`` (pass, kind, group size, bytes per call, count,
+    total bytes). Every rank calls it and writes its own files. Without a backward trace (a no-grad run)
+    there is no backward file (a stale one from an earlier dump is removed).
+    """
+    import thunder
+
+    forward = _last(thunder.last_traces(jitted))
+    if forward is None:
+        raise RuntimeError("dump_traces: the jitted function has no traces yet; call it at least once first")
+    backward = _last(thunder.last_backward_traces(jitted))
+    rank, world = _rank()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    written = []
+    tables = {}
+    for pass_name, trace in (("forward", forward), ("backward", backward)):
+        path = directory / f"rank{rank}_{pass_name}.py"
+        if trace is None:
+            path.unlink(missing_ok=True)
+            continue
+        text = str(trace)  # prints first: that names the objects (process groups) the header refers to
+        path.write_text(_header(trace, text, pass_name, rank, world) + text + "\n")
+        written.append(path)
+        tables[pass_name] = collectives_table(trace)
+
+    path = directory / f"rank{rank}_collectives.md"
+    path.write_text(f"# Collectives of rank {rank} (world size {world})\n\n" + format_table(tables))
+    written.append(path)
+    return written
