@@ -189,7 +189,10 @@ def test_fsdp_only_on_a_tp1_mesh():
     info = run_ranks(_train, WORLD, 4, 1, "fsdp", helper=True)[0]
     n = info["n_params"]
     assert info["layouts"]["gpt.lm_head.weight"] == "Shard(0)", info["layouts"]  # TP ran, on a group of one
-    assert info["forward"] == {"tp all_reduce": 5, "tp all_gather": 1, "dp all_gather": n}, info["forward"]
+    dp_forward = {k: v for k, v in info["forward"].items() if k.startswith("dp")}
+    tp_forward = {k: v for k, v in info["forward"].items() if k.startswith("tp")}
+    assert dp_forward == {"dp all_gather": n}, info["forward"]
+    assert tp_forward in ({}, _expected_tp()[0]), info["forward"]  # TP on one rank may skip its no-op collectives
 
 
 def test_tp_inside_fsdp_with_the_fusion_executor():
