@@ -45,11 +45,6 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
     return cost * (PARAMETER_PENALTY if is_parameter else 1.0)
 
 
-def is_differentiable(t: TensorProxy) -> bool:
-    """Whether a gradient can flow to `t` (floating dtype)."""
-    return dtypes.is_inexact_dtype(t.dtype)
-
-
 def redistribute(x: TensorProxy, src: Layout, dst: Layout, group: dist.ProcessGroup) -> TensorProxy:
     """Emit the collective that turns local piece `x` from `src` into `dst` (inside a trace context)."""
     match src, dst:

@@ -15,7 +15,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder_tp import collectives as C
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, TPGroup
 from thunder_tp.propagation.engine import Step
-from thunder_tp.reshard import is_differentiable, redistribute
+from thunder_tp.reshard import redistribute
 
 
 @dataclass
@@ -24,12 +24,13 @@ class LocalValues:
 
     tp: TPGroup
     layouts: dict[str, Layout]
+    needs_grad: set[str]
     values: dict[str, Any] = field(default_factory=dict)
     _memo: dict[tuple[str, Layout, bool], TensorProxy] = field(default_factory=dict)
 
     def get(self, t: TensorProxy, layout: Layout, *, into_tp_region: bool = False) -> TensorProxy:
         """`t` in `layout`; `into_tp_region`: a Replicate value used by sharded compute (its grad is Partial)."""
-        into_tp_region = into_tp_region and isinstance(layout, Replicate) and is_differentiable(t)
+        into_tp_region = into_tp_region and isinstance(layout, Replicate) and t.name in self.needs_grad
         key = (t.name, layout, into_tp_region)
         if key not in self._memo:
             self._memo[key] = self._make(t, layout, into_tp_region)
@@ -68,8 +69,9 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
     """The local program of `trace`: each step re-run on local pieces; outputs returned Replicate."""
     ret = trace.bound_symbols[-1]
     assert ret.sym.id == prims.PrimIDs.RETURN, "a computation trace ends with its return"
-    arg_names = {a.name for a in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(a, Proxy)}
-    local = LocalValues(tp, layouts)
+    args = [a for a in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(a, Proxy)]
+    arg_names = {a.name for a in args}
+    local = LocalValues(tp, layouts, {a.name for a in args if isinstance(a, TensorProxy) and a.requires_grad})
     new = from_trace(trace)
     with tracectx(new):
         for bsym in trace.bound_symbols:
@@ -109,9 +111,12 @@ def _emit(step: Step, local: LocalValues) -> None:
     ]
     args, kwargs = tree_unflatten(local_flat, spec)
     result = (strategy.local or bsym.sym)(*args, **kwargs)
+    needs_grad = any(t.name in local.needs_grad for t in _tensors(bsym))
     for logical, value in zip(outputs, tree_flatten(result)[0]):
         if isinstance(logical, Proxy):
             local.values[logical.name] = value
+            if needs_grad:
+                local.needs_grad.add(logical.name)
 
 
 def _emit_metadata_query(bsym, local: LocalValues) -> None:

@@ -79,6 +79,8 @@ class TensorParallel(Transform):
 
     def transform_traces_pre_prologue(self, prologue: TraceCtx, computation: TraceCtx, epilogue, **kwargs):
         """Rewrite the computation into the local program and fix the prologue's shape checks."""
+        if self.tp.size == 1:  # every layout is the whole tensor: nothing to rewrite or communicate
+            return prologue, computation, epilogue
         param_names = _parameter_names(prologue)
         layouts = self._initial_layouts(computation, param_names)
         styles = {proxy: self.weight_styles[name] for proxy, name in param_names.items() if name in self.weight_styles}
