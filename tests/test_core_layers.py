@@ -198,3 +198,23 @@ def test_sharded_proxies_carry_distparallel_type():
     types = run_ranks(_proxy_types, 2)[0]
     assert types == {"fc1.weight": "COLUMN_WISE", "fc1.bias": "COLUMN_WISE", "fc2.weight": "ROW_WISE",
                      "fc2.bias": "NONE"}, types
+
+
+def _state_dicts():
+    torch.manual_seed(0)
+    model = MLP(bias=True)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    jm = thunder.jit(model, transforms=[TensorParallel(PLAN)], executors=FAST_EXECUTORS)
+    local = jm.state_dict()
+    assert local["fc1.weight"].shape[0] == full["fc1.weight"].shape[0] // rank_and_size()[1]
+    for k, v in jm.original_state_dict().items():
+        torch.testing.assert_close(v, full[k], msg=lambda m: f"{k}: {m}")
+    fresh = MLP(bias=True)
+    jm2 = thunder.jit(fresh, transforms=[TensorParallel(PLAN)], executors=FAST_EXECUTORS)
+    jm2.load_original_state_dict(full)
+    torch.testing.assert_close(jm2.get_parameter("fc2.weight"), jm.get_parameter("fc2.weight"))
+    return sorted(full)
+
+
+def test_original_state_dict_round_trip():
+    assert run_ranks(_state_dicts, 2)[0] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]

@@ -14,7 +14,16 @@ from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform
 
 from thunder_tp.constraints import constrain_styled_ops
-from thunder_tp.layouts import REPLICATE, Layout, Shard, TPGroup, check_shardable, local_shape, shard_tensor
+from thunder_tp.layouts import (
+    REPLICATE,
+    Layout,
+    Shard,
+    TPGroup,
+    check_shardable,
+    local_shape,
+    shard_tensor,
+    unshard_tensor,
+)
 from thunder_tp.mesh import check_composition
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
@@ -68,6 +77,19 @@ class TensorParallel(Transform):
         """Shard full tensors of a submodule's state dict (keys relative to the submodule)."""
         prefix = f"{submodule_name}." if submodule_name else ""
         return {k: self._shard_full(prefix + k, v) for k, v in state_dict.items()}
+
+    def reverse_transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
+        """Full tensors from this rank's shards (collective: every rank of the TP group must call it)."""
+        prefix = f"{submodule_name}." if submodule_name else ""
+        return {k: self._gather_full(prefix + k, v) for k, v in state_dict.items()}
+
+    def _gather_full(self, name: str, value: Any) -> Any:
+        layout = self.parameter_layouts.get(name)
+        if not isinstance(layout, Shard) or not isinstance(value, torch.Tensor):
+            return value
+        pieces = [torch.empty_like(value) for _ in range(self.tp.size)]
+        dist.all_gather(pieces, value.detach().contiguous(), group=self.tp.group)
+        return unshard_tensor(pieces, layout)
 
     def _shard_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
