@@ -184,8 +184,7 @@ def _none(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
 def _tp(model: nn.Module, args: argparse.Namespace, groups: Groups, *, sequence_parallel: bool = False) -> list:
     import thunder_tp
 
-    plan = thunder_tp.plans.litgpt(model.gpt, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
-    plan = {f"gpt.{name}": style for name, style in plan.items()}  # the GPT sits under the loss wrapper
+    plan = thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
     return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group)]
 
 
@@ -244,21 +243,6 @@ EXECUTORS: dict[str, Callable[[], list]] = {
 # --------------------------------------------------------------------------------------------------------------
 # model and data
 # --------------------------------------------------------------------------------------------------------------
-
-
-class GPTWithLoss(nn.Module):
-    """litgpt GPT and its next-token cross-entropy: the loss is part of the jitted program."""
-
-    def __init__(self, config):
-        super().__init__()
-        from litgpt import GPT
-
-        self.gpt = GPT(config)
-        self.config = config
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.gpt(idx)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def make_config(args: argparse.Namespace):
@@ -344,6 +328,8 @@ def log(rank: int, *msg: Any) -> None:
 
 def build(args: argparse.Namespace, groups: Groups, device: torch.device):
     """The config, the model (same random weights on every rank) and the jitted (or eager) module to train."""
+    from thunder_tp.plans.litgpt import GPTWithLoss
+
     config = make_config(args)
     torch.manual_seed(args.seed)
     with device:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-from litgpt import GPT, Config
+from litgpt import Config
+
+from thunder_tp.plans.litgpt import GPTWithLoss  # noqa: F401  (re-exported for the tests)
 
 VOCAB, SEQ, BATCH = 256, 16, 2
 
@@ -23,19 +24,6 @@ CONFIGS = {
 def make_config(name: str) -> Config:
     """A tiny litgpt Config of the given family."""
     return Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **CONFIGS[name])
-
-
-class GPTWithLoss(nn.Module):
-    """GPT and its next-token cross-entropy in one module, so the loss is inside the jitted program."""
-
-    def __init__(self, config: Config):
-        super().__init__()
-        self.gpt = GPT(config)
-        self.config = config
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.gpt(idx)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def batch(seed: int = 0, batch_size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,7 @@ def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer
     reference = GPTWithLoss(config)
     model = GPTWithLoss(config)
     model.load_state_dict(reference.state_dict())
-    plan = {f"gpt.{k}": v for k, v in thunder_tp.plans.litgpt(model.gpt).items()}
+    plan = thunder_tp.plans.litgpt(model)
     executors = thunder_tp.executors() if fused else FAST_EXECUTORS
     if helper:
         jm = thunder_tp.parallelize(model, plan, mesh, data_parallel=kind, executors=executors)
@@ -306,7 +306,7 @@ def _bad_inputs():
     def jit(transforms, model=None):
         torch.manual_seed(0)
         model = model or GPTWithLoss(config)
-        plan = {f"gpt.{k}": v for k, v in thunder_tp.plans.litgpt(model.gpt).items()}
+        plan = thunder_tp.plans.litgpt(model)
         tp = thunder_tp.TensorParallel(plan, process_group=mesh.tp_group)
         return thunder.jit(model, executors=FAST_EXECUTORS, transforms=[t if t != "tp" else tp for t in transforms])
 

@@ -25,7 +25,7 @@ def _train(name, mode):
     reference = GPTWithLoss(config)
     model = GPTWithLoss(config)
     model.load_state_dict(reference.state_dict())
-    plan = {f"gpt.{k}": v for k, v in thunder_tp.plans.litgpt(model.gpt, **MODES[mode]).items()}
+    plan = thunder_tp.plans.litgpt(model, **MODES[mode])
     transform = TensorParallel(plan)
     jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=LR)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Shard
@@ -15,14 +16,40 @@ _MLP_PLANS = {
 SEQUENCE_DIM = 1
 
 
+class GPTWithLoss(nn.Module):
+    """A litgpt GPT and its next-token cross-entropy in one module, so the loss is inside the jitted program."""
+
+    def __init__(self, config):
+        super().__init__()
+        from litgpt import GPT
+
+        self.gpt = GPT(config)
+        self.config = config
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _gpt_prefix(model: nn.Module) -> str:
+    """Where the litgpt GPT sits in `model` ("" for the GPT itself, "gpt." inside GPTWithLoss)."""
+    from litgpt import GPT
+
+    for name, module in model.named_modules():
+        if isinstance(module, GPT):
+            return f"{name}." if name else ""
+    raise TypeError(f"thunder_tp.plans.litgpt needs a litgpt.GPT (or a module containing one), got {type(model).__name__}")
+
+
 def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Style]:
-    """Plan for a litgpt GPT; keys are globs covering every block.
+    """Plan for a litgpt GPT, or a module containing one (keys then carry its prefix); globs cover every block.
 
     sequence_parallel: norms and the residual stream sharded on the sequence dim (all_gather into each TP
     region, reduce_scatter out of it). loss_parallel: lm_head's output stays vocab-sharded, for a
     cross-entropy inside the jitted program.
     """
-    config = model.config
+    prefix = _gpt_prefix(model)
+    config = model.get_submodule(prefix.rstrip(".")).config if prefix else model.config
     if config.mlp_class_name not in _MLP_PLANS:
         raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for {config.mlp_class_name}")
     hs = config.head_size
@@ -41,4 +68,4 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         norms = ["norm_1"] + ([] if config.shared_attention_norm else ["norm_2"])
         plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in norms})
         plan["transformer.ln_f"] = SequenceParallel(SEQUENCE_DIM)
-    return plan
+    return {prefix + key: style for key, style in plan.items()}
