@@ -1,0 +1,74 @@
+"""Single-process unit tests: layouts, blocked shards, view grouping, basic-indexing maps, redistribution costs."""
+
+import pytest
+import torch
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+import thunder.core.dtypes as dtypes
+import thunder.core.devices as devices
+
+from thunder_tp.layouts import (
+    Partial, Replicate, Shard, check_shardable, local_shape, parse_layout, shard_tensor, unshard_tensor,
+)
+from thunder_tp.propagation.views import _getitem_map, view_groups
+from thunder_tp.reshard import redistribute_cost
+
+
+@pytest.mark.parametrize("layout", [Replicate(), Partial(), Shard(0), Shard(-1), Shard(2, blocks=(32, 16, 16))])
+def test_layout_text_round_trip(layout):
+    assert parse_layout(repr(layout)) == layout
+
+
+def test_blocked_shard_takes_a_chunk_of_every_block():
+    q, k, v = torch.arange(8), 100 + torch.arange(4), 200 + torch.arange(4)
+    full = torch.cat([q, k, v])
+    pieces = [shard_tensor(full, Shard(0, (8, 4, 4)), r, 2) for r in range(2)]
+    assert pieces[0].tolist() == [0, 1, 2, 3, 100, 101, 200, 201]
+    assert torch.equal(unshard_tensor(pieces, Shard(0, (8, 4, 4))), full)
+
+
+def test_plain_shard_round_trip_and_local_shape():
+    full = torch.randn(6, 8)
+    pieces = [shard_tensor(full, Shard(1), r, 4) for r in range(4)]
+    assert pieces[0].shape == local_shape(full.shape, Shard(1), 4) == (6, 2)
+    assert torch.equal(unshard_tensor(pieces, Shard(1)), full)
+    assert torch.equal(unshard_tensor([full, full], Partial()), 2 * full)
+
+
+def test_check_shardable_names_the_problem():
+    with pytest.raises(ValueError, match=r"w: dim 0 of size 510 is not divisible by the TP group size 4"):
+        check_shardable((510, 8), Shard(0), 4, "w")
+    with pytest.raises(ValueError, match="block of size 6"):
+        check_shardable((14,), Shard(0, (8, 6)), 4, "qkv")
+    with pytest.raises(ValueError, match="Partial"):
+        Partial("max")
+
+
+def test_view_groups_pair_dims_with_equal_products():
+    assert view_groups((2, 16, 64), (2, 16, 8, 8)) == [([0], [0]), ([1], [1]), ([2], [2, 3])]
+    assert view_groups((2, 16, 4, 8), (2, 16, 32)) == [([0], [0]), ([1], [1]), ([2, 3], [2])]
+    assert view_groups((32, 128), (4, 8, 128)) == [([0], [0, 1]), ([1], [2])]
+
+
+def test_getitem_maps_whole_dims_only():
+    assert _getitem_map(4, (Ellipsis, slice(None, 8))) == [0, 1, 2, None]
+    assert _getitem_map(2, (slice(None), None, 0)) == [0, None]
+    assert _getitem_map(3, (0,)) == [1, 2]
+    assert _getitem_map(2, (torch.tensor([1]),)) is None
+
+
+def _proxy(shape):
+    with tracectx(TraceCtx()):
+        return TensorProxy(shape=shape, dtype=dtypes.float32, device=devices.cpu, requires_grad=False)
+
+
+def test_costs_prefer_no_communication_and_never_choose_partial():
+    t = _proxy((1024, 1024))
+    slice_cost = redistribute_cost(Replicate(), Shard(0), t, 2)
+    gather_cost = redistribute_cost(Shard(0), Replicate(), t, 2)
+    reduce_cost = redistribute_cost(Partial(), Replicate(), t, 2)
+    scatter_cost = redistribute_cost(Partial(), Shard(0), t, 2)
+    assert redistribute_cost(Shard(0), Shard(0), t, 2) == 0 < slice_cost < gather_cost < reduce_cost
+    assert scatter_cost < reduce_cost
+    assert redistribute_cost(Replicate(), Partial(), t, 2) == float("inf")
+    assert redistribute_cost(Shard(0), Replicate(), t, 2, is_parameter=True) > 100 * gather_cost
