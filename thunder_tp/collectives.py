@@ -58,6 +58,8 @@ def _unpacked_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int, piece: t
 
 def _pack(a: torch.Tensor, dim: int, blocks: Blocks, size: int) -> torch.Tensor:
     """Every rank's piece of `a`, concatenated along dim 0 (the layout reduce_scatter_tensor expects)."""
+    if size == 1 or (dim == 0 and blocks is None):  # already in that order: no copy (the collectives only read it)
+        return a.contiguous()
     return torch.cat([shard_tensor(a, Shard(dim, blocks), r, size).contiguous() for r in range(size)], 0)
 
 
