@@ -29,8 +29,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
 
 import argparse
-import contextlib
-import copy
 import gc
 import json
 import math
