@@ -25,17 +25,12 @@ def rank_and_size(group=None) -> tuple[int, int]:
 
 def collective_counts(trace) -> dict[str, int]:
     """How many of each collective a final trace issues (top-level torchex prims and thunder_tp symbols)."""
+    from thunder_tp.debug import collective_calls
+
     counts: dict[str, int] = {}
-    for b in trace.bound_symbols:
-        name = b.sym.name
-        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-            if name.startswith(f"torch_{kind}_prim_impl") or name in _TP_SYNC.get(kind, ()):
-                counts[kind] = counts.get(kind, 0) + 1
+    for call in collective_calls(trace):
+        counts[call["kind"]] = counts.get(call["kind"], 0) + 1
     return counts
-
-
-_TP_SYNC = {"all_reduce": ("tp_reduce_from_tp", "tp_all_reduce_max"), "all_gather": ("tp_gather", "tp_gather_to_tp"),
-            "reduce_scatter": ("tp_reduce_scatter",)}
 
 
 def assert_close_scaled(actual, expected, *, rtol: float, atol: float, what: str) -> None:

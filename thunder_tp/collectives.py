@@ -3,7 +3,8 @@
 Each symbol is an opaque operator of `comm_executor`:
 - `fn` is a synchronous torch.distributed implementation (used when the executor is not listed);
 - its execution transform lowers it to Thunder's async torchex prims plus a wait, which Thunder's
-  wait sorting moves as late as data allows;
+  wait sorting moves as late as data allows (an all_gather of CPU tensors on gloo: to `tp_all_gather_exchange`,
+  pairwise isend/irecv, plus the same wait);
 - its grad is the conjugate collective (Megatron's f/g operator pairs).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from thunder.core.prims import get_grad, put_grad
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import FutureTensorProxy, TensorProxy
 from thunder.core.transforms import register_grad
 from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
@@ -108,12 +109,62 @@ tp_all_reduce_max = comm_executor.register_operator(
     "tp_all_reduce_max", meta=_like, fn=lambda a, group: _all_reduce(a, group, dist.ReduceOp.MAX)
 )
 
+
+# --- all_gather on gloo: pairwise exchange ----------------------------------------------------------
+
+
+class _Works:
+    """Several async works, waited on as one (torchex's wait_prim_impl calls ``.wait()``)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def _exchange_all_gather(a: torch.Tensor, group: dist.ProcessGroup) -> tuple[_Works, torch.Tensor]:
+    """all_gather_into_tensor (dim 0) as one isend and one irecv per peer, all in flight at once.
+
+    Gloo's allgather is far slower than exchanging the same bytes pairwise: 2 ranks, 16 MB each, loopback:
+    ~34 ms vs ~13 ms (and ~10 ms for an all_reduce of 16 MB).
+    """
+    size, rank = group.size(), dist.get_rank(group)
+    a = a.contiguous()
+    out = torch.empty((size * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
+    pieces = out.chunk(size)
+    pieces[rank].copy_(a)
+    works = []
+    for peer in range(size):
+        if peer != rank:
+            peer_rank = dist.get_global_rank(group, peer)
+            works += [dist.isend(a, peer_rank, group=group), dist.irecv(pieces[peer], peer_rank, group=group)]
+    return _Works(works), out
+
+
+def _exchange_meta(a: TensorProxy, group: dist.ProcessGroup) -> FutureTensorProxy:
+    return FutureTensorProxy(shape=(a.shape[0] * group.size(), *a.shape[1:]), like=a)
+
+
+tp_all_gather_exchange = comm_executor.register_operator(
+    "tp_all_gather_exchange", meta=_exchange_meta, fn=_exchange_all_gather
+)
+
+
+def _gathers_by_exchange(a: TensorProxy, group: dist.ProcessGroup) -> bool:
+    """CPU tensors on a gloo group: gather by pairwise exchange."""
+    return a.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
 #: symbol name -> the kind of collective it issues
 COLLECTIVE_KINDS: dict[str, str] = {
     "tp_reduce_from_tp": "all_reduce",
     "tp_all_reduce_max": "all_reduce",
     "tp_gather": "all_gather",
     "tp_gather_to_tp": "all_gather",
+    "tp_all_gather_exchange": "all_gather",
     "tp_reduce_scatter": "reduce_scatter",
 }
 
@@ -131,7 +182,10 @@ def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.Proc
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
     size = group.size()
-    gathered = wait_prim_impl(all_gather_prim_impl(tp_pack(a, 0, None, 1), group, True, None))
+    if _gathers_by_exchange(a, group):
+        gathered = wait_prim_impl(tp_all_gather_exchange(a, group))
+    else:
+        gathered = wait_prim_impl(all_gather_prim_impl(tp_pack(a, 0, None, 1), group, True, None))
     if dim == 0 and blocks is None:
         return gathered
     return tp_unpack(gathered, dim, blocks, size, tuple(a.shape))
@@ -153,7 +207,7 @@ comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_as
 comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)
-for _sym in (tp_copy_to_tp, tp_scatter, tp_all_reduce_max, tp_pack, tp_unpack):
+for _sym in (tp_copy_to_tp, tp_scatter, tp_all_reduce_max, tp_pack, tp_unpack, tp_all_gather_exchange):
     comm_executor.register_implementation(_sym, _sym)
 
 
