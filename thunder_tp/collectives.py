@@ -3,8 +3,8 @@
 Each symbol is an opaque operator of `comm_executor`:
 - `fn` is a synchronous torch.distributed implementation (used when the executor is not listed);
 - its execution transform lowers it to Thunder's async torchex prims plus a wait, which Thunder's
-  wait sorting moves as late as data allows (an all_gather of CPU tensors on gloo: to `tp_all_gather_exchange`,
-  pairwise isend/irecv, plus the same wait);
+  wait sorting moves as late as data allows (all_gather / reduce_scatter of CPU tensors on gloo: to
+  `tp_all_gather_exchange` / `tp_reduce_scatter_exchange`, pairwise isend/irecv, plus the same wait);
 - its grad is the conjugate collective (Megatron's f/g operator pairs).
 """
 
@@ -18,7 +18,7 @@ from thunder.core.transforms import register_grad
 from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_tp.layouts import Shard, local_shape, shard_tensor, unshard_tensor
+from thunder_tp.layouts import Shard, local_blocks, local_shape, shard_tensor, unshard_tensor
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
 register_executor(comm_executor)
@@ -110,52 +110,109 @@ tp_all_reduce_max = comm_executor.register_operator(
 )
 
 
-# --- all_gather on gloo: pairwise exchange ----------------------------------------------------------
+# --- gloo: all_gather and reduce_scatter as pairwise exchanges ------------------------------------
+# Gloo's allgather and reduce_scatter are far slower than exchanging the same bytes pairwise (2 ranks on
+# loopback: all_gather of 16 MB pieces ~34 ms vs ~13 ms; reduce_scatter of 16 MB ~17-22 ms vs ~8-10 ms). So on
+# gloo each rank sends every peer its piece and receives theirs (all in flight at once); the wait places what
+# arrived straight into the result's layout, so no separate pack/unpack copy is needed.
 
 
-class _Works:
-    """Several async works, waited on as one (torchex's wait_prim_impl calls ``.wait()``)."""
+def _piece_views(t: torch.Tensor, dim: int, blocks: Blocks, rank: int, size: int) -> list[torch.Tensor]:
+    """Views of rank `rank`'s piece of the full tensor `t`: one per block (one in all for an unblocked dim)."""
+    views, start = [], 0
+    for block in blocks or (t.shape[dim],):
+        views.append(t.narrow(dim, start + rank * (block // size), block // size))
+        start += block
+    return views
 
-    def __init__(self, works: list):
-        self.works = works
+
+def _piece(t: torch.Tensor, dim: int, blocks: Blocks, rank: int, size: int) -> torch.Tensor:
+    views = _piece_views(t, dim, blocks, rank, size)
+    return views[0] if len(views) == 1 else torch.cat(views, dim)
+
+
+class _Exchange:
+    """The sends and receives of one exchange, waited on as one (torchex's wait_prim_impl calls ``.wait()``);
+    ``finish`` then combines what was received into the result."""
+
+    def __init__(self, works: list, finish):
+        self.works, self.finish = works, finish
 
     def wait(self, timeout=None) -> bool:
         for work in self.works:
             work.wait()
+        self.finish()
         return True
 
 
-def _exchange_all_gather(a: torch.Tensor, group: dist.ProcessGroup) -> tuple[_Works, torch.Tensor]:
-    """all_gather_into_tensor (dim 0) as one isend and one irecv per peer, all in flight at once.
+def _exchange(group: dist.ProcessGroup, send: dict[int, torch.Tensor], recv: dict[int, torch.Tensor]) -> list:
+    works = []
+    for peer in range(group.size()):
+        if peer in send:
+            peer_rank = dist.get_global_rank(group, peer)
+            works += [dist.isend(send[peer], peer_rank, group=group), dist.irecv(recv[peer], peer_rank, group=group)]
+    return works
 
-    Gloo's allgather is far slower than exchanging the same bytes pairwise: 2 ranks, 16 MB each, loopback:
-    ~34 ms vs ~13 ms (and ~10 ms for an all_reduce of 16 MB).
-    """
+
+def _exchange_all_gather(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup):
+    """Shard(dim, blocks) -> Replicate: (work, full tensor, valid after work.wait())."""
     size, rank = group.size(), dist.get_rank(group)
     a = a.contiguous()
-    out = torch.empty((size * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
-    pieces = out.chunk(size)
-    pieces[rank].copy_(a)
-    works = []
-    for peer in range(size):
-        if peer != rank:
-            peer_rank = dist.get_global_rank(group, peer)
-            works += [dist.isend(a, peer_rank, group=group), dist.irecv(pieces[peer], peer_rank, group=group)]
-    return _Works(works), out
+    shape = list(a.shape)
+    shape[dim] *= size
+    full = torch.empty(shape, dtype=a.dtype, device=a.device)
+    split = list(local_blocks(blocks, size) or (a.shape[dim],))
+
+    def place(piece: torch.Tensor, r: int) -> None:
+        for view, part in zip(_piece_views(full, dim, blocks, r, size), piece.split(split, dim)):
+            view.copy_(part)
+
+    place(a, rank)
+    direct = dim == 0 and blocks is None  # each peer's piece is a contiguous chunk of `full`: receive in place
+    peers = [p for p in range(size) if p != rank]
+    recv = {p: full.narrow(0, p * a.shape[0], a.shape[0]) if direct else torch.empty_like(a) for p in peers}
+    works = _exchange(group, {p: a for p in peers}, recv)
+    return _Exchange(works, lambda: None if direct else [place(recv[p], p) for p in peers]), full
 
 
-def _exchange_meta(a: TensorProxy, group: dist.ProcessGroup) -> FutureTensorProxy:
-    return FutureTensorProxy(shape=(a.shape[0] * group.size(), *a.shape[1:]), like=a)
+def _exchange_reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup):
+    """Partial -> Shard(dim, blocks): (work, this rank's summed piece, valid after work.wait()).
+    Summands are added in rank order, the same on every rank."""
+    size, rank = group.size(), dist.get_rank(group)
+    peers = [p for p in range(size) if p != rank]
+    mine = _piece(a, dim, blocks, rank, size)
+    recv = {p: torch.empty(mine.shape, dtype=a.dtype, device=a.device) for p in peers}
+    works = _exchange(group, {p: _piece(a, dim, blocks, p, size).contiguous() for p in peers}, recv)
+    out = torch.empty(mine.shape, dtype=a.dtype, device=a.device)
+
+    def finish() -> None:
+        parts = [mine if r == rank else recv[r] for r in range(size)]
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+
+    return _Exchange(works, finish), out
+
+
+def _future(meta):
+    def future_meta(*args) -> FutureTensorProxy:
+        t = meta(*args)
+        return FutureTensorProxy(shape=t.shape, like=t)
+
+    return future_meta
 
 
 tp_all_gather_exchange = comm_executor.register_operator(
-    "tp_all_gather_exchange", meta=_exchange_meta, fn=_exchange_all_gather
+    "tp_all_gather_exchange", meta=_future(_gathered_meta), fn=_exchange_all_gather
+)
+tp_reduce_scatter_exchange = comm_executor.register_operator(
+    "tp_reduce_scatter_exchange", meta=_future(_scattered_meta), fn=_exchange_reduce_scatter
 )
 
 
-def _gathers_by_exchange(a: TensorProxy, group: dist.ProcessGroup) -> bool:
-    """CPU tensors on a gloo group: gather by pairwise exchange."""
-    return a.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+def _by_exchange(a: TensorProxy, group: dist.ProcessGroup) -> bool:
+    """CPU tensors on a gloo group with more than one rank: all_gather / reduce_scatter by pairwise exchange."""
+    return a.device.type == "cpu" and group.size() > 1 and "gloo" in str(dist.get_backend(group))
 
 
 #: symbol name -> the kind of collective it issues
@@ -166,6 +223,7 @@ COLLECTIVE_KINDS: dict[str, str] = {
     "tp_gather_to_tp": "all_gather",
     "tp_all_gather_exchange": "all_gather",
     "tp_reduce_scatter": "reduce_scatter",
+    "tp_reduce_scatter_exchange": "reduce_scatter",
 }
 
 
@@ -181,11 +239,10 @@ def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
 def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
+    if _by_exchange(a, group):
+        return wait_prim_impl(tp_all_gather_exchange(a, dim, blocks, group))
     size = group.size()
-    if _gathers_by_exchange(a, group):
-        gathered = wait_prim_impl(tp_all_gather_exchange(a, group))
-    else:
-        gathered = wait_prim_impl(all_gather_prim_impl(tp_pack(a, 0, None, 1), group, True, None))
+    gathered = wait_prim_impl(all_gather_prim_impl(tp_pack(a, 0, None, 1), group, True, None))
     if dim == 0 and blocks is None:
         return gathered
     return tp_unpack(gathered, dim, blocks, size, tuple(a.shape))
@@ -194,6 +251,8 @@ def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.Proc
 def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import reduce_scatter_prim_impl, wait_prim_impl
 
+    if _by_exchange(a, group):
+        return wait_prim_impl(tp_reduce_scatter_exchange(a, dim, blocks, group))
     packed = tp_pack(a, dim, blocks, group.size())
     out = wait_prim_impl(reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None))
     if dim == 0:
@@ -207,7 +266,8 @@ comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_as
 comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)
-for _sym in (tp_copy_to_tp, tp_scatter, tp_all_reduce_max, tp_pack, tp_unpack, tp_all_gather_exchange):
+for _sym in (tp_copy_to_tp, tp_scatter, tp_all_reduce_max, tp_pack, tp_unpack, tp_all_gather_exchange,
+             tp_reduce_scatter_exchange):
     comm_executor.register_implementation(_sym, _sym)
 
 
