@@ -176,8 +176,9 @@ def litgpt_config(cfg: LlamaConfig):
 # --- plans ------------------------------------------------------------------------------------------
 
 
-def thunder_tp_plan(sequence_parallel: bool) -> dict:
-    """thunder_tp's plan for ``Llama`` (keys relative to ``WithLoss``)."""
+def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dict:
+    """thunder_tp's plan for ``Llama`` (keys relative to ``WithLoss``); loss_parallel leaves the logits
+    vocab-sharded, so the cross-entropy in the same trace runs on them without gathering them."""
     from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard
 
     reduced = Shard(1) if sequence_parallel else Replicate()
@@ -188,7 +189,8 @@ def thunder_tp_plan(sequence_parallel: bool) -> dict:
         f"{blk}attention.wo": RowwiseParallel(output_layout=reduced),
         **{f"{blk}feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")},
         f"{blk}feed_forward.w2": RowwiseParallel(output_layout=reduced),
-        "model.output": ColwiseParallel(output_layout=Replicate()),  # loss parallel off: logits gathered
+        # loss parallel off (as for DTensor): the logits are gathered
+        "model.output": ColwiseParallel(output_layout=None if loss_parallel else Replicate()),
     }
     if sequence_parallel:
         plan.update({f"{blk}attention_norm": SequenceParallel(1), f"{blk}ffn_norm": SequenceParallel(1),
@@ -419,6 +421,8 @@ def all_modes() -> list[Mode]:
              "1 rank, thunder.jit, Thunder's default executors"),
         Mode("thunder_tp_tp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False)), "thunder_tp TP"),
         Mode("thunder_tp_sp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True)), "thunder_tp TP+SP"),
+        Mode("thunder_tp_tp_lp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False, True)),
+             "thunder_tp TP, loss parallel (logits stay vocab-sharded; not comparable to DTensor's rows)"),
         Mode("dtensor_tp_default", "llama", 0, "eager", _dtensor("default"),
              "DTensor TP, default plan (Colwise/Rowwise per linear)"),
         Mode("dtensor_tp", "llama", 0, "eager", _dtensor("best"),
