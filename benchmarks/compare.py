@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -198,8 +199,9 @@ def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dic
     return plan
 
 
-def dtensor_plan(kind: str) -> dict:
-    """DTensor plan for ``Llama``: 'default' (per-linear), 'best' (shared inputs) or 'sp' (torchtitan's)."""
+def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
+    """DTensor plan for ``Llama``: 'default' (per-linear), 'best' (shared inputs) or 'sp' (torchtitan's);
+    loss_parallel leaves the logits a vocab-sharded DTensor (for ``torch.distributed.tensor.parallel.loss_parallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
@@ -209,7 +211,8 @@ def dtensor_plan(kind: str) -> dict:
     act = Shard(1) if sp else Replicate()
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-        "output": ColwiseParallel(input_layouts=act, output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
+        if loss_parallel else ColwiseParallel(input_layouts=act, output_layouts=Replicate()),
     }
     if sp:
         plan["norm"] = SequenceParallel()
@@ -393,14 +396,24 @@ def _thunder_tp(plan_fn):
     return build
 
 
-def _dtensor(kind: str, compile: bool = False):
+def _dtensor(kind: str, compile: bool = False, loss_parallel: bool = False):
     def build(model):
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
         from torch.distributed.tensor.parallel import parallelize_module
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(),))
-        parallelize_module(model.model, mesh, dtensor_plan(kind))
+        parallelize_module(model.model, mesh, dtensor_plan(kind, loss_parallel))
+        if loss_parallel:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            def replicated_targets(_module, args):
+                idx, targets = args
+                return idx, DTensor.from_local(targets, mesh, [Replicate()])
+
+            model.register_forward_pre_hook(replicated_targets)
+            model.step_context = loss_parallel_context  # forward and backward of the loss run inside it
         return torch.compile(model) if compile else model
 
     return build
@@ -423,6 +436,8 @@ def all_modes() -> list[Mode]:
         Mode("thunder_tp_sp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True)), "thunder_tp TP+SP"),
         Mode("thunder_tp_tp_lp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False, True)),
              "thunder_tp TP, loss parallel (logits stay vocab-sharded; not comparable to DTensor's rows)"),
+        Mode("dtensor_tp_lp", "llama", 0, "eager", _dtensor("best", loss_parallel=True),
+             "DTensor TP, best eager plan, loss parallel (torch's loss_parallel(); compare with thunder_tp_tp_lp)"),
         Mode("dtensor_tp_default", "llama", 0, "eager", _dtensor("default"),
              "DTensor TP, default plan (Colwise/Rowwise per linear)"),
         Mode("dtensor_tp", "llama", 0, "eager", _dtensor("best"),
@@ -448,10 +463,16 @@ def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
     return WithLoss(Llama(cfg))
 
 
+def step_context(model):
+    """What a mode's forward and backward must run inside (DTensor's loss_parallel), else nothing."""
+    return getattr(model, "step_context", contextlib.nullcontext)()
+
+
 def train_step(model, opt, idx, targets) -> torch.Tensor:
     opt.zero_grad(set_to_none=True)
-    loss = model(idx, targets)
-    loss.backward()
+    with step_context(model):
+        loss = model(idx, targets)
+        loss.backward()
     opt.step()
     return loss.detach()
 
@@ -529,8 +550,9 @@ def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) 
     (CommDebugMode) makes Dynamo give up on compiled code (Thunder's Inductor regions and torch.compile run eagerly
     from then on)."""
     jm.zero_grad(set_to_none=True)
-    saved, loss = hooked_saved_bytes(lambda: jm(idx, targets), params)
-    loss.backward()
+    with step_context(jm):
+        saved, loss = hooked_saved_bytes(lambda: jm(idx, targets), params)
+        loss.backward()
     result["saved_bytes_hooks"] = saved
     if mode.runtime == "thunder":
         import thunder
@@ -545,10 +567,11 @@ def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) 
     fwd_mode, bwd_mode = comm_mode(), comm_mode()
     jm.zero_grad(set_to_none=True)
     try:
-        with fwd_mode:
-            loss = jm(idx, targets)
-        with bwd_mode:
-            loss.backward()
+        with step_context(jm):
+            with fwd_mode:
+                loss = jm(idx, targets)
+            with bwd_mode:
+                loss.backward()
         result["comm_forward"] = summarize_records(fwd_mode.records)
         result["comm_backward"] = summarize_records(bwd_mode.records)
     except Exception as e:
@@ -747,6 +770,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scaling_repeats", type=int, default=3)
     p.add_argument("--fresh_inductor_cache", type=int, default=1,
                    help="1: compile into an empty Inductor cache (honest first-iteration times)")
+    p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r (every mode)")
     p.add_argument("--json_path", default="")
     p.add_argument("--png_path", default="")
     p.add_argument("--profile", default="", help="comma-separated modes to profile (torch.profiler, rank 0)")
@@ -757,6 +781,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def pin_to_core() -> None:
+    """One core per rank (local rank r on core r), when there are cores enough: otherwise the scheduler lets
+    ranks share a core for a while, and every collective waits for the rank that fell behind."""
+    cores = sorted(os.sched_getaffinity(0))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local_world <= len(cores):
+        os.sched_setaffinity(0, {cores[local_rank]})
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -765,6 +798,8 @@ def main(argv=None) -> int:
         cache_dir = tempfile.mkdtemp(prefix=f"compare_inductor_{os.environ.get('RANK', '0')}_")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     cuda = torch.cuda.is_available()
+    if args.pin_cores and not cuda:
+        pin_to_core()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -849,6 +884,12 @@ def targets_summary(results: dict, scaling: dict, world: int) -> dict:
         out["tp_vs_dtensor"] = {"ratio": tp["median_s"] / dt["median_s"], "target": 0.85}
     if "median_s" in tp and "median_s" in single:
         out["parallel_efficiency"] = {"value": single["median_s"] / (world * tp["median_s"]), "target": 0.9}
+    lp, dt_lp = (results.get(n, {}) for n in ("thunder_tp_tp_lp", "dtensor_tp_lp"))
+    if "median_s" in lp and "median_s" in dt_lp:
+        out["tp_vs_dtensor_loss_parallel"] = {"ratio": lp["median_s"] / dt_lp["median_s"], "target": 0.85}
+    if "median_s" in lp and "median_s" in single:
+        out["parallel_efficiency_loss_parallel"] = {"value": single["median_s"] / (world * lp["median_s"]),
+                                                    "target": 0.9}
     if "first_iter_s" in tp and "first_iter_s" in single:
         out["first_iter_vs_thunder_jit"] = {"ratio": tp["first_iter_s"] / single["first_iter_s"], "target": 1.3}
     if "comm_forward_trace" in tp:

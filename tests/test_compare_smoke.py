@@ -27,6 +27,7 @@ def test_compare_runs_every_mode(tmp_path):
     modes = report["modes"]
     expected = {
         "single_eager", "single_thunder", "single_thunder_defaults", "thunder_tp_tp", "thunder_tp_sp", "thunder_tp_tp_lp",
+        "dtensor_tp_lp",
         "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
         "litgpt_single_thunder", "litgpt_thunder_tp_tp", "litgpt_thunder_tp_sp",
     }
