@@ -19,7 +19,7 @@ import thunder_tp
 from tests.dist import run_ranks
 from tests.litgpt_models import CONFIGS, SEQ, VOCAB, GPTWithLoss, batch
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled
-from thunder_tp.collectives import COLLECTIVE_KINDS
+from thunder_tp.debug import collective_kind
 from thunder_tp.executor import is_communication
 from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
 
@@ -56,8 +56,6 @@ def _full(local: torch.Tensor, name: str, tp: thunder_tp.TensorParallel, mesh, k
 
 # --- trace checks -------------------------------------------------------------------------------------
 
-_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-
 
 def _collectives(trace, mesh) -> dict[str, int]:
     """'{tp|dp} {kind}' -> count for every collective of a final trace; each must run on the tp or the dp group."""
@@ -78,8 +76,7 @@ def _collectives(trace, mesh) -> dict[str, int]:
             assert which == "tp" or mesh.tp_ranks == mesh.dp_ranks, f"TP op {bsym.sym.name} on the dp group {ranks}"
         size = {"tp": mesh.tp, "dp": mesh.dp}[which]
         assert all(g.size() == size for g in groups), f"{bsym.sym.name}: group size {groups[0].size()} != {which}={size}"
-        kind = next((k for k in _KINDS if bsym.sym.name.startswith(f"torch_{k}_prim_impl")), None)
-        kind = kind or COLLECTIVE_KINDS.get(bsym.sym.name)  # thunder_tp's own (e.g. tp_all_gather_exchange on gloo)
+        kind = collective_kind(bsym)
         if kind is not None:
             counts[f"{which} {kind}"] = counts.get(f"{which} {kind}", 0) + 1
     return counts

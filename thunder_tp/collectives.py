@@ -79,7 +79,8 @@ def _all_reduce(a: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM)
     return out
 
 
-def _all_gather(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_shards(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's Shard(dim, blocks) piece (synchronous)."""
     size = group.size()
     out = torch.empty((size * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
     dist.all_gather_into_tensor(out, a.contiguous(), group)
@@ -101,8 +102,8 @@ tp_unpack = comm_executor.register_operator("tp_unpack", meta=_unpacked_meta, fn
 
 tp_copy_to_tp = comm_executor.register_operator("tp_copy_to_tp", meta=_like, fn=lambda a, group: a)
 tp_reduce_from_tp = comm_executor.register_operator("tp_reduce_from_tp", meta=_like, fn=_all_reduce)
-tp_gather = comm_executor.register_operator("tp_gather", meta=_gathered_meta, fn=_all_gather)
-tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathered_meta, fn=_all_gather)
+tp_gather = comm_executor.register_operator("tp_gather", meta=_gathered_meta, fn=gather_shards)
+tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathered_meta, fn=gather_shards)
 tp_scatter = comm_executor.register_operator("tp_scatter", meta=_scattered_meta, fn=_local)
 tp_reduce_scatter = comm_executor.register_operator("tp_reduce_scatter", meta=_scattered_meta, fn=_reduce_scatter)
 tp_all_reduce_max = comm_executor.register_operator(
@@ -147,10 +148,9 @@ class _Exchange:
 
 def _exchange(group: dist.ProcessGroup, send: dict[int, torch.Tensor], recv: dict[int, torch.Tensor]) -> list:
     works = []
-    for peer in range(group.size()):
-        if peer in send:
-            peer_rank = dist.get_global_rank(group, peer)
-            works += [dist.isend(send[peer], peer_rank, group=group), dist.irecv(recv[peer], peer_rank, group=group)]
+    for peer in send:
+        peer_rank = dist.get_global_rank(group, peer)
+        works += [dist.isend(send[peer], peer_rank, group=group), dist.irecv(recv[peer], peer_rank, group=group)]
     return works
 
 

@@ -34,7 +34,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_tp.collectives import COLLECTIVE_KINDS
 
-__all__ = ["collective_calls", "collectives_table", "dump_traces", "format_table", "totals"]
+__all__ = ["collective_calls", "collective_kind", "collectives_table", "dump_traces", "format_table", "totals"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -46,7 +46,8 @@ _SYMBOL_KINDS: dict[str, str] = {
 }
 
 
-def _kind(bsym: BoundSymbol) -> str | None:
+def collective_kind(bsym: BoundSymbol) -> str | None:
+    """The kind of collective a top-level bound symbol issues (all_reduce, ...), or None."""
     sym = bsym.sym
     kind = _SYMBOL_KINDS.get(sym.name)
     if kind is None:
@@ -81,7 +82,7 @@ def collective_calls(trace: TraceCtx) -> list[dict]:
     """Every collective of ``trace`` in program order: kind, group size, bytes, and the bound symbol."""
     calls = []
     for bsym in trace.bound_symbols:
-        kind = _kind(bsym)
+        kind = collective_kind(bsym)
         if kind is None:
             continue
         tensor = next((a for a in bsym.flat_args if isinstance(a, TensorProxy)), None)

@@ -112,20 +112,14 @@ def _sizes(dp: Any, tp: Any, world: int) -> tuple[int, int]:
             f"thunder_tp.init_mesh: give tp= (and/or dp=); e.g. init_mesh(dp={max(world // 2, 1)}, tp=2) for a "
             f"world of {world} ranks"
         )
-    if tp is None:
-        if world % dp:
+    if dp is None or tp is None:
+        name, given = ("dp", dp) if tp is None else ("tp", tp)
+        if world % given:
             raise ValueError(
-                f"thunder_tp.init_mesh: world size {world} is not divisible by dp={dp}; choose a dp that divides "
-                f"{world} (e.g. {_divisors(world)})"
+                f"thunder_tp.init_mesh: world size {world} is not divisible by {name}={given}; choose a {name} that "
+                f"divides {world} (e.g. {_divisors(world)})"
             )
-        tp = world // dp
-    if dp is None:
-        if world % tp:
-            raise ValueError(
-                f"thunder_tp.init_mesh: world size {world} is not divisible by tp={tp}; choose a tp that divides "
-                f"{world} (e.g. {_divisors(world)})"
-            )
-        dp = world // tp
+        dp, tp = (given, world // given) if tp is None else (world // given, given)
     if dp * tp != world:
         hint = f"dp={world // tp}, tp={tp}" if world % tp == 0 else f"a tp that divides {world} (e.g. {_divisors(world)})"
         raise ValueError(

@@ -13,6 +13,7 @@ from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform
 
+from thunder_tp.collectives import gather_shards
 from thunder_tp.constraints import constrain_styled_ops
 from thunder_tp.layouts import (
     REPLICATE,
@@ -22,7 +23,6 @@ from thunder_tp.layouts import (
     check_shardable,
     local_shape,
     shard_tensor,
-    unshard_tensor,
 )
 from thunder_tp.mesh import check_composition
 from thunder_tp.propagation import Propagation
@@ -87,9 +87,7 @@ class TensorParallel(Transform):
         layout = self.parameter_layouts.get(name)
         if not isinstance(layout, Shard) or not isinstance(value, torch.Tensor):
             return value
-        pieces = [torch.empty_like(value) for _ in range(self.tp.size)]
-        dist.all_gather(pieces, value.detach().contiguous(), group=self.tp.group)
-        return unshard_tensor(pieces, layout)
+        return gather_shards(value.detach(), layout.dim, layout.blocks, self.tp.group)
 
     def _shard_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
