@@ -9,6 +9,7 @@ from tests.test_core_mlp import BATCH, HIDDEN, MLP, PLAN, SEQ
 from tests.tp_checks import FAST_EXECUTORS
 
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
+ALL_REDUCE = "tp_cpu_all_reduce"  # how an all_reduce of CPU tensors on gloo is lowered
 
 
 def _jitted_mlp():
@@ -56,13 +57,13 @@ def test_dump_traces_and_collectives_table(tmp_path):
         forward = res["texts"][f"rank{r}_forward.py"]
         # the printed trace itself, each collective on one line, and a header naming its group size
         assert "def computation(" in forward or "def " in forward
-        assert sum("torch_all_reduce_prim_impl(" in line for line in forward.splitlines() if not line.startswith("#")) == 1
-        header = [line for line in forward.splitlines() if line.startswith("#   ") and "torch_all_reduce_prim_impl" in line]
+        assert sum(f"{ALL_REDUCE}(" in line for line in forward.splitlines() if not line.startswith("#")) == 1
+        header = [line for line in forward.splitlines() if line.startswith("#   ") and ALL_REDUCE in line]
         assert len(header) == 1 and "all_reduce over" in header[0] and "group size 2" in header[0], forward[:2000]
         assert f"{ACTIVATION_BYTES} bytes" in header[0], header
         assert "global ranks [0, 1]" in forward
         compile(forward, "forward", "exec")  # the header keeps it a Python file
-        assert "torch_all_reduce_prim_impl(" in res["texts"][f"rank{r}_backward.py"]
+        assert f"{ALL_REDUCE}(" in res["texts"][f"rank{r}_backward.py"]
 
         table = res["texts"][f"rank{r}_collectives.md"]
         assert "| pass | kind | group size | bytes per call | count | total bytes |" in table
@@ -97,6 +98,6 @@ def test_table_of_thunder_tp_symbols_without_comm_executor():
     res = run_ranks(_unlowered_tables, 2, "defaults")[0]
     row = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
            "total_bytes": ACTIVATION_BYTES}
-    assert "tp_reduce_from_tp" in res["symbols"] and "torch_all_reduce_prim_impl" not in res["symbols"], res
+    assert "tp_reduce_from_tp" in res["symbols"] and ALL_REDUCE not in res["symbols"], res
     assert res["forward"] == [row], res
     assert res["backward"] == [row], res

@@ -8,7 +8,7 @@ from thunder_tp.executor import is_communication
 from tests.dist import run_ranks
 from tests.test_core_mlp import MLP, PLAN, _mlp_input
 
-_COLLECTIVE = "torch_all_reduce_prim_impl"
+_COLLECTIVE = "tp_cpu_all_reduce"  # how an all_reduce of CPU tensors on gloo is lowered
 _WAIT = "torch_wait_prim_impl"
 
 
