@@ -435,7 +435,7 @@ def all_modes() -> list[Mode]:
         Mode("thunder_tp_tp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False)), "thunder_tp TP"),
         Mode("thunder_tp_sp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True)), "thunder_tp TP+SP"),
         Mode("thunder_tp_tp_lp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False, True)),
-             "thunder_tp TP, loss parallel (logits stay vocab-sharded; not comparable to DTensor's rows)"),
+             "thunder_tp TP, loss parallel (logits stay vocab-sharded; compare with dtensor_tp_lp)"),
         Mode("dtensor_tp_lp", "llama", 0, "eager", _dtensor("best", loss_parallel=True),
              "DTensor TP, best eager plan, loss parallel (torch's loss_parallel(); compare with thunder_tp_tp_lp)"),
         Mode("dtensor_tp_default", "llama", 0, "eager", _dtensor("default"),
