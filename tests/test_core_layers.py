@@ -115,6 +115,23 @@ def test_annotated_matmul_returns_full_product(world):
     assert "all_gather" in trace
 
 
+def _partial_plus_number_fn(a, b, c):
+    return annotate(a, Shard(1)) @ annotate(b, Shard(0)) + c  # a Partial product plus a number
+
+
+def _partial_plus_number(cache: str):
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    jf = thunder.jit(_partial_plus_number_fn, transforms=[TensorParallel()], executors=FAST_EXECUTORS, cache=cache)
+    torch.testing.assert_close(jf(a, b, 3.0), a @ b + 3.0, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_partial_plus_number_adds_it_once(cache):
+    """Under symbolic values the number is a NumberProxy, not a Number: it must still be added once, not per rank."""
+    run_ranks(_partial_plus_number, 2, cache)
+
+
 class MLPWithUnknownOp(MLP):
     def forward(self, x):
         h = torch.nn.functional.gelu(self.fc1(x))

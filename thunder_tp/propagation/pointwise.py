@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from numbers import Number
-
 import thunder.core.prims as prims
 import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
@@ -70,8 +68,8 @@ def negation(op: Op) -> list[Strategy]:
 
 @register_rule(ltorch.add, ltorch.sub, prims.add, prims.sub)
 def addition(op: Op) -> list[Strategy]:
-    """Sum of Partials is Partial (not with a number: it would be added once per rank)."""
-    numbers = [a for a in op.bsym.args[:2] if isinstance(a, Number)]
+    """Sum of Partials is Partial (not with a number, constant or NumberProxy: it would be added once per rank)."""
+    numbers = [a for a in op.bsym.args[:2] if not isinstance(a, TensorProxy)]
     partial = [_all_partial(op)] if not numbers and any(isinstance(x, Partial) for x in op.layouts) else []
     return [*partial, *elementwise_strategies(op)]
 
