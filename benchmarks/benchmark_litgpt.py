@@ -28,6 +28,7 @@ groups. 2-D modes (TP inside Thunder's DDP/FSDP) are a few lines each, e.g.::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -86,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="accepted for compatibility with Thunder's script; JSON is written whenever --json_path is set")
     p.add_argument("--learning_rate", type=float, default=0.5, help="SGD learning rate")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--timeout", type=float, default=None,
+                   help="process-group timeout in seconds (a hung peer's collective fails after it; default torch's)")
     args = p.parse_args(argv)
     if args.max_iters <= args.warmup_iters:
         p.error(f"--max_iters ({args.max_iters}) must be larger than --warmup_iters ({args.warmup_iters})")
@@ -114,7 +117,7 @@ class Groups:
     dp_group: Any
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.device]:
     """Join the default process group (NCCL + cuda:LOCAL_RANK on CUDA, gloo on CPU); a single process works too."""
     if "RANK" not in os.environ:  # plain `python benchmark_litgpt.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -137,7 +140,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -390,7 +394,7 @@ def collectives_per_iteration(jm: nn.Module) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(args.timeout)
     try:
         return run(args, rank, world, device)
     finally:

@@ -30,6 +30,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile sid
 
 import argparse
 import contextlib
+import datetime
 import gc
 import json
 import math
@@ -771,6 +772,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fresh_inductor_cache", type=int, default=1,
                    help="1: compile into an empty Inductor cache (honest first-iteration times)")
     p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r (every mode)")
+    p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds (a hung peer fails after it)")
     p.add_argument("--json_path", default="")
     p.add_argument("--png_path", default="")
     p.add_argument("--profile", default="", help="comma-separated modes to profile (torch.profiler, rank 0)")
@@ -800,7 +802,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     if args.pin_cores and not cuda:
         pin_to_core()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:

@@ -259,8 +259,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, s
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    # Run the exit handlers (thunder_tp's shared-memory transport unlinks its /dev/shm files there), then skip
-    # the rest of interpreter teardown (about 1 s with torch loaded).
+    # Run the exit handlers, then skip the rest of interpreter teardown (about 1 s with torch loaded).
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
     os._exit(0)

@@ -9,7 +9,7 @@ from tests.test_core_mlp import BATCH, HIDDEN, MLP, PLAN, SEQ
 from tests.tp_checks import FAST_EXECUTORS
 
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
-ALL_REDUCE = "tp_cpu_all_reduce"  # how an all_reduce of CPU tensors on gloo is lowered
+ALL_REDUCE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
 
 
 def _jitted_mlp():

@@ -8,7 +8,8 @@ from thunder_tp.executor import is_communication
 from tests.dist import run_ranks
 from tests.test_core_mlp import MLP, PLAN, _mlp_input
 
-_COLLECTIVE = "tp_cpu_all_reduce"  # how an all_reduce of CPU tensors on gloo is lowered
+_COLLECTIVE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
+_NAME_WORK = "tp_name_work"  # wraps its work handle so that a failed wait names the collective
 _WAIT = "torch_wait_prim_impl"
 
 
@@ -19,7 +20,7 @@ def _summary(trace) -> dict:
     gaps = []
     for i, b in enumerate(bsyms):
         if b.sym.name == _COLLECTIVE:
-            future = b.output.name
+            future = next(c.output.name for c in bsyms[i + 1 :] if c.sym.name == _NAME_WORK and c.args[0].name == b.output.name)
             wait = next(j for j in range(i + 1, len(bsyms)) if bsyms[j].sym.name == _WAIT and bsyms[j].args[0].name == future)
             gaps.append(sum(1 for c in bsyms[i + 1 : wait] if not is_communication(c) and c.sym.name != "del"))
     return {

@@ -2,9 +2,9 @@
 
 Each symbol is an opaque operator of `comm_executor`:
 - `fn` is a synchronous torch.distributed implementation (used when the executor is not listed);
-- its execution transform lowers it to Thunder's async torchex prims plus a wait, which Thunder's
-  wait sorting moves as late as data allows (CPU tensors on gloo: to `tp_cpu_all_reduce` /
-  `tp_cpu_all_gather` / `tp_cpu_reduce_scatter`, shared memory on one host, plus the same wait);
+- its execution transform lowers it, on every torch.distributed backend, to Thunder's async torchex prims
+  plus a wait, which Thunder's wait sorting moves as late as data allows; a failed wait names the
+  collective and its group;
 - its grad is the conjugate collective (Megatron's f/g operator pairs).
 """
 
@@ -18,8 +18,7 @@ from thunder.core.transforms import register_grad
 from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_tp import shm
-from thunder_tp.layouts import Shard, local_blocks, local_shape, shard_tensor, unshard_tensor
+from thunder_tp.layouts import Shard, local_shape, shard_tensor, unshard_tensor
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
 register_executor(comm_executor)
@@ -112,167 +111,58 @@ tp_all_reduce_max = comm_executor.register_operator(
 )
 
 
-# --- CPU tensors on gloo: shared memory on one host, pairwise exchanges otherwise ------------------
-# Gloo sends CPU tensors over TCP even on one host, with several kernel round trips per collective. When every
-# rank of the group is on this host, `shm` lets each rank publish its contribution once and its peers read it
-# in place (2 ranks on a 2-core VM, each after a matmul: all_reduce of 2 MB ~4 ms -> ~0.7 ms). Otherwise
-# all_gather and reduce_scatter exchange pieces pairwise, which beats gloo's allgather / reduce_scatter ~2.5x,
-# and all_reduce stays gloo's. Shared memory and exchanges combine contributions in rank order, so every rank
-# computes bitwise the same result.
-
-
-def _piece_views(t: torch.Tensor, dim: int, blocks: Blocks, rank: int, size: int) -> list[torch.Tensor]:
-    """Views of rank `rank`'s piece of the full tensor `t`: one per block (one in all for an unblocked dim)."""
-    views, start = [], 0
-    for block in blocks or (t.shape[dim],):
-        views.append(t.narrow(dim, start + rank * (block // size), block // size))
-        start += block
-    return views
-
-
-def _piece(t: torch.Tensor, dim: int, blocks: Blocks, rank: int, size: int) -> torch.Tensor:
-    views = _piece_views(t, dim, blocks, rank, size)
-    return views[0] if len(views) == 1 else torch.cat(views, dim)
-
-
-def _place(full: torch.Tensor, piece: torch.Tensor, dim: int, blocks: Blocks, rank: int, size: int) -> None:
-    """Write rank `rank`'s piece into its place in the full tensor."""
-    split = list(local_blocks(blocks, size) or (piece.shape[dim],))
-    for view, part in zip(_piece_views(full, dim, blocks, rank, size), piece.split(split, dim)):
-        view.copy_(part)
-
-
-def _combine(parts: list[torch.Tensor], out: torch.Tensor, op: str = "sum") -> None:
-    """out = parts[0] (op) parts[1] (op) ..., in rank order."""
-    fn = torch.add if op == "sum" else torch.maximum
-    fn(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        fn(out, part, out=out)
-
-
-class _Pending:
-    """What one CPU collective has in flight, waited on as one (torchex's wait_prim_impl calls ``.wait()``);
-    ``finish`` then writes the result."""
-
-    def __init__(self, works: list, finish):
-        self.works, self.finish = works, finish
-
-    def wait(self, timeout=None) -> bool:
-        for work in self.works:
-            work.wait()
-        self.finish()
-        return True
-
-
-def _over_shm(channel: shm.Channel, a: torch.Tensor, combine) -> _Pending:
-    """Publish `a`; on wait, ``combine(every rank's contribution)``."""
-    seq = channel.publish(a)
-
-    def finish() -> None:
-        combine(channel.contributions(seq, a))
-        channel.done(seq)
-
-    return _Pending([], finish)
-
-
-def _exchange(group: dist.ProcessGroup, send: dict[int, torch.Tensor], recv: dict[int, torch.Tensor]) -> list:
-    works = []
-    for peer in send:
-        peer_rank = dist.get_global_rank(group, peer)
-        works += [dist.isend(send[peer], peer_rank, group=group), dist.irecv(recv[peer], peer_rank, group=group)]
-    return works
-
-
-def _cpu_all_reduce(a: torch.Tensor, op: str, group: dist.ProcessGroup):
-    """Partial -> Replicate (op "sum" or "max"): (work, result, valid after work.wait())."""
-    a = a.contiguous()
-    out = torch.empty_like(a)
-    channel = shm.channel(group)
-    if channel is None:
-        out.copy_(a)
-        return dist.all_reduce(out, dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group, True), out
-    return _over_shm(channel, a, lambda parts: _combine(parts, out, op)), out
-
-
-def _cpu_all_gather(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup):
-    """Shard(dim, blocks) -> Replicate: (work, full tensor, valid after work.wait())."""
-    size, rank = group.size(), dist.get_rank(group)
-    a = a.contiguous()
-    shape = list(a.shape)
-    shape[dim] *= size
-    full = torch.empty(shape, dtype=a.dtype, device=a.device)
-    _place(full, a, dim, blocks, rank, size)
-    peers = [p for p in range(size) if p != rank]
-    channel = shm.channel(group)
-    if channel is not None:
-        return _over_shm(channel, a, lambda parts: [_place(full, parts[p], dim, blocks, p, size) for p in peers]), full
-    direct = dim == 0 and blocks is None  # each peer's piece is a contiguous chunk of `full`: receive in place
-    recv = {p: full.narrow(0, p * a.shape[0], a.shape[0]) if direct else torch.empty_like(a) for p in peers}
-    works = _exchange(group, {p: a for p in peers}, recv)
-    return _Pending(works, lambda: None if direct else [_place(full, recv[p], dim, blocks, p, size) for p in peers]), full
-
-
-def _cpu_reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup):
-    """Partial -> Shard(dim, blocks): (work, this rank's summed piece, valid after work.wait())."""
-    size, rank = group.size(), dist.get_rank(group)
-    out = torch.empty(local_shape(a.shape, Shard(dim), size), dtype=a.dtype, device=a.device)
-    channel = shm.channel(group)
-    if channel is not None:
-        a = a.contiguous()
-        return _over_shm(channel, a, lambda parts: _combine([_piece(p, dim, blocks, rank, size) for p in parts], out)), out
-    mine = _piece(a, dim, blocks, rank, size)
-    peers = [p for p in range(size) if p != rank]
-    recv = {p: torch.empty_like(out) for p in peers}
-    works = _exchange(group, {p: _piece(a, dim, blocks, p, size).contiguous() for p in peers}, recv)
-    return _Pending(works, lambda: _combine([mine if r == rank else recv[r] for r in range(size)], out)), out
-
-
-def _future(meta):
-    def future_meta(*args) -> FutureTensorProxy:
-        t = meta(*args)
-        return FutureTensorProxy(shape=t.shape, like=t)
-
-    return future_meta
-
-
-tp_cpu_all_reduce = comm_executor.register_operator("tp_cpu_all_reduce", meta=_future(_like), fn=_cpu_all_reduce)
-tp_cpu_all_gather = comm_executor.register_operator(
-    "tp_cpu_all_gather", meta=_future(_gathered_meta), fn=_cpu_all_gather
-)
-tp_cpu_reduce_scatter = comm_executor.register_operator(
-    "tp_cpu_reduce_scatter", meta=_future(_scattered_meta), fn=_cpu_reduce_scatter
-)
-
-
-def _on_cpu_gloo(a: TensorProxy, group: dist.ProcessGroup) -> bool:
-    """CPU tensors on a gloo group of more than one rank: thunder_tp's CPU transport."""
-    return a.device.type == "cpu" and group.size() > 1 and "gloo" in str(dist.get_backend(group))
-
-
 #: symbol name -> the kind of collective it issues
 COLLECTIVE_KINDS: dict[str, str] = {
     "tp_reduce_from_tp": "all_reduce",
     "tp_all_reduce_max": "all_reduce",
-    "tp_cpu_all_reduce": "all_reduce",
     "tp_gather": "all_gather",
     "tp_gather_to_tp": "all_gather",
-    "tp_cpu_all_gather": "all_gather",
     "tp_reduce_scatter": "reduce_scatter",
-    "tp_cpu_reduce_scatter": "reduce_scatter",
 }
 
 
 # --- async lowering: Thunder's torchex prims + wait (sorted late by thunder's sort_waits) ---------
+# One lowering for every torch.distributed backend. Each issued collective's work handle is wrapped so that a
+# failed wait (a dead, hung or raising peer: torch.distributed's error or its process-group timeout) names the
+# collective and the group.
+
+
+class _NamedWork:
+    """A torch.distributed work handle whose failed ``wait`` says which collective of which group failed."""
+
+    def __init__(self, work, kind: str, a: torch.Tensor, group: dist.ProcessGroup):
+        self.work, self.kind, self.shape, self.dtype, self.group = work, kind, tuple(a.shape), a.dtype, group
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        except Exception as e:
+            raise RuntimeError(
+                f"thunder_tp: {self.kind} of a {self.shape} {self.dtype} tensor over the "
+                f"{dist.get_backend(self.group)} group of global ranks {dist.get_process_group_ranks(self.group)} "
+                f"failed: {type(e).__name__}: {e}\nA peer rank of this group probably died, raised before this "
+                "collective, or did not reach it within the process group's timeout (init_process_group(timeout=...)); "
+                "see that rank's output."
+            ) from e
+
+
+def _name_work(future: tuple, kind: str, a: torch.Tensor, group: dist.ProcessGroup) -> tuple:
+    work, result = future
+    return _NamedWork(work, kind, a, group), result
+
+
+tp_name_work = comm_executor.register_operator(
+    "tp_name_work", meta=lambda future, kind, a, group: FutureTensorProxy(like=future), fn=_name_work
+)
 
 
 def _async_all_reduce(op: str):
     def lower(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
         from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
 
-        if _on_cpu_gloo(a, group):
-            return wait_prim_impl(tp_cpu_all_reduce(a, op, group))
         reduce_op = DistributedReduceOps.SUM if op == "sum" else DistributedReduceOps.MAX
-        return wait_prim_impl(all_reduce_prim_impl(a, reduce_op, group, True, False))
+        future = all_reduce_prim_impl(a, reduce_op, group, True, False)
+        return wait_prim_impl(tp_name_work(future, "all_reduce", a, group))
 
     return lower
 
@@ -280,22 +170,19 @@ def _async_all_reduce(op: str):
 def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
-    if _on_cpu_gloo(a, group):
-        return wait_prim_impl(tp_cpu_all_gather(a, dim, blocks, group))
-    size = group.size()
-    gathered = wait_prim_impl(all_gather_prim_impl(tp_pack(a, 0, None, 1), group, True, None))
+    a = tp_pack(a, 0, None, 1)
+    gathered = wait_prim_impl(tp_name_work(all_gather_prim_impl(a, group, True, None), "all_gather", a, group))
     if dim == 0 and blocks is None:
         return gathered
-    return tp_unpack(gathered, dim, blocks, size, tuple(a.shape))
+    return tp_unpack(gathered, dim, blocks, group.size(), tuple(a.shape))
 
 
 def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import reduce_scatter_prim_impl, wait_prim_impl
 
-    if _on_cpu_gloo(a, group):
-        return wait_prim_impl(tp_cpu_reduce_scatter(a, dim, blocks, group))
     packed = tp_pack(a, dim, blocks, group.size())
-    out = wait_prim_impl(reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None))
+    future = reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None)
+    out = wait_prim_impl(tp_name_work(future, "reduce_scatter", packed, group))
     if dim == 0:
         return out
     from thunder.torch import reshape
@@ -308,8 +195,7 @@ comm_executor.register_implementation(tp_all_reduce_max, execution_transform=_as
 comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)
-for _sym in (tp_copy_to_tp, tp_scatter, tp_pack, tp_unpack, tp_cpu_all_reduce, tp_cpu_all_gather,
-             tp_cpu_reduce_scatter):
+for _sym in (tp_copy_to_tp, tp_scatter, tp_pack, tp_unpack, tp_name_work):
     comm_executor.register_implementation(_sym, _sym)
 
 

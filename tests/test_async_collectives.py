@@ -1,0 +1,61 @@
+"""thunder_tp's collectives on torch.distributed (gloo here, the path NCCL takes too): lowered to Thunder's async
+torchex prims with named work handles, all issued before the first wait, each giving exactly the collective's
+result."""
+
+import pytest
+
+from tests.dist import run_ranks
+
+CASES = [  # (full shape, dim, blocks)
+    ((4, 6, 8), 0, None),
+    ((4, 6, 8), 1, None),
+    ((4, 6, 8), 2, None),
+    ((2, 3, 24), 2, (8, 8, 8)),
+    ((2, 3, 24), 2, (16, 4, 4)),
+    ((24, 5), 0, (8, 16)),
+]
+
+
+def _collectives(cases):
+    import thunder
+    import torch
+    import torch.distributed as dist
+
+    import thunder_tp
+    from thunder_tp.collectives import tp_all_reduce_max, tp_gather, tp_reduce_from_tp, tp_reduce_scatter
+    from thunder_tp.layouts import Shard, shard_tensor
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def program(*tensors):
+        outs = []
+        for (shard, summand), (_, dim, blocks) in zip(zip(tensors[::2], tensors[1::2]), cases):
+            outs += [tp_gather(shard, dim, blocks, group), tp_reduce_scatter(summand, dim, blocks, group),
+                     tp_reduce_from_tp(summand, group), tp_all_reduce_max(summand, group)]
+        return outs
+
+    inputs, expected = [], []
+    for i, (shape, dim, blocks) in enumerate(cases):
+        layout = Shard(dim, blocks)
+        torch.manual_seed(i)
+        full = torch.randn(shape, dtype=torch.float64)
+        summands = [torch.randn(shape, dtype=torch.float64) for _ in range(size)]  # rank r holds summands[r]
+        total = sum(summands[1:], summands[0].clone())
+        inputs += [shard_tensor(full, layout, rank, size), summands[rank]]
+        expected += [full, shard_tensor(total, layout, rank, size), total, torch.stack(summands).amax(0)]
+    jitted = thunder.jit(program, executors=thunder_tp.executors())
+    for got, want in zip(jitted(*inputs), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    names = [b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols]
+    issues = [i for i, n in enumerate(names) if n.startswith("torch_") and n.endswith("_prim_impl") and "wait" not in n]
+    waits = [i for i, n in enumerate(names) if n == "torch_wait_prim_impl"]
+    return len(issues), len(waits), names.count("tp_name_work"), max(issues) < min(waits)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_collectives_exact_and_all_in_flight(world):
+    cases = [c for c in CASES if c[0][c[1]] % world == 0 and not (c[2] and any(b % world for b in c[2]))]
+    for issues, waits, named, all_issued_first in run_ranks(_collectives, world, cases):
+        assert issues == waits == named == 4 * len(cases), (issues, waits, named)
+        assert all_issued_first  # every collective is in flight before the first wait

@@ -1,0 +1,96 @@
+"""A rank that dies or raises makes its TP peer raise quickly, with an error naming the collective and the group.
+
+Ranks are two plain processes (started as a batch scheduler starts them: no torchrun agent, no test worker pool);
+the parent only watches them.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.dist import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 4
+FAILING_STEP = 2
+SURVIVOR_LIMIT_S = 60.0
+
+
+def _rank_main(mode: str, rank: int, port: int) -> None:
+    """One rank training the TP=2 MLP; rank 1 fails at FAILING_STEP as ``mode`` says."""
+    import thunder
+    import torch
+    import torch.distributed as dist
+
+    import thunder_tp
+    from tests.test_core_mlp import MLP, PLAN, _mlp_input
+    from tests.tp_checks import FAST_EXECUTORS
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    torch.manual_seed(0)
+    jm = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=FAST_EXECUTORS)
+    (x,) = _mlp_input()
+    try:
+        for step in range(STEPS):
+            failing = rank == 1 and step == FAILING_STEP
+            if failing:
+                print(f"failing at {time.monotonic()}", flush=True)  # CLOCK_MONOTONIC: one clock for the host
+            if failing and mode == "raise":
+                raise ValueError("rank 1 fails before its next collective")
+            loss = jm(x).square().mean()
+            if failing and mode == "die":
+                os._exit(3)  # mid step: after the forward all_reduce, before the backward one
+            loss.backward()
+    except RuntimeError:
+        print(f"raised at {time.monotonic()}", flush=True)
+        raise
+    print("finished every step", flush=True)
+
+
+def _stamp(text: str, event: str) -> float:
+    return float(next(line.split(" at ")[1] for line in text.splitlines() if line.startswith(event + " at ")))
+
+
+def _run_pair(mode: str) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Rank 0's outcome, how long after rank 1 failed it raised, and how long after rank 1 exited it exited."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    code = "import sys; from tests.test_failures import _rank_main; _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, mode, str(r), str(port)], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        failed, _ = procs[1].communicate(timeout=300)
+        died = time.monotonic()
+        out, err = procs[0].communicate(timeout=SURVIVOR_LIMIT_S + 30)
+        after = time.monotonic() - died
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode != 0, "rank 1 was meant to fail"
+    raised = _stamp(out, "raised") - _stamp(failed, "failing") if "raised at" in out else float("nan")
+    return subprocess.CompletedProcess(procs[0].args, procs[0].returncode, out, err), raised, after
+
+
+def _check_survivor(mode: str, kind: str) -> None:
+    survivor, raised, after = _run_pair(mode)
+    print(f"{mode}: rank 0 raised {raised:.1f} s after rank 1 failed; exited {after:.1f} s after rank 1 (rc {survivor.returncode})")
+    assert survivor.returncode != 0, survivor.stdout + survivor.stderr
+    assert "finished every step" not in survivor.stdout
+    message = f"thunder_tp: {kind} of a (32, 4, 128) torch.float32 tensor over the gloo group of global ranks [0, 1] failed"
+    assert message in survivor.stderr, survivor.stderr[-3000:]
+    assert after < SURVIVOR_LIMIT_S, after
+
+
+def test_peer_killed_mid_step_is_an_error_within_seconds():
+    _check_survivor("die", "all_reduce")  # the backward all_reduce of the input grad
+
+
+def test_peer_raising_before_a_collective_does_not_hang():
+    _check_survivor("raise", "all_reduce")  # the forward all_reduce of the next step
