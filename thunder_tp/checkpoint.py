@@ -341,10 +341,22 @@ def _read_file(path: str, tensors: dict[str, _Tensor]) -> dict[str, torch.Tensor
         raise ValueError(f"thunder_tp.checkpoint.load: {path!r} is not a torch.save'd state dict ({e})") from e
     if not isinstance(full, dict):
         raise ValueError(f"thunder_tp.checkpoint.load: {path!r} holds a {type(full).__name__}, expected a state dict")
+    prefix = _submodule_prefix(set(tensors), set(full))
+    full = {prefix + k: v for k, v in full.items()}
     _check_keys(path, set(tensors), set(full))
     for name, t in tensors.items():
         _check_shape(path, name, t.global_shape, tuple(full[name].shape))
     return full
+
+
+def _submodule_prefix(names: set[str], found: set[str]) -> str:
+    """The prefix (e.g. "gpt.") that turns the keys of a submodule's state dict into the model's, else ""."""
+    key = next(iter(found), "")
+    for name in names:
+        prefix = name[: len(name) - len(key)]
+        if name.endswith(key) and prefix.endswith(".") and {prefix + k for k in found} == names:
+            return prefix
+    return ""
 
 
 # --- meta-device models ---------------------------------------------------------------------------------------
@@ -411,7 +423,7 @@ def _materialize_non_persistent(model: nn.Module) -> None:
         copy.to_empty(device=group_device(None), recurse=False)
         copy.reset_parameters()
         for n in names:
-            value = copy._buffers[n]
+            value = copy._buffers[n].to(module._buffers[n].dtype)  # reset_parameters may use default dtypes
             if plain is model:
                 module._buffers[n] = value
             else:
