@@ -33,6 +33,11 @@ def _rss(field: str) -> int:
 
 def _measure(fn) -> tuple[float, int]:
     """(seconds, rise of peak RSS above the RSS before) of fn()."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed memory back, so reuse of it cannot hide a rise
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     before = _rss("VmRSS")
@@ -76,8 +81,6 @@ def _local_bytes(model) -> tuple[int, int]:
 
 def _rank(config_args: tuple, tp: int, root: str) -> dict:
     """One rank's figures at this TP size."""
-    import gc
-
     import thunder_tp.checkpoint as ck
 
     config = _config(*config_args)
@@ -86,13 +89,11 @@ def _rank(config_args: tuple, tp: int, root: str) -> dict:
     shards, largest = _local_bytes(model)
     save_s, save_peak = _measure(lambda: ck.save(path, model))
     del model
-    gc.collect()
     out = {"shards": shards, "largest": largest, "save_s": save_s, "save_peak": save_peak}
     for name, source in (("load", path), ("reshard", os.path.join(root, "tp2"))):
         meta = _build(config, tp, "meta")
         out[f"{name}_s"], out[f"{name}_peak"] = _measure(lambda: ck.load(source, meta))
         del meta
-        gc.collect()
     return out
 
 

@@ -195,3 +195,38 @@ def _first_call_on_meta() -> str:
 def test_meta_model_without_checkpoint_names_the_ways_out():
     for message in run_ranks(_first_call_on_meta, 2):
         assert "meta device" in message and "checkpoint.load" in message and "MaterializationTransform" in message
+
+
+# --- 2-D: TP inside Thunder's DDP (dp replicas write once), FSDP refused --------------------------------------
+
+
+def _save_2d(path: str, kind: str) -> str:
+    """Seed-0 model on a dp=2 x tp=2 mesh, saved without a step; FSDP: the error's text."""
+    from thunder.distributed.transforms.ddp_v2 import DDPTransform
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    mesh = thunder_tp.init_mesh(dp=2, tp=2)
+    model = _model(0)
+    dp = (DDPTransform(process_group=mesh.dp_group, bucket_size_in_mb=25.0, broadcast_from=None) if kind == "ddp"
+          else FSDPTransform(device=torch.device("cpu"), process_group=mesh.dp_group))
+    tp = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model), process_group=mesh.tp_group)
+    jm = thunder.jit(model, transforms=[tp, dp], executors=FAST_EXECUTORS)
+    try:
+        ck.save(path, jm)
+    except NotImplementedError as e:
+        return str(e)
+    return ""
+
+
+def test_tp_inside_ddp_saves_each_shard_once_and_fsdp_is_refused(tmp_path):
+    path = str(tmp_path / "2d")
+    assert run_ranks(_save_2d, 4, path, "ddp") == [""] * 4
+    model, expected = _model(1), _model(0).state_dict()
+    ck.load(path, model)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+    data = sum(f.stat().st_size for f in (tmp_path / "2d").glob("*.distcp"))
+    model_bytes = sum(v.numel() * v.element_size() for v in expected.values())
+    assert model_bytes <= data < 1.5 * model_bytes, (data, model_bytes)  # the dp replicas wrote nothing twice
+    for message in run_ranks(_save_2d, 4, str(tmp_path / "fsdp"), "fsdp"):
+        assert "FSDPTransform" in message and "DDPTransform" in message

@@ -15,8 +15,10 @@ them (so the dp replicas of 2-D TP x DDP write nothing twice).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +72,14 @@ class _Tensor:
         props = TensorProperties(dtype=self.local.dtype, requires_grad=False)
         metadata = ShardedTensorMetadata(every, torch.Size(self.global_shape), props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=self.group)
+
+
+@contextlib.contextmanager
+def _sharded_tensor_without_deprecation_warnings():
+    """ShardedTensor warns that DTensor replaces it, but DTensor cannot hold several slices per rank (q|k|v blocks)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
 
 
 # --- the model's tensors ---------------------------------------------------------------------------------------
@@ -193,9 +203,10 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write a DCP checkpoint directory (collective): each rank writes only its shards, replicas once."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd} | ({"optim": optim_sd} if optimizer is not None else {})
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    with _sharded_tensor_without_deprecation_warnings():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd} | ({"optim": optim_sd} if optimizer is not None else {})
+        dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 # --- load -----------------------------------------------------------------------------------------------------
@@ -217,7 +228,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         error = e
     _agree(error, path)
     if os.path.isdir(path):
-        _load_directory(path, model, tensors, optimizer, optim_targets)
+        with _sharded_tensor_without_deprecation_warnings():
+            _load_directory(path, model, tensors, optimizer, optim_targets)
     else:
         for name, t in tensors.items():
             for offsets, sizes, view in t.slices():
