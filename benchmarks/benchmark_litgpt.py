@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--timeout", type=float, default=None,
                    help="process-group timeout in seconds (a hung peer's collective fails after it; default torch's)")
+    p.add_argument("--save_checkpoint", default="", help="at the end, ck.save the model and optimizer to this DCP directory")
+    p.add_argument("--resume", default="", help="ck.load model and optimizer from a DCP directory (saved at any TP size)")
+    p.add_argument("--checkpoint", default="", help="start from a full state-dict file such as litgpt's lit_model.pth")
     args = p.parse_args(argv)
     if args.max_iters <= args.warmup_iters:
         p.error(f"--max_iters ({args.max_iters}) must be larger than --warmup_iters ({args.warmup_iters})")
@@ -348,6 +351,7 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
 
 def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module, vocab: int):
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
+    load_checkpoints(args, jm, optimizer)
     losses, times = [], []
     for it in range(args.max_iters):
         idx, targets = make_batch(args, vocab, groups.dp_rank, it, device)
@@ -366,10 +370,25 @@ def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn
         times.append(dt)
         tag = " (warm-up)" if it < args.warmup_iters else ""
         log(groups.rank, f"iter {it}: loss {loss_value:.4f}, iter time: {dt * 1000:.2f} ms{tag}")
+    if args.save_checkpoint:
+        import thunder_tp.checkpoint as ck
+
+        ck.save(args.save_checkpoint, jm, optimizer)
+        log(groups.rank, f"checkpoint saved to {args.save_checkpoint}")
     # the slowest rank's time per iteration
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return losses, t.tolist()
+
+
+def load_checkpoints(args: argparse.Namespace, jm: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """--checkpoint (pretrained weights, a file) then --resume (model and optimizer, a DCP directory)."""
+    import thunder_tp.checkpoint as ck
+
+    if args.checkpoint:
+        ck.load(args.checkpoint, jm)
+    if args.resume:
+        ck.load(args.resume, jm, optimizer)
 
 
 def collectives_per_iteration(jm: nn.Module) -> dict:

@@ -115,6 +115,23 @@ def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int) -> torch
     return torch.cat([p.chunk(size, dim)[rank] for p in pieces], dim)
 
 
+def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(global offsets, sizes) of the slices of the full tensor that make up this rank's piece (see shard_tensor).
+
+    The piece is their concatenation along the layout's dim, in this order; checkpoints use only this.
+    """
+    full = ((0,) * len(shape), tuple(shape))
+    if not isinstance(layout, Shard):
+        return [full]
+    dim, chunks, start = layout.dim % len(shape), [], 0
+    for block in layout.blocks or (shape[layout.dim],):
+        step = block // size
+        offsets = tuple(start + rank * step if d == dim else 0 for d in range(len(shape)))
+        chunks.append((offsets, tuple(step if d == dim else n for d, n in enumerate(shape))))
+        start += block
+    return chunks
+
+
 def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor:
     """The full tensor from every rank's piece, in rank order."""
     if isinstance(layout, Replicate):

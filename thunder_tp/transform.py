@@ -42,6 +42,7 @@ class TensorParallel(Transform):
         self.parameter_layouts: dict[str, Layout] = {}
         self.weight_styles: dict[str, Style] = {}
         self._tp: TPGroup | None = None
+        self._module = None
 
     @property
     def tp(self) -> TPGroup:
@@ -56,6 +57,8 @@ class TensorParallel(Transform):
         """Record every styled parameter's layout and replace it by this rank's shard."""
         check_composition(self, model)  # 2-D: TP before DDP/FSDP, on a group orthogonal to theirs
         module = model._model
+        self._module = model
+        _trace_meta_tensors_on(module, self.tp.group)
         styles = styles_from_distparallel_type(module) | match_plan(module, self.plan)
         for module_name, style in styles.items():
             submodule = module.get_submodule(module_name)
@@ -99,6 +102,7 @@ class TensorParallel(Transform):
 
     def transform_traces_pre_prologue(self, prologue: TraceCtx, computation: TraceCtx, epilogue, **kwargs):
         """Rewrite the computation into the local program and fix the prologue's shape checks."""
+        _check_materialized(self._module)
         if self.tp.size == 1:  # every layout is the whole tensor: nothing to rewrite or communicate
             return prologue, computation, epilogue
         param_names = _parameter_names(prologue)
@@ -120,6 +124,29 @@ class TensorParallel(Transform):
             if isinstance(layout, Shard) and a.distparallel_type not in _DATA_PARALLEL_TYPES:
                 a._distparallel_type = DistParallelType.COLUMN_WISE if layout.dim == 0 else DistParallelType.ROW_WISE
         return layouts
+
+
+def _trace_meta_tensors_on(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Meta-device tensors are traced as on the group's device (where ck.load or materialization puts them)."""
+    from thunder_tp.checkpoint import group_device
+
+    for t in (*module.parameters(), *module.buffers()):
+        if t.is_meta and not hasattr(t, "_thunder_device"):
+            t._thunder_device = group_device(group)
+
+
+def _check_materialized(model) -> None:
+    """A clear error, instead of a device mismatch, when a meta-device model is called before materialization."""
+    if model is None:
+        return
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"thunder_tp.TensorParallel: {meta[:4]}{'...' if len(meta) > 4 else ''} are still on the meta device at the "
+            "first call; materialize each rank's shards first: thunder_tp.checkpoint.load(path, jm) loads them from a "
+            "checkpoint, or put thunder.transforms.MaterializationTransform(device, init=MaterializationTransform."
+            "init_from_original_module_init()) after TensorParallel in transforms= for a fresh initialization"
+        )
 
 
 def _flat_args(trace: TraceCtx) -> list[TensorProxy]:
