@@ -163,11 +163,20 @@ def rank_offset(tp, step: int, like: TensorProxy) -> int | TensorProxy:
 
 
 def check_transforms(model, tp_group: dist.ProcessGroup) -> None:
-    """Raise if a jit inside the simulation asks for what it cannot simulate: data parallelism, a TP subgroup."""
+    """Raise if a jit inside the simulation asks for what it cannot simulate: fusion, data parallelism, a TP subgroup."""
     import thunder
 
+    from thunder.extend import FusionExecutor
+
     _group_ranks(tp_group)
-    transforms = getattr(thunder.compile_data(model), "transforms", None) or ()
+    cd = thunder.compile_data(model)
+    fusion = [ex.name for ex in cd.executors_list if isinstance(ex, FusionExecutor)]
+    if fusion:
+        raise NotImplementedError(
+            f"thunder_tp.simulate: the fusion executor(s) {fusion} cannot compile LocalTensor programs; inside a "
+            "simulation pass executors=thunder_tp.executors() (Thunder's torch executor runs every region there)"
+        )
+    transforms = getattr(cd, "transforms", None) or ()
     for t in transforms:
         if type(t).__name__ in ("DDPTransform", "FSDPTransform"):
             raise NotImplementedError(
