@@ -92,7 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save_checkpoint", default="", help="at the end, ck.save the model and optimizer to this DCP directory")
     p.add_argument("--resume", default="", help="ck.load model and optimizer from a DCP directory (saved at any TP size)")
     p.add_argument("--checkpoint", default="", help="start from a full state-dict file such as litgpt's lit_model.pth")
+    p.add_argument("--simulate", type=int, default=0, metavar="N",
+                   help="dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + backward; "
+                        "prints each rank's parameter bytes and collectives (no torchrun)")
     args = p.parse_args(argv)
+    if args.simulate and args.distributed_mode not in ("tp", "tp_sp"):
+        p.error(f"--simulate simulates a TP plan: use --distributed_mode tp or tp_sp, not {args.distributed_mode!r}")
     if args.max_iters <= args.warmup_iters:
         p.error(f"--max_iters ({args.max_iters}) must be larger than --warmup_iters ({args.warmup_iters})")
     if args.compile == "eager" and args.distributed_mode != "none":
@@ -414,6 +419,9 @@ def collectives_per_iteration(jm: nn.Module) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world, device = init_distributed(args.timeout)
+    if args.simulate:
+        return simulate_dry_run(args)
+    rank, world, device = init_distributed()
     try:
         return run(args, rank, world, device)
     finally:
@@ -544,6 +552,65 @@ def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
     dist.barrier()
     log(rank, f"traces of every rank written to {Path(args.trace_dir).resolve()} "
               f"({', '.join(p.name for p in paths)} for rank 0)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --simulate N: the TP plan on N ranks simulated in this process (LocalTensor), without N processes
+# --------------------------------------------------------------------------------------------------------------
+
+
+def simulate_dry_run(args: argparse.Namespace) -> int:
+    """One forward + backward of the TP=N program on N simulated ranks; prints per-rank parameter bytes and collectives."""
+    import thunder
+    import thunder_tp
+
+    n = args.simulate
+    if args.tp_size not in (None, n):
+        raise SystemExit(f"--simulate {n} simulates a TP group of {n} ranks; drop --tp_size or set it to {n}")
+    from thunder_tp.plans.litgpt import GPTWithLoss
+
+    # model and batch as plain tensors, before the simulation: inside it, factories make per-rank LocalTensors
+    config = make_config(args)
+    torch.manual_seed(args.seed)
+    model = GPTWithLoss(config)
+    idx, targets = make_batch(args, config.padded_vocab_size, 0, 0, torch.device("cpu"))
+    with thunder_tp.simulate(world_size=n):
+        transforms = MODES[args.distributed_mode].transforms(model, args, Groups(0, n, n, 0, None, 1, 0, None))
+        jm = thunder.jit(model, transforms=transforms, executors=thunder_tp.executors())  # torch executor here
+        t0 = time.perf_counter()
+        loss = jm(idx, targets)
+        loss.backward()
+        seconds = time.perf_counter() - t0
+        collectives = collectives_per_iteration(jm)
+        if args.dump_thunder_traces:
+            thunder_tp.dump_traces(jm, args.trace_dir)
+    losses = thunder_tp.per_rank(loss)
+    param_bytes = {r: 0 for r in range(n)}
+    for p in jm.parameters():
+        for r, piece in thunder_tp.per_rank(p).items():
+            param_bytes[r] += piece.numel() * piece.element_size()
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    lines = [
+        f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {config.name}, "
+        f"{config.n_layer} layers, mode {args.distributed_mode}, loss_parallel {args.loss_parallel}, "
+        f"block_size {args.block_size}, micro_batch_size {args.micro_batch_size}",
+        f"forward + backward: {seconds:.2f} s (simulated, all ranks)",
+        *(f"rank {r}: loss {losses[r].item():.6f}, parameters {fmt_bytes(param_bytes[r])}" for r in range(n)),
+        f"full model: {fmt_bytes(full_bytes)}",
+    ]
+    for name, c in collectives["per_iteration"].items():
+        kinds = ", ".join(f"{v['count']} {k} ({fmt_bytes(v['bytes'])})" for k, v in c["by_kind"].items()) or "none"
+        lines.append(f"Collectives per rank and iteration, {name}: {c['count']} calls, {fmt_bytes(c['bytes'])}: {kinds}")
+    if args.dump_thunder_traces:
+        lines.append(f"traces of every simulated rank written to {Path(args.trace_dir).resolve()}")
+    print("\n".join(lines), flush=True)
+    if args.json_path:
+        results = {"simulate": n, "model_name": args.model_name, "n_layers": config.n_layer,
+                   "distributed_mode": args.distributed_mode, "loss_parallel": args.loss_parallel,
+                   "losses": {r: v.item() for r, v in losses.items()}, "param_bytes_per_rank": param_bytes,
+                   "param_bytes_full_model": full_bytes, "collectives": collectives}
+        Path(args.json_path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,12 @@ TIMEOUT_S = 300
 pytest.importorskip("litgpt")
 
 
+def _env() -> dict[str, str]:
+    """This checkout's thunder_tp first (not an installed copy), one thread per process."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+
+
 def _torchrun(tmp_path: Path, *args: str) -> tuple[dict, str]:
     """Run the benchmark on 2 ranks; return its JSON results and its output."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -33,7 +39,7 @@ def _torchrun(tmp_path: Path, *args: str) -> tuple[dict, str]:
     json_path = tmp_path / "results.json"
     cmd = [*launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(SCRIPT), *TINY, "--json_path", str(json_path), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = _env()
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # everything is on loopback, as in tests/dist.py
     try:
@@ -85,6 +91,25 @@ def test_tp_sp_loss_parallel(tmp_path):
         kinds = res["collectives"]["per_iteration"][name]["by_kind"]
         assert kinds.get("all_gather", {}).get("count", 0) > 0, kinds
         assert kinds.get("reduce_scatter", {}).get("count", 0) > 0, kinds
+
+
+def test_simulate_dry_run(tmp_path):
+    """--simulate 2: the TP plan on 2 ranks simulated in one plain process (no torchrun)."""
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--distributed_mode", "tp", "--loss_parallel", "true", "--simulate", "2",
+           "--json_path", str(tmp_path / "results.json")]
+    env = _env()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-8000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    losses = list(res["losses"].values())
+    assert len(losses) == 2 and losses[0] == losses[1] and math.isfinite(losses[0]), losses
+    per_rank = list(res["param_bytes_per_rank"].values())
+    assert per_rank[0] == per_rank[1] < 0.6 * res["param_bytes_full_model"], res
+    # loss parallel, one block: 2 activation all_reduces + the embedding's + the loss's 3 statistics, no logits gather
+    kinds = res["collectives"]["per_iteration"]["forward"]["by_kind"]
+    assert kinds == {"all_reduce": {"count": 6, "bytes": kinds["all_reduce"]["bytes"]}}, kinds
+    assert "rank 1: loss" in output and "Collectives per rank and iteration, backward" in output
 
 
 # --- option parsing (no processes) ------------------------------------------------------------------------

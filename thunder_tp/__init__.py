@@ -6,6 +6,7 @@ from thunder_tp.debug import collectives_table, dump_traces
 from thunder_tp.executor import executors
 from thunder_tp.layouts import Partial, Replicate, Shard
 from thunder_tp.mesh import Mesh, init_mesh, parallelize
+from thunder_tp.simulate import per_rank, simulate
 from thunder_tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
 
@@ -24,5 +25,7 @@ __all__ = [
     "executors",
     "init_mesh",
     "parallelize",
+    "per_rank",
     "plans",
+    "simulate",
 ]

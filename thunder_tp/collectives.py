@@ -19,6 +19,7 @@ from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_tp.layouts import Shard, local_shape, shard_tensor, unshard_tensor
+from thunder_tp.simulate import local_piece
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
 register_executor(comm_executor)
@@ -70,7 +71,7 @@ def _unpack(a: torch.Tensor, dim: int, blocks: Blocks, size: int, piece: tuple[i
 
 
 def _local(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
-    return shard_tensor(a, Shard(dim, blocks), dist.get_rank(group), group.size())
+    return local_piece(a, Shard(dim, blocks), dist.get_rank(group), group.size(), group)  # per rank when simulated
 
 
 def _all_reduce(a: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

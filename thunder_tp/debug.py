@@ -33,6 +33,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_tp.collectives import COLLECTIVE_KINDS
+from thunder_tp.simulate import is_simulating
 
 __all__ = ["collective_calls", "collective_kind", "collectives_table", "dump_traces", "format_table", "totals"]
 
@@ -205,7 +206,8 @@ def dump_traces(jitted, directory: str | os.PathLike) -> list[Path]:
     Files: ``rank{r}_forward.py`` and ``rank{r}_backward.py`` (the final traces as Thunder prints them,
     preceded by a comment listing the collectives with their group sizes, since the printed trace names a
     ProcessGroup opaquely) and ``rank{r}_collectives.md`` (pass, kind, group size, bytes per call, count,
-    total bytes). Every rank calls it and writes its own files. Without a backward trace (a no-grad run)
+    total bytes). Every rank calls it and writes its own files; inside ``thunder_tp.simulate`` one call writes
+    the files of every simulated rank (they all run the same trace). Without a backward trace (a no-grad run)
     there is no backward file (a stale one from an earlier dump is removed).
     """
     import thunder
@@ -217,7 +219,11 @@ def dump_traces(jitted, directory: str | os.PathLike) -> list[Path]:
     rank, world = _rank()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    ranks = range(world) if is_simulating() else (rank,)
+    return [path for r in ranks for path in _write_rank_files(directory, forward, backward, r, world)]
 
+
+def _write_rank_files(directory: Path, forward: TraceCtx, backward: TraceCtx | None, rank: int, world: int) -> list[Path]:
     written = []
     tables = {}
     for pass_name, trace in (("forward", forward), ("backward", backward)):

@@ -26,6 +26,7 @@ from thunder.executors import nvfuserex
 from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_executors, register_executor
 
 from thunder_tp.collectives import comm_executor
+from thunder_tp.simulate import is_simulating
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
 
@@ -207,7 +208,12 @@ def _executors(backend: Backend) -> tuple[Executor, ...]:
 
 
 def executors(backend: Backend = None) -> list[Executor]:
-    """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, its fusion executor, Thunder's defaults."""
+    """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, its fusion executor, Thunder's defaults.
+
+    Inside ``thunder_tp.simulate`` (LocalTensor, which no fusion backend can compile): without the fusion executor.
+    """
+    if is_simulating():
+        return [ex for ex in _executors(backend) if not isinstance(ex, FusionExecutor)]
     return list(_executors(backend))
 
 

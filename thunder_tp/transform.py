@@ -22,8 +22,8 @@ from thunder_tp.layouts import (
     TPGroup,
     check_shardable,
     local_shape,
-    shard_tensor,
 )
+from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.mesh import check_composition
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
@@ -70,11 +70,17 @@ class TensorParallel(Transform):
                 check_shardable(param.shape, layout, self.tp.size, f"parameter {name!r}")
                 self.parameter_layouts[name] = layout
             self.weight_styles[f"{module_name}.weight"] = style
-        for name, layout in self.parameter_layouts.items():
-            if isinstance(layout, Shard):
-                param = model.get_parameter(name)
-                shard = shard_tensor(param.detach(), layout, self.tp.rank, self.tp.size).clone()
-                model._overrides_parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
+        for name, layout in self._local_layouts(model).items():
+            param = model.get_parameter(name)
+            shard = local_piece(param.detach(), layout, self.tp.rank, self.tp.size, self.tp.group).clone()
+            model._overrides_parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
+
+    def _local_layouts(self, model) -> dict[str, Layout]:
+        """The parameters that get a local piece: the sharded ones; in a simulation, all (a LocalTensor each)."""
+        if is_simulating():
+            check_transforms(model, self.tp.group)
+            return {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in model._model.named_parameters()}
+        return {name: layout for name, layout in self.parameter_layouts.items() if isinstance(layout, Shard)}
 
     def transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
         """Shard full tensors of a submodule's state dict (keys relative to the submodule)."""
@@ -95,7 +101,7 @@ class TensorParallel(Transform):
     def _shard_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
         if isinstance(layout, Shard) and isinstance(value, torch.Tensor):
-            return shard_tensor(value, layout, self.tp.rank, self.tp.size).clone()
+            return local_piece(value, layout, self.tp.rank, self.tp.size, self.tp.group).clone()
         return value
 
     # --- traces ---------------------------------------------------------------------------------

@@ -5,16 +5,17 @@ from __future__ import annotations
 import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
-from thunder_tp.layouts import PARTIAL, REPLICATE, Shard
+from thunder_tp.layouts import PARTIAL, REPLICATE, Shard, TPGroup
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.simulate import rank_offset
 
 
-def _vocab_parallel_lookup(rank: int):
+def _vocab_parallel_lookup(tp: TPGroup):
     """Each rank looks up the ids in its vocabulary range; other rows are zero (a Partial sum)."""
 
     def lookup(ids: TensorProxy, weight: TensorProxy, *args, **kwargs) -> TensorProxy:
         rows = weight.shape[0]
-        shifted = ltorch.sub(ids, rank * rows)
+        shifted = ltorch.sub(ids, rank_offset(tp, rows, ids))
         outside = ltorch.logical_or(ltorch.lt(shifted, 0), ltorch.ge(shifted, rows))
         found = ltorch.embedding(ltorch.where(outside, 0, shifted), weight)
         return ltorch.where(ltorch.unsqueeze(outside, -1), 0.0, found)
@@ -32,5 +33,5 @@ def embedding(op: Op) -> list[Strategy]:
         op.replicated(),
     ]
     if op.arg("padding_idx") is None and op.arg("max_norm") is None:
-        strategies.insert(0, Strategy((REPLICATE, Shard(0)), (PARTIAL,), _vocab_parallel_lookup(op.tp.rank)))
+        strategies.insert(0, Strategy((REPLICATE, Shard(0)), (PARTIAL,), _vocab_parallel_lookup(op.tp)))
     return strategies

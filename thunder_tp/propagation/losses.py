@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import thunder.torch as ltorch
-import torch.distributed as dist
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp.collectives import tp_all_reduce_max, tp_reduce_from_tp
-from thunder_tp.layouts import REPLICATE, Shard
+from thunder_tp.layouts import REPLICATE, Shard, TPGroup
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.simulate import rank_offset
 
 
-def _vocab_parallel_cross_entropy(rank: int, group: dist.ProcessGroup, ignore_index: int, reduction: str):
+def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):
     """Cross-entropy of (N, C) logits sharded on C: only (N,)-sized statistics cross ranks."""
 
     def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
-        n_local = logits.shape[1]
+        n_local, group = logits.shape[1], tp.group
         shift = tp_all_reduce_max(ltorch.amax(logits, 1, True), group)
         sum_exp = tp_reduce_from_tp(ltorch.sum(ltorch.exp(ltorch.sub(logits, shift)), 1), group)
         log_sum_exp = ltorch.add(ltorch.log(sum_exp), ltorch.squeeze(shift, 1))
-        local_target = ltorch.sub(target, rank * n_local)
+        local_target = ltorch.sub(target, rank_offset(tp, n_local, target))
         inside = ltorch.logical_and(ltorch.ge(local_target, 0), ltorch.lt(local_target, n_local))
         index = ltorch.unsqueeze(ltorch.where(inside, local_target, 0), 1)
         picked = ltorch.squeeze(ltorch.take_along_dim(logits, index, 1), 1)
@@ -48,5 +48,5 @@ def cross_entropy(op: Op) -> list[Strategy]:
     )
     if not supported:
         return [op.replicated()]
-    local = _vocab_parallel_cross_entropy(op.tp.rank, op.tp.group, op.arg("ignore_index"), op.arg("reduction"))
+    local = _vocab_parallel_cross_entropy(op.tp, op.arg("ignore_index"), op.arg("reduction"))
     return [Strategy((Shard(1), REPLICATE), (REPLICATE,), local), op.replicated()]

@@ -1,0 +1,153 @@
+"""thunder_tp.simulate: N ranks in this one process (LocalTensor) give what N real ranks give.
+
+These run in the pytest process itself (it holds no process group: tests/dist.py's gloo groups live in pool workers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+from litgpt import Config
+from torch.distributed._local_tensor import local_tensor_mode
+
+import thunder_tp
+from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
+from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
+from tests.dist import free_port
+from tests.litgpt_models import CONFIGS, SEQ, VOCAB, GPTWithLoss, batch, make_config
+from tests.test_litgpt import MODES, _expected_counts
+from tests.tp_checks import assert_close_scaled, collective_counts
+
+#: float64; litgpt's RMSNorm still runs in float32 (~5e-7 of a grad's largest entry)
+RTOL = ATOL = 1e-6
+LR = 0.5
+#: GQA with 8 K/V groups (16 heads), so that TP=8 splits the K/V heads without replicating them
+WIDE_GQA = CONFIGS["llama"] | dict(n_head=16, n_query_groups=8, head_size=4)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not dist.is_initialized(), "simulate tests need a process without a process group"
+    previous = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _gqa_config(world: int) -> Config:
+    if world <= 4:
+        return make_config("llama")  # 8 heads, 4 K/V groups
+    return Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **WIDE_GQA)
+
+
+def _pieces(t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    ranks = thunder_tp.per_rank(t)
+    assert sorted(ranks) == list(range(world)), sorted(ranks)
+    return [ranks[r] for r in range(world)]
+
+
+@pytest.mark.parametrize(
+    "world, mode", [(4, "tp"), pytest.param(4, "tp_sp", marks=pytest.mark.slow), (4, "tp_lp"), (8, "tp_sp")]
+)
+def test_gqa_gpt_on_simulated_ranks_matches_single_device(world, mode, tmp_path):
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    reference = GPTWithLoss(_gqa_config(world))
+    model = GPTWithLoss(reference.config)
+    model.load_state_dict(reference.state_dict())
+    idx, targets = batch(0)
+    expected = reference(idx, targets)
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=LR).step()
+
+    with thunder_tp.simulate(world_size=world):
+        transform = TensorParallel(thunder_tp.plans.litgpt(model, **MODES[mode]))
+        jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors())
+        loss = jm(idx, targets)  # plain tensors: replicated to every simulated rank
+        loss.backward()
+        torch.optim.SGD(jm.parameters(), lr=LR).step()
+        forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+        files = thunder_tp.dump_traces(jm, tmp_path)
+
+    for rank, value in enumerate(_pieces(loss, world)):
+        assert_close_scaled(value, expected, rtol=RTOL, atol=ATOL, what=f"loss of simulated rank {rank}")
+    for name, p in reference.named_parameters():
+        layout = transform.parameter_layouts.get(name, REPLICATE)
+        grads = _pieces(jm.get_parameter(name).grad, world)
+        if layout == REPLICATE:  # every rank holds the whole grad
+            for rank, g in enumerate(grads):
+                assert_close_scaled(g, p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name} on rank {rank}")
+        else:  # the rank shards concatenate to the single-device grad
+            assert_close_scaled(unshard_tensor(grads, layout), p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
+        for rank, piece in enumerate(_pieces(jm.get_parameter(name), world)):
+            want = shard_tensor(p.detach(), layout, rank, world)
+            assert_close_scaled(piece, want, rtol=RTOL, atol=ATOL, what=f"{name} after an SGD step on rank {rank}")
+    # the simulated program issues what real ranks issue (Megatron's minimum; tests/test_litgpt.py)
+    assert (collective_counts(forward), collective_counts(backward)) == _expected_counts("llama", mode)
+    names = sorted(p.name for p in files)
+    assert names == sorted(f"rank{r}_{f}" for r in range(world) for f in ("forward.py", "backward.py", "collectives.md"))
+    assert f"rank {world - 1} (world size {world})" in (tmp_path / f"rank{world - 1}_forward.py").read_text()
+    assert not dist.is_initialized() and local_tensor_mode() is None
+
+
+def _mlp() -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    return model, {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def test_mlp_input_grad_and_replicated_outputs():
+    model, plan = _mlp()
+    x = torch.randn(3, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    expected = model(x_ref)
+    expected.sum().backward()
+    with thunder_tp.simulate(world_size=2):
+        jm = thunder.jit(model, transforms=[TensorParallel(plan)], executors=thunder_tp.executors())
+        y = jm(x)
+        y.sum().backward()
+    for rank in range(2):
+        torch.testing.assert_close(thunder_tp.per_rank(y)[rank], expected)
+        torch.testing.assert_close(thunder_tp.per_rank(x.grad)[rank], x_ref.grad)
+
+
+def test_leaving_the_context_restores_everything():
+    model, plan = _mlp()
+    fusion = thunder_tp.executor.fusion_executor()
+    with pytest.raises(ZeroDivisionError):
+        with thunder_tp.simulate(world_size=4):
+            assert dist.get_world_size() == 4 and local_tensor_mode() is not None
+            assert fusion not in thunder_tp.executors()  # LocalTensor runs on Thunder's torch executor
+            1 / 0
+    assert not dist.is_initialized() and local_tensor_mode() is None
+    assert fusion in thunder_tp.executors()
+    # a real process group works afterwards
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        torch.testing.assert_close(t, torch.ones(3))
+        with pytest.raises(RuntimeError, match="already initialized"):
+            with thunder_tp.simulate(world_size=2):
+                pass
+    finally:
+        dist.destroy_process_group()
+
+
+def test_what_cannot_be_simulated_is_a_clear_error():
+    model, plan = _mlp()
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        with thunder_tp.simulate(world_size=0):
+            pass
+    with thunder_tp.simulate(world_size=4):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with thunder_tp.simulate(world_size=2):
+                pass
+        with pytest.raises(NotImplementedError, match="cannot compile LocalTensor"):
+            thunder.jit(model, transforms=[TensorParallel(plan)], executors=[thunder_tp.executor.fusion_executor()])
+        mesh = thunder_tp.init_mesh(dp=2, tp=2)
+        with pytest.raises(NotImplementedError, match="2-D meshes are not simulated"):
+            thunder_tp.parallelize(model, plan, mesh, "ddp")
+    with pytest.raises(RuntimeError, match="needs an active simulation"):
+        thunder_tp.per_rank(torch.ones(2))
