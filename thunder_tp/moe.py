@@ -148,10 +148,10 @@ def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
         probs, indices = grouped_topk_route(module.gate, tokens)
     if config.routed_scaling_factor != 1.0:
         probs = probs * config.routed_scaling_factor
-    y = moe_routed_experts(tokens, probs, indices, *_expert_parameters(module.experts)).view(B, T, C)
-    if config.n_shared_expert:
-        y = y + module.shared_experts(x)
-    return y
+    y = moe_routed_experts(tokens, probs, indices, *_expert_parameters(module.experts))
+    if config.n_shared_expert:  # on the same (B*T, C) tokens: under TP one copy of them, one grad reduction
+        y = y + module.shared_experts(tokens)
+    return y.view(B, T, C)
 
 
 try:
