@@ -16,6 +16,20 @@ _MLP_PLANS = {
 SEQUENCE_DIM = 1
 
 
+def _moe_plan(config) -> dict[str, str]:
+    """LLaMAMoE: every expert sharded like a dense MLP; the shared experts' output stays Partial ("partial") so
+    that it is reduced together with the routed experts' (one reduction per layer); router replicated."""
+    if config.bias:
+        raise NotImplementedError(
+            f"thunder_tp.plans.litgpt: LLaMAMoE experts with biases (config.bias=True) would add each proj bias once "
+            f"per rank; no litgpt config has them. Use bias=False for {config.name or 'this config'}"
+        )
+    plan = {f"experts.*.{name}": kind for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
+    if config.n_shared_expert:
+        plan |= {"shared_experts.fc_1": "col", "shared_experts.fc_2": "col", "shared_experts.proj": "partial"}
+    return plan
+
+
 class GPTWithLoss(nn.Module):
     """A litgpt GPT and its next-token cross-entropy in one module, so the loss is inside the jitted program."""
 
@@ -50,7 +64,7 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     """
     prefix = _gpt_prefix(model)
     config = model.get_submodule(prefix.rstrip(".")).config if prefix else model.config
-    if config.mlp_class_name not in _MLP_PLANS:
+    if config.mlp_class_name != "LLaMAMoE" and config.mlp_class_name not in _MLP_PLANS:
         raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for {config.mlp_class_name}")
     hs = config.head_size
     q, kv = config.n_head * hs, config.n_query_groups * hs
@@ -62,8 +76,13 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         f"{block}attn.proj": RowwiseParallel(output_layout=reduced),
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
     }
-    for name, kind in _MLP_PLANS[config.mlp_class_name].items():
-        plan[f"{block}mlp.{name}"] = ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
+    mlp_plan = _moe_plan(config) if config.mlp_class_name == "LLaMAMoE" else _MLP_PLANS[config.mlp_class_name]
+    row = {"row": RowwiseParallel(output_layout=reduced), "partial": RowwiseParallel(output_layout=None)}
+    for name, kind in mlp_plan.items():
+        plan[f"{block}mlp.{name}"] = ColwiseParallel() if kind == "col" else row[kind]
+    for i in range(config.first_k_dense_replace or 0):  # MoE models whose first blocks have a dense LLaMAMLP
+        plan |= {f"transformer.h.{i}.mlp.{name}": ColwiseParallel() if kind == "col" else row[kind]
+                 for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if sequence_parallel:
         norms = ["norm_1"] + ([] if config.shared_attention_norm else ["norm_2"])
         plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in norms})

@@ -7,6 +7,7 @@ from thunder_tp.propagation import (  # noqa: F401  (importing a family register
     embedding,
     losses,
     matmul,
+    moe,
     normalization,
     pointwise,
     reductions,

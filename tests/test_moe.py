@@ -1,0 +1,94 @@
+"""litgpt mixture of experts (LLaMAMoE): plain thunder.jit equals eager litgpt; TP equals the single-device run."""
+
+import pytest
+import thunder
+import torch
+from litgpt import Config
+
+import thunder_tp
+from thunder_tp import TensorParallel
+from thunder_tp.layouts import REPLICATE, shard_tensor
+from tests.dist import run_ranks
+from tests.litgpt_models import SEQ, VOCAB, GPTWithLoss, batch
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
+
+_BASE = dict(n_layer=2, n_embd=32, head_size=8, bias=False, mlp_class_name="LLaMAMoE", norm_class_name="RMSNorm",
+             parallel_residual=False, n_expert=4, n_expert_per_token=2)
+CONFIGS = {  # scaled down, head counts and MoE flags kept
+    "mixtral": dict(n_head=4, n_query_groups=2, intermediate_size=32),
+    "qwen3_moe": dict(n_head=4, n_query_groups=4, intermediate_size=64, moe_intermediate_size=16, norm_qk=True),
+    # DeepSeek-V3-style routing (litgpt's model supports it; no litgpt 0.5.13 config uses it)
+    "grouped_shared": dict(n_head=4, n_query_groups=4, intermediate_size=64, moe_intermediate_size=16,
+                           n_shared_expert=1, n_expert_groups=2, n_topk_groups=1, n_topk_scores_per_group=2,
+                           routed_scaling_factor=2.5, norm_topk_prob=True),
+}
+# litgpt's RMSNorm (and the grouped router) compute in float32 even for float64 models
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def make_model(name: str) -> GPTWithLoss:
+    """A float64 GPTWithLoss of the scaled config, with a router that does not tie."""
+    config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **_BASE, **CONFIGS[name])
+    torch.manual_seed(0)
+    model = GPTWithLoss(config).double()
+    for module in model.modules():
+        if type(module).__name__ == "GroupedTopkRouter":  # litgpt leaves its weight uninitialized
+            torch.nn.init.normal_(module.weight, std=0.2)
+    return model
+
+
+def _reference_and_copy(name: str) -> tuple[GPTWithLoss, GPTWithLoss]:
+    reference = make_model(name)
+    model = make_model(name)
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def _check_loss_and_grads(reference, jm, layout_of, rank: int = 0, size: int = 1) -> None:
+    idx, targets = batch(0)
+    expected, actual = reference(idx, targets), jm(idx, targets)
+    assert_close_scaled(actual, expected, rtol=RTOL, atol=ATOL, what="loss")
+    expected.backward()
+    actual.backward()
+    for n, p in reference.named_parameters():
+        want = shard_tensor(p.grad, layout_of(n), rank, size)
+        assert_close_scaled(jm.get_parameter(n).grad, want, rtol=RTOL, atol=ATOL, what=f"grad of {n}")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "grouped_shared"])
+def test_plain_jit_matches_eager_litgpt(name):
+    reference, model = _reference_and_copy(name)
+    jm = thunder.jit(model)  # Thunder's default executors: no TP, no thunder_tp executor list
+    _check_loss_and_grads(reference, jm, lambda n: REPLICATE)
+    names = [b.sym.name for b in thunder.last_traces(jm)[-1].bound_symbols]
+    assert names.count("moe_routed_experts") == 2, names
+
+
+def _tp(name):
+    rank, size = rank_and_size()
+    reference, model = _reference_and_copy(name)
+    transform = TensorParallel(thunder_tp.plans.litgpt(model))
+    jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+    _check_loss_and_grads(reference, jm, lambda n: transform.parameter_layouts.get(n, REPLICATE), rank, size)
+    expert = next(n for n in transform.parameter_layouts if "experts.1.proj" in n)
+    assert jm.get_parameter(expert).shape[1] * size == reference.get_parameter(expert).shape[1]
+    return {"forward": collective_counts(thunder.last_traces(jm)[-1]),
+            "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
+
+
+@pytest.mark.parametrize("world, name", [(2, "mixtral"), (2, "qwen3_moe"), (2, "grouped_shared"), (4, "qwen3_moe")])
+def test_tp_matches_single_device_with_one_reduction_per_moe_layer(world, name):
+    counts = run_ranks(_tp, world, name)[0]
+    n_layer = _BASE["n_layer"]
+    # as a dense llama: per block one all_reduce after attention and ONE after the MoE layer (all its experts);
+    # plus the embedding's; logits gathered for the loss
+    assert counts["forward"] == {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, counts
+    # backward per block: attention input grad, MoE input grad and the routing weights' grad (tokens x k)
+    assert counts["backward"] == {"all_reduce": 3 * n_layer + 1}, counts
+
+
+def test_moe_with_biased_experts_is_a_clear_error():
+    config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **{**_BASE, "bias": True},
+                    **CONFIGS["mixtral"])
+    with pytest.raises(NotImplementedError, match="bias=False"):
+        thunder_tp.plans.litgpt(GPTWithLoss(config))
