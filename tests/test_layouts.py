@@ -8,15 +8,10 @@ import thunder.core.dtypes as dtypes
 import thunder.core.devices as devices
 
 from thunder_tp.layouts import (
-    Partial, Replicate, Shard, check_shardable, local_shape, parse_layout, shard_tensor, unshard_tensor,
+    Partial, Replicate, Shard, check_shardable, local_shape, shard_tensor, unshard_tensor,
 )
 from thunder_tp.propagation.views import _getitem_map, view_groups
 from thunder_tp.reshard import redistribute_cost
-
-
-@pytest.mark.parametrize("layout", [Replicate(), Partial(), Shard(0), Shard(-1), Shard(2, blocks=(32, 16, 16))])
-def test_layout_text_round_trip(layout):
-    assert parse_layout(repr(layout)) == layout
 
 
 def test_blocked_shard_takes_a_chunk_of_every_block():
