@@ -8,15 +8,10 @@ import thunder.core.dtypes as dtypes
 import thunder.core.devices as devices
 
 from thunder_tp.layouts import (
-    Partial, Replicate, Shard, check_shardable, local_shape, parse_layout, shard_tensor, unshard_tensor,
+    Partial, Replicate, Shard, check_shardable, local_shape, shard_tensor, unshard_tensor,
 )
 from thunder_tp.propagation.views import _getitem_map, view_groups
 from thunder_tp.reshard import redistribute_cost
-
-
-@pytest.mark.parametrize("layout", [Replicate(), Partial(), Shard(0), Shard(-1), Shard(2, blocks=(32, 16, 16))])
-def test_layout_text_round_trip(layout):
-    assert parse_layout(repr(layout)) == layout
 
 
 def test_blocked_shard_takes_a_chunk_of_every_block():
@@ -72,3 +67,16 @@ def test_costs_prefer_no_communication_and_never_choose_partial():
     assert scatter_cost < reduce_cost
     assert redistribute_cost(Replicate(), Partial(), t, 2) == float("inf")
     assert redistribute_cost(Shard(0), Replicate(), t, 2, is_parameter=True) > 100 * gather_cost
+
+
+def test_thunder_parallel_type_only_where_thunder_means_it():
+    from thunder.core.proxies import DistParallelType
+
+    from thunder_tp.transform import _thunder_parallel_type
+
+    assert _thunder_parallel_type(Shard(0), 2) is DistParallelType.COLUMN_WISE  # Linear weight dim 0
+    assert _thunder_parallel_type(Shard(0), 1) is DistParallelType.COLUMN_WISE  # its bias
+    assert _thunder_parallel_type(Shard(1), 2) is DistParallelType.ROW_WISE
+    assert _thunder_parallel_type(Shard(1), 3) is None  # not a weight's input dim
+    assert _thunder_parallel_type(Shard(2), 3) is None
+    assert _thunder_parallel_type(Replicate(), 2) is None

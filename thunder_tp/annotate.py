@@ -18,7 +18,7 @@ tp_annotate = comm_executor.register_operator(
 comm_executor.register_implementation(tp_annotate, tp_annotate)
 
 
-def _annotate_grad(t: TensorProxy, layout: str) -> TensorProxy:
+def _annotate_grad(t: TensorProxy, layout: Layout) -> TensorProxy:
     out = tp_annotate(t, layout)
     put_grad(t, get_grad(out))
     return out
@@ -30,7 +30,7 @@ register_grad(tp_annotate, _annotate_grad)
 def annotate(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Constrain `t` to `layout` on the TP group (identity outside a TensorParallel program)."""
     if isinstance(t, TensorProxy):
-        return tp_annotate(t, repr(layout))
+        return tp_annotate(t, layout)
     return t
 
 
@@ -38,4 +38,4 @@ def annotate(t: torch.Tensor, layout: Layout) -> torch.Tensor:
 @ensure_recursive_proxies
 @interpreter_needs_wrap
 def _annotate_lookaside(t: TensorProxy, layout: Layout) -> TensorProxy:
-    return tp_annotate(t, repr(layout))
+    return tp_annotate(t, layout)

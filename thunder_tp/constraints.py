@@ -27,9 +27,9 @@ def _constrain(t: TensorProxy, layout, memo: dict) -> TensorProxy:
     """`t` annotated with `layout`, once per (value, layout), so that consumers share one redistribution."""
     if layout is None:
         return t
-    key = (t.name, repr(layout))
+    key = (t.name, layout)
     if key not in memo:
-        memo[key] = tp_annotate(t, repr(layout))
+        memo[key] = tp_annotate(t, layout)
     return memo[key]
 
 

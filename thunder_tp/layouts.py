@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,22 +49,6 @@ class Partial:
 Layout = Replicate | Shard | Partial
 REPLICATE = Replicate()
 PARTIAL = Partial()
-
-_LAYOUT_RE = re.compile(r"^(Replicate|Partial)\(\)$|^Shard\((-?\d+)(?:, blocks=\(([\d, ]*)\))?\)$")
-
-
-def parse_layout(text: str) -> Layout:
-    """Inverse of repr(layout); layouts travel through traces as strings."""
-    m = _LAYOUT_RE.match(text)
-    if m is None:
-        raise ValueError(f"Not a layout: {text!r}")
-    if m.group(1) == "Replicate":
-        return REPLICATE
-    if m.group(1) == "Partial":
-        return PARTIAL
-    blocks = m.group(3)
-    return Shard(int(m.group(2)), tuple(int(b) for b in blocks.split(",") if b.strip()) if blocks else None)
-
 
 def normalize(layout: Layout, ndim: int) -> Layout:
     """Shard with a non-negative dim; other layouts unchanged."""

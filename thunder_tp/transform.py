@@ -23,8 +23,8 @@ from thunder_tp.layouts import (
     check_shardable,
     local_shape,
 )
+from thunder_tp.composition import check_composition
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
-from thunder_tp.mesh import check_composition
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
 from thunder_tp.styles import Style, check_distparallel_type, match_plan, styles_from_distparallel_type
@@ -127,8 +127,9 @@ class TensorParallel(Transform):
         for a in _flat_args(computation):
             layout = self.parameter_layouts.get(param_names.get(a.name, ""), REPLICATE)
             layouts[a.name] = layout
-            if isinstance(layout, Shard) and a.distparallel_type not in _DATA_PARALLEL_TYPES:
-                a._distparallel_type = DistParallelType.COLUMN_WISE if layout.dim == 0 else DistParallelType.ROW_WISE
+            kind = _thunder_parallel_type(layout, a.ndim)
+            if kind is not None and a.distparallel_type not in _DATA_PARALLEL_TYPES:
+                a._distparallel_type = kind
         return layouts
 
 
@@ -153,6 +154,14 @@ def _check_materialized(model) -> None:
             "checkpoint, or put thunder.transforms.MaterializationTransform(device, init=MaterializationTransform."
             "init_from_original_module_init()) after TensorParallel in transforms= for a fresh initialization"
         )
+def _thunder_parallel_type(layout: Layout, ndim: int) -> DistParallelType | None:
+    """Thunder's name for a layout where it has one: COLUMN_WISE = dim 0 (weights and their biases), ROW_WISE = dim 1
+    of a 2-D weight; other shards (e.g. a sharded activation-like parameter's dim 2) keep Thunder's NONE."""
+    if not isinstance(layout, Shard):
+        return None
+    if layout.dim == 0:
+        return DistParallelType.COLUMN_WISE
+    return DistParallelType.ROW_WISE if (layout.dim, ndim) == (1, 2) else None
 
 
 def _flat_args(trace: TraceCtx) -> list[TensorProxy]:

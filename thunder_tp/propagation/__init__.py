@@ -1,7 +1,7 @@
 """Layout propagation: the engine and the rules, one module per op family."""
 
 from thunder_tp.annotate import tp_annotate
-from thunder_tp.layouts import normalize, parse_layout
+from thunder_tp.layouts import normalize
 from thunder_tp.propagation import (  # noqa: F401  (importing a family registers its rules)
     attention,
     embedding,
@@ -19,7 +19,7 @@ from thunder_tp.propagation.engine import Op, Propagation, Step, Strategy, regis
 @register_rule(tp_annotate)
 def annotate(op: Op) -> list[Strategy]:
     """An annotation is a constraint: its value takes the given layout."""
-    layout = normalize(parse_layout(op.bsym.args[1]), op.tensors[0].ndim)
+    layout = normalize(op.bsym.args[1], op.tensors[0].ndim)
     return [Strategy((layout,), (layout,), lambda t, *_: t)]
 
 
