@@ -13,6 +13,7 @@ import pytest
 import thunder
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 from litgpt import GPT
 
 import thunder_tp
@@ -68,11 +69,21 @@ def _train_save_continue(path: str) -> list[float]:
     return _steps(jm, optimizer, SAVED_AFTER, RESUMED)
 
 
-def _resume(path: str, meta: bool = False) -> list[float]:
-    """A differently seeded (or meta-device) TP model and a fresh optimizer load the checkpoint and continue."""
+def _resume(path: str, meta: bool = False, own_dcp_calls: bool = False) -> list[float]:
+    """A differently seeded (or meta-device) TP model and a fresh optimizer load the checkpoint and continue.
+
+    own_dcp_calls: then everything is scrambled and reloaded through get_state_dict / dcp.load / set_state_dict.
+    """
     jm = _jit(_model(1, "meta" if meta else "cpu"))
     optimizer = _optimizer(jm)
     ck.load(path, jm, optimizer)
+    if own_dcp_calls:
+        with torch.no_grad():
+            for t in (*jm.parameters(), *(v for s in optimizer.state.values() for v in s.values())):
+                t.normal_()
+        model_sd, optim_sd = ck.get_state_dict(jm, optimizer)
+        torch.distributed.checkpoint.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        ck.set_state_dict(jm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return _steps(jm, optimizer, SAVED_AFTER, RESUMED)
 
 
@@ -94,7 +105,7 @@ def saved(tmp_path_factory) -> tuple[str, list[float]]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_resume_at_another_tp_size(saved, world):
     path, expected = saved
-    for losses in run_ranks(_resume, world, path):
+    for losses in run_ranks(_resume, world, path, False, world == 2):
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
 
 

@@ -73,6 +73,17 @@ class _Tensor:
         metadata = ShardedTensorMetadata(every, torch.Size(self.global_shape), props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=self.group)
 
+    def copy_from(self, value: torch.Tensor) -> None:
+        """Write what DCP loaded into for_dcp()'s value into `local`, wherever DCP did not write in place."""
+        if isinstance(value, ShardedTensor):
+            pairs = zip((view for _, _, view in self.slices()), (s.tensor for s in value.local_shards()))
+        else:
+            pairs = [(self.local, value)]
+        with torch.no_grad():
+            for view, source in pairs:
+                if view.data_ptr() != source.data_ptr():
+                    view.copy_(source)
+
 
 @contextlib.contextmanager
 def _sharded_tensor_without_deprecation_warnings():
@@ -169,13 +180,12 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     """Copy state dicts shaped like get_state_dict's (after dcp.load) into the model and optimizer."""
     tensors = _model_tensors(model)
     for name, value in model_state_dict.items():
-        _copy_into(tensors[name].local, value)
+        tensors[name].copy_from(value)
     if optimizer is None or not optim_state_dict:
         return
-    by_name = {name: p for p_id, name in _parameter_names(model).items() for p in _params(optimizer) if id(p) == p_id}
+    params = {name: _get(model, name) for name in optim_state_dict["state"]}
     for name, entries in optim_state_dict["state"].items():
-        param = by_name[name]
-        optimizer.state[param] = {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+        optimizer.state[params[name]] = {k: _restore(tensors[name], v) for k, v in entries.items()}
     for group, saved in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
 
@@ -184,18 +194,13 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a plain tensor or a ShardedTensor (its shards concatenated along dim 0)."""
-    if isinstance(value, ShardedTensor):
-        return torch.cat([s.tensor for s in value.local_shards()], 0)
-    return value
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    source = _local(value)
-    if source.data_ptr() != target.data_ptr():
-        with torch.no_grad():
-            target.copy_(source)
+def _restore(param: _Tensor, value):
+    """An optimizer state value as this rank's tensor (a ShardedTensor's slices placed like its parameter's)."""
+    if not isinstance(value, ShardedTensor):
+        return value
+    state = _like(param, torch.empty_like(param.local, dtype=value.dtype))
+    state.copy_from(value)
+    return state.local
 
 
 # --- save -----------------------------------------------------------------------------------------------------
@@ -333,11 +338,11 @@ def _load_directory(path: str, model, tensors: dict[str, _Tensor], optimizer, op
         }
     dcp.load(state, checkpoint_id=path)
     for name, t in tensors.items():
-        _copy_into(t.local, state["model"][name])  # no-op where DCP wrote into views of t.local
+        t.copy_from(state["model"][name])
     if optimizer is not None:
         for name, fields in optim_targets.items():
             for key, t in fields.items():
-                _copy_into(t.local, state["optim"]["state"][name][key])
+                t.copy_from(state["optim"]["state"][name][key])
         for group, saved in zip(optimizer.param_groups, state["optim"]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         optimizer._thunder_tp_loaded_state = optim_targets  # installed by _install once params are final
