@@ -241,3 +241,12 @@ def test_tp_inside_ddp_saves_each_shard_once_and_fsdp_is_refused(tmp_path):
     assert model_bytes <= data < 1.5 * model_bytes, (data, model_bytes)  # the dp replicas wrote nothing twice
     for message in run_ranks(_save_2d, 4, str(tmp_path / "fsdp"), "fsdp"):
         assert "FSDPTransform" in message and "DDPTransform" in message
+
+
+def test_lit_model_pth_loads_into_a_module_wrapping_the_gpt(tmp_path):
+    """litgpt's file holds GPT keys; a GPTWithLoss (keys "gpt.*", as in benchmark_litgpt --checkpoint) takes them."""
+    source, target = _model(0), _model(1)
+    torch.save(source.gpt.state_dict(), tmp_path / "lit_model.pth")
+    ck.load(str(tmp_path / "lit_model.pth"), target)
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[name], value, rtol=0, atol=0, msg=name)
