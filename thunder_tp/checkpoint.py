@@ -96,21 +96,17 @@ def _sharded_tensor_without_deprecation_warnings():
 # --- the model's tensors ---------------------------------------------------------------------------------------
 
 
-def _transforms(model: nn.Module) -> list:
-    return list(getattr(model, "_lc_transforms", []))
-
-
 def _tensor_parallel(model: nn.Module):
     from thunder_tp.transform import TensorParallel
 
     _check_data_parallel(model)
-    return next((t for t in _transforms(model) if isinstance(t, TensorParallel)), None)
+    return next((t for t in getattr(model, "_lc_transforms", []) if isinstance(t, TensorParallel)), None)
 
 
 def _check_data_parallel(model: nn.Module) -> None:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
-    if any(isinstance(t, FSDPTransform) for t in _transforms(model)):
+    if any(isinstance(t, FSDPTransform) for t in getattr(model, "_lc_transforms", [])):
         raise NotImplementedError(
             "thunder_tp.checkpoint: FSDPTransform keeps a padded dim-0 chunk of each TP shard per dp rank, and its "
             "(offsets, sizes) in the global tensor are not exposed by Thunder's FSDPTransform, so they cannot be "
@@ -157,14 +153,16 @@ def _like(param: _Tensor, value: torch.Tensor) -> _Tensor:
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
-    """(model state dict, optimizer state dict) keyed by plain names, sharded tensors as ShardedTensor (for dcp.save/load)."""
+    """(model, optimizer) state dicts keyed by plain names, sharded tensors as ShardedTensor (for dcp.save/load)."""
     tensors = _model_tensors(model)
     model_sd = {name: t.for_dcp() for name, t in tensors.items()}
     if optimizer is None:
         return model_sd, {}
     names = _parameter_names(model)
     state = {
-        names[id(p)]: {k: _like(tensors[names[id(p)]], v).for_dcp() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        names[id(p)]: {
+            k: _like(tensors[names[id(p)]], v).for_dcp() if isinstance(v, torch.Tensor) else v for k, v in s.items()
+        }
         for p, s in optimizer.state.items()
     }
     return model_sd, {"state": state, "param_groups": _param_groups(model, optimizer)}
@@ -173,10 +171,15 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
     """The optimizer's hyperparameters, its parameters by plain name."""
     names = _parameter_names(model)
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
 
 
-def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, model_state_dict: dict, optim_state_dict: dict) -> None:
+def set_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, model_state_dict: dict, optim_state_dict: dict
+) -> None:
     """Copy state dicts shaped like get_state_dict's (after dcp.load) into the model and optimizer."""
     tensors = _model_tensors(model)
     for name, value in model_state_dict.items():
@@ -252,7 +255,9 @@ def _agree(error: Exception | None, path: str) -> None:
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"thunder_tp.checkpoint.load({path!r}): another rank rejected the checkpoint (see its error); nothing was loaded")
+        raise RuntimeError(
+            f"thunder_tp.checkpoint.load({path!r}): another rank rejected the checkpoint (see its error); nothing was loaded"
+        )
 
 
 def _read_metadata(path: str) -> Metadata:
@@ -302,7 +307,9 @@ def _optimizer_targets(path: str, entries: dict, model: nn.Module, tensors: dict
             index, _, hyper = key[len("optim.param_groups."):].partition(".")
             groups.setdefault(int(index), set()).add(hyper)
     if not groups:
-        raise ValueError(f"thunder_tp.checkpoint.load: {path!r} holds no optimizer state; pass optimizer=None or a checkpoint saved with one")
+        raise ValueError(
+            f"thunder_tp.checkpoint.load: {path!r} holds no optimizer state; pass optimizer=None or a checkpoint saved with one"
+        )
     wanted = [set(g) | {"params"} for g in optimizer.param_groups]
     if [groups[i] for i in sorted(groups)] != wanted:
         raise TypeError(
@@ -317,14 +324,21 @@ def _optimizer_targets(path: str, entries: dict, model: nn.Module, tensors: dict
         if key.startswith("optim.state."):
             name, _, field = key[len("optim.state."):].rpartition(".")
             if name not in in_optimizer:
-                raise ValueError(f"thunder_tp.checkpoint.load: {path!r} has optimizer state {key!r} for a parameter this {kind} does not optimize")
+                raise ValueError(
+                    f"thunder_tp.checkpoint.load: {path!r} has optimizer state {key!r} for a parameter this {kind} "
+                    "does not optimize"
+                )
             if not isinstance(md, TensorStorageMetadata):
-                raise TypeError(f"thunder_tp.checkpoint.load: {key!r} in {path!r} is not a tensor; thunder_tp loads tensor optimizer state only")
+                raise TypeError(
+                    f"thunder_tp.checkpoint.load: {key!r} in {path!r} is not a tensor; thunder_tp loads tensor optimizer "
+                    "state only"
+                )
             param = tensors[name]
             size = tuple(md.size)
             shape = param.local.shape if size == param.global_shape else size
             local = torch.empty(shape, dtype=md.properties.dtype, device=_tensor_device(param))
-            targets.setdefault(name, {})[field] = _like(param, local) if size == param.global_shape else _Tensor(local, size, REPLICATE, 0, 1, None)
+            replicated = _Tensor(local, size, REPLICATE, 0, 1, None)
+            targets.setdefault(name, {})[field] = _like(param, local) if size == param.global_shape else replicated
     _check_keys(f"the optimizer state in {path!r}", in_optimizer if targets else set(), set(targets))
     return targets
 
