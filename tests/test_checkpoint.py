@@ -13,6 +13,7 @@ import pytest
 import thunder
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 from litgpt import GPT
 
 import thunder_tp
@@ -68,11 +69,21 @@ def _train_save_continue(path: str) -> list[float]:
     return _steps(jm, optimizer, SAVED_AFTER, RESUMED)
 
 
-def _resume(path: str, meta: bool = False) -> list[float]:
-    """A differently seeded (or meta-device) TP model and a fresh optimizer load the checkpoint and continue."""
+def _resume(path: str, meta: bool = False, own_dcp_calls: bool = False) -> list[float]:
+    """A differently seeded (or meta-device) TP model and a fresh optimizer load the checkpoint and continue.
+
+    own_dcp_calls: then everything is scrambled and reloaded through get_state_dict / dcp.load / set_state_dict.
+    """
     jm = _jit(_model(1, "meta" if meta else "cpu"))
     optimizer = _optimizer(jm)
     ck.load(path, jm, optimizer)
+    if own_dcp_calls:
+        with torch.no_grad():
+            for t in (*jm.parameters(), *(v for s in optimizer.state.values() for v in s.values())):
+                t.normal_()
+        model_sd, optim_sd = ck.get_state_dict(jm, optimizer)
+        torch.distributed.checkpoint.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        ck.set_state_dict(jm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return _steps(jm, optimizer, SAVED_AFTER, RESUMED)
 
 
@@ -94,7 +105,7 @@ def saved(tmp_path_factory) -> tuple[str, list[float]]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_resume_at_another_tp_size(saved, world):
     path, expected = saved
-    for losses in run_ranks(_resume, world, path):
+    for losses in run_ranks(_resume, world, path, False, world == 2):
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
 
 
@@ -230,3 +241,12 @@ def test_tp_inside_ddp_saves_each_shard_once_and_fsdp_is_refused(tmp_path):
     assert model_bytes <= data < 1.5 * model_bytes, (data, model_bytes)  # the dp replicas wrote nothing twice
     for message in run_ranks(_save_2d, 4, str(tmp_path / "fsdp"), "fsdp"):
         assert "FSDPTransform" in message and "DDPTransform" in message
+
+
+def test_lit_model_pth_loads_into_a_module_wrapping_the_gpt(tmp_path):
+    """litgpt's file holds GPT keys; a GPTWithLoss (keys "gpt.*", as in benchmark_litgpt --checkpoint) takes them."""
+    source, target = _model(0), _model(1)
+    torch.save(source.gpt.state_dict(), tmp_path / "lit_model.pth")
+    ck.load(str(tmp_path / "lit_model.pth"), target)
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[name], value, rtol=0, atol=0, msg=name)

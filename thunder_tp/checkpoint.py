@@ -73,6 +73,17 @@ class _Tensor:
         metadata = ShardedTensorMetadata(every, torch.Size(self.global_shape), props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=self.group)
 
+    def copy_from(self, value: torch.Tensor) -> None:
+        """Write what DCP loaded into for_dcp()'s value into `local`, wherever DCP did not write in place."""
+        if isinstance(value, ShardedTensor):
+            pairs = zip((view for _, _, view in self.slices()), (s.tensor for s in value.local_shards()))
+        else:
+            pairs = [(self.local, value)]
+        with torch.no_grad():
+            for view, source in pairs:
+                if view.data_ptr() != source.data_ptr():
+                    view.copy_(source)
+
 
 @contextlib.contextmanager
 def _sharded_tensor_without_deprecation_warnings():
@@ -85,21 +96,17 @@ def _sharded_tensor_without_deprecation_warnings():
 # --- the model's tensors ---------------------------------------------------------------------------------------
 
 
-def _transforms(model: nn.Module) -> list:
-    return list(getattr(model, "_lc_transforms", []))
-
-
 def _tensor_parallel(model: nn.Module):
     from thunder_tp.transform import TensorParallel
 
     _check_data_parallel(model)
-    return next((t for t in _transforms(model) if isinstance(t, TensorParallel)), None)
+    return next((t for t in getattr(model, "_lc_transforms", []) if isinstance(t, TensorParallel)), None)
 
 
 def _check_data_parallel(model: nn.Module) -> None:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
-    if any(isinstance(t, FSDPTransform) for t in _transforms(model)):
+    if any(isinstance(t, FSDPTransform) for t in getattr(model, "_lc_transforms", [])):
         raise NotImplementedError(
             "thunder_tp.checkpoint: FSDPTransform keeps a padded dim-0 chunk of each TP shard per dp rank, and its "
             "(offsets, sizes) in the global tensor are not exposed by Thunder's FSDPTransform, so they cannot be "
@@ -146,14 +153,16 @@ def _like(param: _Tensor, value: torch.Tensor) -> _Tensor:
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
-    """(model state dict, optimizer state dict) keyed by plain names, sharded tensors as ShardedTensor (for dcp.save/load)."""
+    """(model, optimizer) state dicts keyed by plain names, sharded tensors as ShardedTensor (for dcp.save/load)."""
     tensors = _model_tensors(model)
     model_sd = {name: t.for_dcp() for name, t in tensors.items()}
     if optimizer is None:
         return model_sd, {}
     names = _parameter_names(model)
     state = {
-        names[id(p)]: {k: _like(tensors[names[id(p)]], v).for_dcp() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        names[id(p)]: {
+            k: _like(tensors[names[id(p)]], v).for_dcp() if isinstance(v, torch.Tensor) else v for k, v in s.items()
+        }
         for p, s in optimizer.state.items()
     }
     return model_sd, {"state": state, "param_groups": _param_groups(model, optimizer)}
@@ -162,20 +171,24 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
     """The optimizer's hyperparameters, its parameters by plain name."""
     names = _parameter_names(model)
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
 
 
-def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, model_state_dict: dict, optim_state_dict: dict) -> None:
+def set_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, model_state_dict: dict, optim_state_dict: dict
+) -> None:
     """Copy state dicts shaped like get_state_dict's (after dcp.load) into the model and optimizer."""
     tensors = _model_tensors(model)
     for name, value in model_state_dict.items():
-        _copy_into(tensors[name].local, value)
+        tensors[name].copy_from(value)
     if optimizer is None or not optim_state_dict:
         return
-    by_name = {name: p for p_id, name in _parameter_names(model).items() for p in _params(optimizer) if id(p) == p_id}
+    params = {name: _get(model, name) for name in optim_state_dict["state"]}
     for name, entries in optim_state_dict["state"].items():
-        param = by_name[name]
-        optimizer.state[param] = {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+        optimizer.state[params[name]] = {k: _restore(tensors[name], v) for k, v in entries.items()}
     for group, saved in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
 
@@ -184,18 +197,13 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a plain tensor or a ShardedTensor (its shards concatenated along dim 0)."""
-    if isinstance(value, ShardedTensor):
-        return torch.cat([s.tensor for s in value.local_shards()], 0)
-    return value
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    source = _local(value)
-    if source.data_ptr() != target.data_ptr():
-        with torch.no_grad():
-            target.copy_(source)
+def _restore(param: _Tensor, value):
+    """An optimizer state value as this rank's tensor (a ShardedTensor's slices placed like its parameter's)."""
+    if not isinstance(value, ShardedTensor):
+        return value
+    state = _like(param, torch.empty_like(param.local, dtype=value.dtype))
+    state.copy_from(value)
+    return state.local
 
 
 # --- save -----------------------------------------------------------------------------------------------------
@@ -247,7 +255,9 @@ def _agree(error: Exception | None, path: str) -> None:
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"thunder_tp.checkpoint.load({path!r}): another rank rejected the checkpoint (see its error); nothing was loaded")
+        raise RuntimeError(
+            f"thunder_tp.checkpoint.load({path!r}): another rank rejected the checkpoint (see its error); nothing was loaded"
+        )
 
 
 def _read_metadata(path: str) -> Metadata:
@@ -297,7 +307,9 @@ def _optimizer_targets(path: str, entries: dict, model: nn.Module, tensors: dict
             index, _, hyper = key[len("optim.param_groups."):].partition(".")
             groups.setdefault(int(index), set()).add(hyper)
     if not groups:
-        raise ValueError(f"thunder_tp.checkpoint.load: {path!r} holds no optimizer state; pass optimizer=None or a checkpoint saved with one")
+        raise ValueError(
+            f"thunder_tp.checkpoint.load: {path!r} holds no optimizer state; pass optimizer=None or a checkpoint saved with one"
+        )
     wanted = [set(g) | {"params"} for g in optimizer.param_groups]
     if [groups[i] for i in sorted(groups)] != wanted:
         raise TypeError(
@@ -312,14 +324,21 @@ def _optimizer_targets(path: str, entries: dict, model: nn.Module, tensors: dict
         if key.startswith("optim.state."):
             name, _, field = key[len("optim.state."):].rpartition(".")
             if name not in in_optimizer:
-                raise ValueError(f"thunder_tp.checkpoint.load: {path!r} has optimizer state {key!r} for a parameter this {kind} does not optimize")
+                raise ValueError(
+                    f"thunder_tp.checkpoint.load: {path!r} has optimizer state {key!r} for a parameter this {kind} "
+                    "does not optimize"
+                )
             if not isinstance(md, TensorStorageMetadata):
-                raise TypeError(f"thunder_tp.checkpoint.load: {key!r} in {path!r} is not a tensor; thunder_tp loads tensor optimizer state only")
+                raise TypeError(
+                    f"thunder_tp.checkpoint.load: {key!r} in {path!r} is not a tensor; thunder_tp loads tensor optimizer "
+                    "state only"
+                )
             param = tensors[name]
             size = tuple(md.size)
             shape = param.local.shape if size == param.global_shape else size
             local = torch.empty(shape, dtype=md.properties.dtype, device=_tensor_device(param))
-            targets.setdefault(name, {})[field] = _like(param, local) if size == param.global_shape else _Tensor(local, size, REPLICATE, 0, 1, None)
+            replicated = _Tensor(local, size, REPLICATE, 0, 1, None)
+            targets.setdefault(name, {})[field] = _like(param, local) if size == param.global_shape else replicated
     _check_keys(f"the optimizer state in {path!r}", in_optimizer if targets else set(), set(targets))
     return targets
 
@@ -333,11 +352,11 @@ def _load_directory(path: str, model, tensors: dict[str, _Tensor], optimizer, op
         }
     dcp.load(state, checkpoint_id=path)
     for name, t in tensors.items():
-        _copy_into(t.local, state["model"][name])  # no-op where DCP wrote into views of t.local
+        t.copy_from(state["model"][name])
     if optimizer is not None:
         for name, fields in optim_targets.items():
             for key, t in fields.items():
-                _copy_into(t.local, state["optim"]["state"][name][key])
+                t.copy_from(state["optim"]["state"][name][key])
         for group, saved in zip(optimizer.param_groups, state["optim"]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         optimizer._thunder_tp_loaded_state = optim_targets  # installed by _install once params are final
