@@ -16,7 +16,14 @@ via ``thunder_tp.collectives_table``). ``--json_path`` writes all of it, per-ite
 
 Distributed modes are entries of ``MODES`` (mode -> ``Mode(transforms=..., data_parallel=...)``): a mode is a
 function that builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process
-groups. 2-D modes (TP inside Thunder's DDP/FSDP) are a few lines each, e.g.::
+groups: ``none``, ``tp``, ``tp_sp`` and the 2-D ``tp_ddp`` / ``tp_fsdp`` (TP over ``--tp_size`` consecutive ranks
+inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parallel groups), e.g.::
+
+    torchrun --nproc-per-node 4 benchmarks/benchmark_litgpt.py --distributed_mode tp_fsdp --tp_size 2 --dp_size 2
+
+Thunder benchmark_litgpt's ``--global_batch_size`` (gradient accumulation), ``--checkpoint_activations`` and
+``--low_precision_mode`` (``none``; a bf16 model with ``--dtype bfloat16``) work as there. A 2-D mode is a few
+lines, e.g.::
 
     def _tp_ddp(model, args, groups):
         from thunder.distributed.transforms.ddp_v2 import DDPTransform
