@@ -144,7 +144,7 @@ def _close(a: list[float], b: list[float]) -> bool:
 
 
 def test_accumulation_and_activation_checkpointing_are_exact():
-    """TP=2: 2 micro-batches of 1 = one of 2; checkpointed blocks re-issue their all_reduce and give the same losses."""
+    """TP=2: 2 micro-batches of 1 = one of 2; checkpointed blocks save less and give the same losses."""
     from tests.dist import run_ranks
 
     base = run_ranks(_train, 2, ["--distributed_mode", "tp", "--micro_batch_size", "2"])[0]
@@ -154,8 +154,9 @@ def test_accumulation_and_activation_checkpointing_are_exact():
     assert _close(accumulated["losses"], base["losses"]), (accumulated["losses"], base["losses"])
     assert _close(checkpointed["losses"], base["losses"]), (checkpointed["losses"], base["losses"])
     assert checkpointed["saved"]["activation_bytes"] < base["saved"]["activation_bytes"], (checkpointed, base)  # logits dominate
-    recomputed = checkpointed["collectives"]["backward"]["by_kind"]["all_reduce"]["count"]
-    assert recomputed > base["collectives"]["backward"]["by_kind"]["all_reduce"]["count"], (checkpointed, base)
+    # pythia's parallel residual needs no reduced activation in the backward: nothing more to re-issue here
+    # (tests/test_simulate.py checks the re-issued all_reduce of a checkpointed llama block)
+    assert checkpointed["collectives"]["backward"] == base["collectives"]["backward"], (checkpointed, base)
 
 
 def test_bf16_and_2d_modes():
