@@ -16,7 +16,14 @@ via ``thunder_tp.collectives_table``). ``--json_path`` writes all of it, per-ite
 
 Distributed modes are entries of ``MODES`` (mode -> ``Mode(transforms=..., data_parallel=...)``): a mode is a
 function that builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process
-groups. 2-D modes (TP inside Thunder's DDP/FSDP) are a few lines each, e.g.::
+groups: ``none``, ``tp``, ``tp_sp`` and the 2-D ``tp_ddp`` / ``tp_fsdp`` (TP over ``--tp_size`` consecutive ranks
+inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parallel groups), e.g.::
+
+    torchrun --nproc-per-node 4 benchmarks/benchmark_litgpt.py --distributed_mode tp_fsdp --tp_size 2 --dp_size 2
+
+Thunder benchmark_litgpt's ``--global_batch_size`` (gradient accumulation), ``--checkpoint_activations`` and
+``--low_precision_mode`` (``none``; a bf16 model with ``--dtype bfloat16``) work as there. A 2-D mode is a few
+lines, e.g.::
 
     def _tp_ddp(model, args, groups):
         from thunder.distributed.transforms.ddp_v2 import DDPTransform
@@ -71,6 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n_layers", type=int, default=None, help="override the config's n_layer")
     p.add_argument("--block_size", type=int, default=128, help="sequence length (overrides the config's block_size)")
     p.add_argument("--micro_batch_size", type=int, default=2)
+    p.add_argument("--global_batch_size", type=int, default=None,
+                   help="sequences per optimizer step over all data-parallel ranks; a multiple of micro_batch_size * "
+                        "dp size: gradients accumulate over the micro-batches (default: micro_batch_size * dp size)")
+    p.add_argument("--checkpoint_activations", type=str2bool, default=False,
+                   help="activation checkpointing of every transformer block (torch.utils.checkpoint, which Thunder "
+                        "turns into recomputation in the backward, collectives included)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the model's parameters")
+    p.add_argument("--low_precision_mode", default="none", choices=["none", *FP8_MODES],
+                   help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none only")
     p.add_argument("--max_iters", type=int, default=10, help="iterations in all, warm-up included")
     p.add_argument("--warmup_iters", type=int, default=2, help="first iterations left out of the averages")
     p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS) + ["eager"],
@@ -78,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "executors + thunder_tp's comm executor; eager: plain PyTorch (distributed_mode none only)")
     p.add_argument("--distributed_mode", default="none", choices=list(MODES))
     p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
+    p.add_argument("--dp_size", type=int, default=None,
+                   help="data-parallel size of the 2-D modes (tp_ddp, tp_fsdp); dp * tp = world (default: world // tp)")
     p.add_argument("--loss_parallel", type=str2bool, default=False, help="cross-entropy over vocab-sharded logits")
     p.add_argument("--dump_thunder_traces", type=str2bool, default=False,
                    help="rank 0 prints the final traces; every rank writes them to --trace_dir")
@@ -100,11 +118,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--simulate simulates a TP plan: use --distributed_mode tp or tp_sp, not {args.distributed_mode!r}")
     if args.max_iters <= args.warmup_iters:
         p.error(f"--max_iters ({args.max_iters}) must be larger than --warmup_iters ({args.warmup_iters})")
+    if args.low_precision_mode != "none":
+        p.error(f"--low_precision_mode {args.low_precision_mode}: fp8 through TransformerEngine is not supported by "
+                "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
     if args.compile == "eager" and args.distributed_mode != "none":
         p.error("--compile eager runs plain PyTorch, which has no tensor parallelism: use --distributed_mode none, "
                 "or --compile thunder / thunder_default")
     return args
 
+
+#: --dtype -> the parameters' dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Thunder's benchmark_litgpt fp8 modes (TransformerEngine), refused with an explanation
+FP8_MODES = ("fp8-delayed-te", "fp8-default-te", "fp8-delayed-te-wo_layernorm", "fp8-default-te-wo_layernorm")
 
 # --------------------------------------------------------------------------------------------------------------
 # distributed setup
@@ -270,11 +296,33 @@ def make_config(args: argparse.Namespace):
 DATA_VOCAB = 100
 
 
-def make_batch(args: argparse.Namespace, vocab: int, dp_rank: int, iteration: int, device: torch.device):
-    """Random (idx, targets) of shape (micro_batch_size, block_size); identical on the ranks of a TP group."""
+def make_batch(args: argparse.Namespace, vocab: int, dp_rank: int, iteration: int, device: torch.device,
+               rows: int | None = None):
+    """Random (idx, targets) of shape (rows (micro_batch_size), block_size); identical on the ranks of a TP group."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank * 10_007 + iteration)
-    data = torch.randint(0, min(DATA_VOCAB, vocab), (args.micro_batch_size, args.block_size + 1), generator=g)
+    data = torch.randint(0, min(DATA_VOCAB, vocab), (rows or args.micro_batch_size, args.block_size + 1), generator=g)
     return data[:, :-1].to(device), data[:, 1:].to(device)
+
+
+def accumulation_steps(args: argparse.Namespace, dp_size: int) -> int:
+    """Micro-batches per optimizer step on each data-parallel rank (``--global_batch_size``)."""
+    per_step = args.micro_batch_size * dp_size
+    if args.global_batch_size is None:
+        return 1
+    if args.global_batch_size < per_step or args.global_batch_size % per_step:
+        raise SystemExit(f"--global_batch_size {args.global_batch_size} must be a multiple of --micro_batch_size "
+                         f"{args.micro_batch_size} * dp size {dp_size} = {per_step}")
+    return args.global_batch_size // per_step
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Run every litgpt Block under torch.utils.checkpoint; Thunder recomputes its activations in the backward."""
+    from litgpt.model import Block
+    from torch.utils.checkpoint import checkpoint
+
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.forward = partial(checkpoint, module.forward, use_reentrant=False)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -338,14 +386,23 @@ def log(rank: int, *msg: Any) -> None:
         print(*msg, flush=True)
 
 
-def build(args: argparse.Namespace, groups: Groups, device: torch.device):
-    """The config, the model (same random weights on every rank) and the jitted (or eager) module to train."""
+def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Module:
+    """The litgpt GPT with its loss, seeded random weights in ``--dtype``, blocks checkpointed if asked."""
     from thunder_tp.plans.litgpt import GPTWithLoss
 
-    config = make_config(args)
     torch.manual_seed(args.seed)
     with device:
-        model = GPTWithLoss(config)
+        model = GPTWithLoss(config).to(DTYPES[args.dtype])
+    if args.checkpoint_activations:
+        checkpoint_blocks(model)
+    return model
+
+
+def build(args: argparse.Namespace, groups: Groups, device: torch.device):
+    """The config, the model (same random weights on every rank) and the jitted (or eager) module to train."""
+
+    config = make_config(args)
+    model = make_model(args, config, device)
     if args.compile == "eager":
         return config, model, model
     import thunder
@@ -357,15 +414,19 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
 def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module, vocab: int):
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
     load_checkpoints(args, jm, optimizer)
+    steps = accumulation_steps(args, groups.dp_size)
     losses, times = [], []
     for it in range(args.max_iters):
-        idx, targets = make_batch(args, vocab, groups.dp_rank, it, device)
+        idx, targets = make_batch(args, vocab, groups.dp_rank, it, device, rows=steps * args.micro_batch_size)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = jm(idx, targets)
-        loss.backward()
+        loss = 0.0
+        for micro_idx, micro_targets in zip(idx.split(args.micro_batch_size), targets.split(args.micro_batch_size)):
+            micro_loss = jm(micro_idx, micro_targets) / steps  # gradients accumulate over the micro-batches
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
         optimizer.step()
         loss_value = loss.item()  # waits for the step
         if device.type == "cuda":
@@ -435,7 +496,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         if args.tp_size not in (None, 1):
             raise SystemExit("--tp_size needs a tensor-parallel --distributed_mode (tp, tp_sp)")
     else:
-        tp_size = args.tp_size or world
+        tp_size = args.tp_size or (world // args.dp_size if args.dp_size else world)
+    if args.dp_size is not None and not mode.data_parallel:
+        raise SystemExit(f"--dp_size needs a 2-D --distributed_mode (tp_ddp, tp_fsdp), not {args.distributed_mode}")
+    if args.dp_size is not None and args.dp_size * tp_size != world:
+        raise SystemExit(f"--dp_size {args.dp_size} * --tp_size {tp_size} must equal the world size {world}")
     if tp_size < world and not mode.data_parallel and args.distributed_mode != "none":
         raise SystemExit(
             f"--distributed_mode {args.distributed_mode} with --tp_size {tp_size} < world size {world}: the TP "
@@ -460,12 +525,17 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         return 1
     timed = times[args.warmup_iters:]
     avg_s = sum(timed) / len(timed)
-    tokens_per_iter = args.micro_batch_size * args.block_size * groups.dp_size
+    steps = accumulation_steps(args, groups.dp_size)
+    tokens_per_iter = steps * args.micro_batch_size * args.block_size * groups.dp_size
     results: dict[str, Any] = {
         "model_name": args.model_name,
         "n_layers": config.n_layer,
         "block_size": args.block_size,
         "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": steps * args.micro_batch_size * groups.dp_size,
+        "gradient_accumulation_steps": steps,
+        "checkpoint_activations": args.checkpoint_activations,
+        "dtype": args.dtype,
         "world_size": world,
         "tp_size": groups.tp_size,
         "dp_size": groups.dp_size,
@@ -515,6 +585,8 @@ def report(r: dict, rank: int) -> None:
         f"Model name: {r['model_name']}",
         f"Seq Length: {r['block_size']}",
         f"Micro BS: {r['micro_batch_size']}",
+        f"Global BS: {r['global_batch_size']} ({r['gradient_accumulation_steps']} micro-batches per step and DP rank)",
+        f"Model dtype: {r['dtype']}" + (", activation checkpointing" if r["checkpoint_activations"] else ""),
         f"Number of Layers: {r['n_layers']}",
         f"Distributed Mode: {r['distributed_mode']} (world {r['world_size']}, tp {r['tp_size']}, dp {r['dp_size']})"
         + (", loss parallel" if r["loss_parallel"] else ""),
@@ -567,12 +639,9 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
     n = args.simulate
     if args.tp_size not in (None, n):
         raise SystemExit(f"--simulate {n} simulates a TP group of {n} ranks; drop --tp_size or set it to {n}")
-    from thunder_tp.plans.litgpt import GPTWithLoss
-
     # model and batch as plain tensors, before the simulation: inside it, factories make per-rank LocalTensors
     config = make_config(args)
-    torch.manual_seed(args.seed)
-    model = GPTWithLoss(config)
+    model = make_model(args, config, torch.device("cpu"))
     idx, targets = make_batch(args, config.padded_vocab_size, 0, 0, torch.device("cpu"))
     with thunder_tp.simulate(world_size=n):
         transforms = MODES[args.distributed_mode].transforms(model, args, Groups(0, n, n, 0, None, 1, 0, None))

@@ -112,6 +112,69 @@ def test_simulate_dry_run(tmp_path):
     assert "rank 1: loss" in output and "Collectives per rank and iteration, backward" in output
 
 
+# --- Thunder benchmark_litgpt flags, on the gloo ranks of tests/dist.py (no torchrun start-up) ----------------
+
+
+def _train(argv: list[str]) -> dict:
+    """Build and train as the benchmark does; this rank's losses, saved bytes, collectives and a parameter checksum."""
+    import thunder
+    import torch
+    import torch.distributed as dist
+
+    bench = _bench_module()
+    args = bench.parse_args([*TINY, *argv])
+    world = dist.get_world_size()
+    groups = bench.make_groups(args.tp_size or world)
+    config, model, jm = bench.build(args, groups, torch.device("cpu"))
+    losses, _ = bench.train(args, groups, torch.device("cpu"), jm, config.padded_vocab_size)
+    return {
+        "losses": losses,
+        "tp_rank": groups.tp_rank,
+        "dtype": str(next(jm.parameters()).dtype),
+        "saved": bench.saved_for_backward(thunder.last_traces(jm)[-1]),
+        "collectives": bench.collectives_per_iteration(jm)["per_iteration"],
+        "checksum": sum(p.double().sum().item() for p in jm.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in jm.parameters()),
+        "full_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def test_accumulation_and_activation_checkpointing_are_exact():
+    """TP=2: 2 micro-batches of 1 = one of 2; checkpointed blocks save less and give the same losses."""
+    from tests.dist import run_ranks
+
+    base = run_ranks(_train, 2, ["--distributed_mode", "tp", "--micro_batch_size", "2"])[0]
+    accumulated = run_ranks(_train, 2, ["--distributed_mode", "tp", "--micro_batch_size", "1", "--global_batch_size", "2"])[0]
+    checkpointed = run_ranks(_train, 2, ["--distributed_mode", "tp", "--micro_batch_size", "2",
+                                         "--checkpoint_activations", "true"])[0]
+    assert _close(accumulated["losses"], base["losses"]), (accumulated["losses"], base["losses"])
+    assert _close(checkpointed["losses"], base["losses"]), (checkpointed["losses"], base["losses"])
+    assert checkpointed["saved"]["activation_bytes"] < base["saved"]["activation_bytes"], (checkpointed, base)  # logits dominate
+    # pythia's parallel residual needs no reduced activation in the backward: nothing more to re-issue here
+    # (tests/test_simulate.py checks the re-issued all_reduce of a checkpointed llama block)
+    assert checkpointed["collectives"]["backward"] == base["collectives"]["backward"], (checkpointed, base)
+
+
+def test_bf16_and_2d_modes():
+    """bf16 parameters; TP=2 inside Thunder's DDP (replicas stay in sync) and FSDP (a quarter of the bytes per rank)."""
+    from tests.dist import run_ranks
+
+    bf16 = run_ranks(_train, 2, ["--distributed_mode", "tp", "--dtype", "bfloat16"])
+    assert bf16[0]["dtype"] == "torch.bfloat16" and all(math.isfinite(x) for x in bf16[0]["losses"]), bf16[0]
+    for mode in ("tp_ddp", "tp_fsdp"):
+        ranks = run_ranks(_train, 4, ["--distributed_mode", mode, "--tp_size", "2", "--dp_size", "2"])
+        assert all(math.isfinite(x) for r in ranks for x in r["losses"]), ranks
+        assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1]
+        assert ranks[0]["losses"] == ranks[1]["losses"] != ranks[2]["losses"]  # dp ranks see different batches
+        if mode == "tp_ddp":  # the same TP shard on both dp ranks after the steps: grads were averaged over dp
+            assert math.isclose(ranks[0]["checksum"], ranks[2]["checksum"], rel_tol=1e-6), ranks
+    assert ranks[0]["param_bytes"] < 0.3 * ranks[0]["full_param_bytes"], ranks[0]
+
+
 # --- option parsing (no processes) ------------------------------------------------------------------------
 
 
@@ -134,3 +197,11 @@ def test_options():
         bench.parse_args(["--compile", "eager", "--distributed_mode", "tp"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--max_iters", "2", "--warmup_iters", "2"])
+    with pytest.raises(SystemExit):  # fp8 needs TransformerEngine
+        bench.parse_args(["--low_precision_mode", "fp8-delayed-te"])
+    with pytest.raises(SystemExit):  # --simulate simulates a TP plan
+        bench.parse_args(["--simulate", "2"])
+    args = bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "8"])
+    assert bench.accumulation_steps(args, dp_size=2) == 2
+    with pytest.raises(SystemExit, match="multiple"):
+        bench.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)

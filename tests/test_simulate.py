@@ -5,6 +5,8 @@ These run in the pytest process itself (it holds no process group: tests/dist.py
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import thunder
 import torch
@@ -89,6 +91,35 @@ def test_gqa_gpt_on_simulated_ranks_matches_single_device(world, mode, tmp_path)
     assert names == sorted(f"rank{r}_{f}" for r in range(world) for f in ("forward.py", "backward.py", "collectives.md"))
     assert f"rank {world - 1} (world size {world})" in (tmp_path / f"rank{world - 1}_forward.py").read_text()
     assert not dist.is_initialized() and local_tensor_mode() is None
+
+
+def test_checkpointed_blocks_recompute_their_collectives():
+    """torch.utils.checkpoint around each block: same loss and grads, the attention all_reduce re-issued in the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    reference = GPTWithLoss(make_config("llama"))
+    model = GPTWithLoss(reference.config)
+    model.load_state_dict(reference.state_dict())
+    for block in model.gpt.transformer.h:
+        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+    idx, targets = batch(0)
+    expected = reference(idx, targets)
+    expected.backward()
+    with thunder_tp.simulate(world_size=2):
+        transform = TensorParallel(thunder_tp.plans.litgpt(model))
+        jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors())
+        loss = jm(idx, targets)
+        loss.backward()
+    assert_close_scaled(thunder_tp.per_rank(loss)[1], expected, rtol=RTOL, atol=ATOL, what="loss")
+    for name, p in reference.named_parameters():
+        grads = _pieces(jm.get_parameter(name).grad, 2)
+        full = unshard_tensor(grads, transform.parameter_layouts.get(name, REPLICATE))
+        assert_close_scaled(full, p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
+    _, backward = _expected_counts("llama", "tp")
+    n_layer = reference.config.n_layer
+    assert collective_counts(thunder.last_backward_traces(jm)[-1]) == {"all_reduce": backward["all_reduce"] + n_layer}
 
 
 def _mlp() -> tuple[torch.nn.Module, dict]:

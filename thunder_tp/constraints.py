@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import thunder.torch as ltorch
-from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_tp.annotate import tp_annotate
+from thunder_tp.rewrite import recompute_in_backward
 from thunder_tp.styles import RowwiseParallel, Style
 
 
@@ -45,6 +46,7 @@ def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceC
             if style is None:
                 new.bound_symbols.append(bsym)
                 continue
+            emitted_from = len(new.bound_symbols)
             x, *rest = bsym.args
             x = _constrain(x, style.input_layout, memo)
             bias = bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("bias")
@@ -54,5 +56,7 @@ def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceC
             if split_bias:
                 y = ltorch.add(y, bias)
             swap[variableify(bsym.output)] = y
+            if ProxyTag.RECOMPUTE_IN_BACKWARD in bsym.output.tags:  # a checkpointed op: its replacement too
+                recompute_in_backward(new.bound_symbols[emitted_from:])
     new.set_provenance(TraceProvenance("thunder_tp: style constraints"))
     return new

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thunder.core import prims
-from thunder.core.proxies import NumberProxy, Proxy, TensorProxy
+from thunder.core.proxies import NumberProxy, Proxy, ProxyTag, TensorProxy
 from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, TPGroup
@@ -101,6 +101,7 @@ def _emit(step: Step, local: LocalValues) -> None:
     if not any(isinstance(o, TensorProxy) for o in outputs):
         _emit_metadata_query(bsym, local)
         return
+    emitted_from = len(get_tracectx().bound_symbols)
     flat, spec = tree_flatten((bsym.args, bsym.kwargs))
     required = iter(strategy.inputs)
     local_flat = [
@@ -117,6 +118,24 @@ def _emit(step: Step, local: LocalValues) -> None:
             local.values[logical.name] = value
             if needs_grad:
                 local.needs_grad.add(logical.name)
+    if any(ProxyTag.RECOMPUTE_IN_BACKWARD in o.tags for o in outputs if isinstance(o, Proxy)):
+        _recompute_in_backward(get_tracectx().bound_symbols[emitted_from:], outputs, local)
+
+
+def recompute_in_backward(emitted: list[BoundSymbol]) -> None:
+    """Activation checkpointing (Thunder tags what torch.utils.checkpoint computes): what replaces a checkpointed
+    op, collectives included, is recomputed in the backward too."""
+    for b in emitted:
+        for o in b.flat_proxy_outs:
+            o.tags.add(ProxyTag.RECOMPUTE_IN_BACKWARD)
+
+
+def _recompute_in_backward(emitted: list[BoundSymbol], outputs: list, local: LocalValues) -> None:
+    """recompute_in_backward, except for outputs the logical trace keeps (a checkpointed region's outputs)."""
+    recompute_in_backward(emitted)
+    for logical in outputs:
+        if isinstance(logical, Proxy) and ProxyTag.RECOMPUTE_IN_BACKWARD not in logical.tags:
+            local.values[logical.name].tags.discard(ProxyTag.RECOMPUTE_IN_BACKWARD)
 
 
 def _emit_metadata_query(bsym, local: LocalValues) -> None:

@@ -138,10 +138,7 @@ def _rank_offset_meta(like: TensorProxy, step: int, group: dist.ProcessGroup) ->
 
 
 def _rank_offset_impl(like: torch.Tensor, step: int, group: dist.ProcessGroup) -> torch.Tensor:
-    scalar = lambda r, *_: torch.tensor(r * step, dtype=like.dtype, device=like.device)  # noqa: E731
-    if is_simulating():
-        return for_each_rank(scalar, group)
-    return scalar(dist.get_rank(group))
+    return for_each_rank(lambda r: torch.tensor(r * step, dtype=like.dtype, device=like.device), group)
 
 
 @functools.cache
@@ -165,7 +162,6 @@ def rank_offset(tp, step: int, like: TensorProxy) -> int | TensorProxy:
 def check_transforms(model, tp_group: dist.ProcessGroup) -> None:
     """Raise if a jit inside the simulation asks for what it cannot simulate: fusion, data parallelism, a TP subgroup."""
     import thunder
-
     from thunder.extend import FusionExecutor
 
     _group_ranks(tp_group)
