@@ -76,7 +76,7 @@ def _tp(name):
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
 
 
-@pytest.mark.parametrize("world, name", [(2, "mixtral"), (2, "qwen3_moe"), (2, "grouped_shared"), (4, "qwen3_moe")])
+@pytest.mark.parametrize("world, name", [(2, "mixtral"), (2, "grouped_shared"), (4, "qwen3_moe")])
 def test_tp_matches_single_device_with_one_reduction_per_moe_layer(world, name):
     counts = run_ranks(_tp, world, name)[0]
     n_layer = _BASE["n_layer"]
