@@ -24,6 +24,9 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import register_grad
 from thunder.extend import OperatorExecutor, add_default_executor, register_executor
 
+from thunder_tp.annotate import annotate
+from thunder_tp.layouts import REPLICATE
+
 __all__ = ["moe_executor", "moe_routed_experts", "moe_routed_experts_backward", "routed_experts"]
 
 #: Runs the MoE symbols (opaque: never fused). A Thunder default executor, so `executors()`, tests' executor
@@ -87,7 +90,8 @@ def _routed_experts_backward(grad: torch.Tensor, *args) -> tuple[torch.Tensor, .
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves.values(), grads))
 
 
-def _forward_meta(x: TensorProxy, *_args) -> TensorProxy:
+def _forward_meta(x, weights, indices, fc_1, fc_2, proj, fc_1_bias=None, fc_2_bias=None, proj_bias=None) -> TensorProxy:
+    """Same signature as `routed_experts`: propagation rules read the arguments by name."""
     return TensorProxy(like=x)
 
 
@@ -151,7 +155,7 @@ def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
     y = moe_routed_experts(tokens, probs, indices, *_expert_parameters(module.experts))
     if config.n_shared_expert:  # on the same (B*T, C) tokens: under TP one copy of them, one grad reduction
         y = y + module.shared_experts(tokens)
-    return y.view(B, T, C)
+    return annotate(y, REPLICATE).view(B, T, C)  # under TP: experts' partial sums reduced here, once per layer
 
 
 try:
