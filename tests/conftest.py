@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 
@@ -11,7 +13,21 @@ def _dist_pools():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``cuda`` when no CUDA GPU is available."""
+    """Skip tests marked ``slow`` unless asked for (``-m slow`` or THUNDER_TP_SLOW=1), and ``cuda`` ones without a GPU."""
+    _skip_slow_unless_asked(config, items)
+    _skip_cuda_without_gpu(items)
+
+
+def _skip_slow_unless_asked(config, items) -> None:
+    if os.environ.get("THUNDER_TP_SLOW") == "1" or config.getoption("-m"):  # an explicit -m selects by itself
+        return
+    skip = pytest.mark.skip(reason="slow: run with THUNDER_TP_SLOW=1 (or -m slow)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
+def _skip_cuda_without_gpu(items) -> None:
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items:
         return
