@@ -42,6 +42,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -483,13 +484,12 @@ def sync():
         torch.cuda.synchronize()
 
 
-def run_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: dict) -> dict:
-    """Build, check the first two losses, then time; returns this rank's measurements."""
-    rank = dist.get_rank()
+def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
+    """Build, check the first two losses, warm up; returns this rank's result so far and (jm, opt, params)."""
     distributed = mode.ranks != 1
     barrier = dist.barrier if distributed else (lambda: None)
     result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
-                    "runtime": mode.runtime}
+                    "runtime": mode.runtime, "times_s": []}
     barrier()
     t0 = time.perf_counter()
     jm = mode.build(model)
@@ -510,40 +510,81 @@ def run_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: dict) 
         ok = torch.tensor([float(result["loss_ok"])])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         result["loss_ok"] = bool(ok.item())
+        first = torch.tensor([result["first_iter_s"]], dtype=torch.float64)
+        dist.all_reduce(first, op=dist.ReduceOp.MAX)
+        result["first_iter_s"] = first.item()
     if not result["loss_ok"]:
         result["error"] = (f"first/second-step loss {loss1.item():.7f}/{loss2.item():.7f} differs from single-device "
                            f"{ref1:.7f}/{ref2:.7f}; not timed")
-        return result
-
+        return result, None
     for _ in range(max(args.warmup - 2, 0)):  # the first two steps were warm-up too
         train_step(jm, opt, idx, targets)
+    return result, (jm, opt, params)
+
+
+def time_steps(mode: Mode, jm, opt, idx, targets, steps: int) -> list[float]:
+    """Wall time of `steps` training steps; a distributed step lasts until its slowest rank is done."""
+    distributed = mode.ranks != 1
     times = []
-    for _ in range(args.steps):
-        barrier()
+    for _ in range(steps):
+        if distributed:
+            dist.barrier()
         sync()
         start = time.perf_counter()
         train_step(jm, opt, idx, targets)
         sync()
         times.append(time.perf_counter() - start)
-    if distributed:  # a step lasts until its slowest rank is done
+    if distributed:
         t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times = t.tolist()
-        first = torch.tensor([result["first_iter_s"]], dtype=torch.float64)
-        dist.all_reduce(first, op=dist.ReduceOp.MAX)
-        result["first_iter_s"] = first.item()
-    result["times_s"] = times
+    return times
+
+
+def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
+    """Statistics of the timed steps, then peak memory, saved-for-backward bytes and collectives of one more step."""
+    jm, opt, params = state
+    times = result["times_s"]
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     result.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times), q1_s=q[0], q3_s=q[2])
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.profile_dir and mode.name in args.profile:  # every rank steps (collectives), rank 0 writes
-        profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if rank == 0 else None)
+        profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if dist.get_rank() == 0 else None)
     if args.dump_traces and mode.runtime == "thunder":
         import thunder_tp
 
         thunder_tp.dump_traces(jm, os.path.join(args.dump_traces, mode.name))
+    result["peak_step_bytes"] = peak_step_bytes(lambda: train_step(jm, opt, idx, targets))
     measure_memory_and_comm(mode, jm, params, idx, targets, result)
-    return result
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def peak_step_bytes(step: Callable[[], Any]) -> int | None:
+    """Memory a step needs above what is live before it: CUDA's peak allocated, or on CPU the process's peak
+    resident set (VmHWM, reset through /proc/self/clear_refs) after returning the heap's free pages (malloc_trim)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = _proc_status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        return None
+    step()
+    return (_proc_status_kib("VmHWM") - before) * 1024
 
 
 def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) -> None:
@@ -691,15 +732,15 @@ def markdown_table(results: dict) -> str:
     ref = results.get("dtensor_tp", {}).get("median_s")
     lines = [
         "| mode | ranks | step median (ms) | min–max (ms) | tokens/s | × DTensor TP | speed-up vs 1 rank "
-        "| parallel eff. | first iter (s) | params/rank (MB) | saved for bwd (MB) | collectives fwd / bwd "
-        "| comm/step (MB) | loss ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| parallel eff. | first iter (s) | params/rank (MB) | saved for bwd (MB) | peak step mem (MB) "
+        "| fusion regions fwd / bwd | collectives fwd / bwd | comm/step (MB) | loss ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for name, r in results.items():
         first = _fmt(r.get("first_iter_s"), ".1f")
         if "median_s" not in r:
             reason = r.get("error") or r.get("skipped") or "not run"
-            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | {reason} |")
+            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – | {reason} |")
             continue
         base = results.get(baseline_for(name), {}).get("median_s")
         speedup = base / r["median_s"] if base else None
@@ -707,6 +748,7 @@ def markdown_table(results: dict) -> str:
             name, str(r["ranks"]), f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
             f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(speedup, ".2f"),
             _fmt(speedup / r["ranks"] if speedup else None, ".2f"), first, _mb(r.get("param_bytes")), _saved_cell(r),
+            _mb(r.get("peak_step_bytes")), " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
             _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -762,6 +804,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode (after warm-up)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="the timed steps are spread over this many rounds, modes alternating within each")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps, the first (compile) and second (checked) included")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--rtol", type=float, default=1e-4, help="first-step loss tolerance (10x for the second step)")
@@ -822,41 +866,63 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown modes {sorted(unknown)}; known: {[m.name for m in modes]}")
     modes = [m for m in modes if m.name in wanted]
     families = sorted({m.family for m in modes})
-    states = {f: make_model(f, cfg, 0).state_dict() for f in families}
+    states_dicts = {f: make_model(f, cfg, 0).state_dict() for f in families}
 
     reference = {}
     for family in families:
         refs = torch.zeros(2, dtype=torch.float64)
         if rank == 0:
-            refs = torch.tensor(reference_losses(family, cfg, states[family], idx, targets, args.lr), dtype=torch.float64)
+            refs = torch.tensor(reference_losses(family, cfg, states_dicts[family], idx, targets, args.lr), dtype=torch.float64)
         dist.broadcast(refs, 0)
         reference[family] = refs.tolist()
 
     results: dict = {}
-    for mode in modes:
+    states: dict = {}
+    for mode in modes:  # build, check and warm up every mode first
         if rank == 0:
             print(f"[compare] {mode.name}: {mode.description}", file=sys.stderr, flush=True)
-        result = {"description": mode.description}
         if mode.ranks == 1 and rank != 0:
             dist.barrier()  # the other ranks wait while rank 0 runs the single-device mode
+            results[mode.name] = {"description": mode.description}
             continue
         model = make_model(mode.family, cfg, 0)
-        model.load_state_dict(states[mode.family])
+        model.load_state_dict(states_dicts[mode.family])
         try:
-            result = run_mode(mode, model, idx, targets, args, reference)
+            results[mode.name], state = prepare_mode(mode, model, idx, targets, args, reference)
+            if state is not None:
+                states[mode.name] = state
         except Exception as e:
             msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             if mode.runtime != "compile":
                 traceback.print_exc()
                 raise
-            result["skipped"] = f"torch.compile failed: {msg}"
+            results[mode.name] = {"description": mode.description, "skipped": f"torch.compile failed: {msg}"}
             print(f"[compare] {mode.name} skipped: {msg}", file=sys.stderr, flush=True)
         if mode.ranks == 1:
             dist.barrier()
-        results[mode.name] = result
+    ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
+    dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
+    timed = [m for m, ok in zip(modes, ready.tolist()) if ok]
+    rounds = max(1, min(args.rounds, args.steps))
+    for r in range(rounds):  # alternate: every mode a few steps per round, order reversed every other round
+        steps = args.steps // rounds + (r < args.steps % rounds)
+        for mode in timed if r % 2 == 0 else timed[::-1]:
+            if mode.ranks == 1 and rank != 0:
+                dist.barrier()
+                continue
+            jm, opt, _ = states[mode.name]
+            results[mode.name]["times_s"] += time_steps(mode, jm, opt, idx, targets, steps)
+            if mode.ranks == 1:
+                dist.barrier()
+    for mode in timed:
+        if mode.ranks == 1 and rank != 0:
+            dist.barrier()
+            continue
+        finish_mode(mode, states.pop(mode.name), idx, targets, args, results[mode.name])
+        if mode.ranks == 1:
+            dist.barrier()
         if rank == 0:
-            print(f"[compare] {mode.name}: {summary_line(result)}", file=sys.stderr, flush=True)
-        del model
+            print(f"[compare] {mode.name}: {summary_line(results[mode.name])}", file=sys.stderr, flush=True)
         gc.collect()
 
     depths = [int(d) for d in args.scaling_layers.split(",") if d]

@@ -18,7 +18,7 @@ from thunder.core.transforms import register_grad
 from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_tp.layouts import Shard, local_shape, shard_tensor, unshard_tensor
+from thunder_tp.layouts import Shard, local_blocks, local_shape, shard_tensor, unshard_tensor
 from thunder_tp.simulate import local_piece
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
@@ -196,8 +196,54 @@ comm_executor.register_implementation(tp_all_reduce_max, execution_transform=_as
 comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)
-for _sym in (tp_copy_to_tp, tp_scatter, tp_pack, tp_unpack, tp_name_work):
-    comm_executor.register_implementation(_sym, _sym)
+comm_executor.register_implementation(tp_name_work, tp_name_work)
+
+
+# --- purely local symbols: torch ops the fusion executor can claim, so they do not split fusion regions -------
+
+
+def _rank_pieces(a: TensorProxy, dim: int, blocks: Blocks, size: int) -> list[TensorProxy]:
+    """Every rank's Shard(dim, blocks) piece of the full `a`, in rank order (as layouts.shard_tensor, on proxies)."""
+    from thunder.torch import cat, chunk, split
+
+    chunks = [chunk(block, size, dim) for block in (split(a, list(blocks), dim) if blocks else [a])]
+    if len(chunks) == 1:
+        return list(chunks[0])
+    return [cat([c[r] for c in chunks], dim) for r in range(size)]
+
+
+def _scatter_ops(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    return _rank_pieces(a, dim, blocks, group.size())[dist.get_rank(group)]
+
+
+def _pack_ops(a: TensorProxy, dim: int, blocks: Blocks, size: int) -> TensorProxy:
+    from thunder.torch import cat, contiguous
+
+    if size == 1 or (dim == 0 and blocks is None):
+        return contiguous(a)
+    return cat([contiguous(piece) for piece in _rank_pieces(a, dim, blocks, size)], 0)
+
+
+def _unpack_ops(a: TensorProxy, dim: int, blocks: Blocks, size: int, piece: tuple[int, ...]) -> TensorProxy:
+    from thunder.torch import cat, reshape, split, unbind
+
+    pieces = unbind(reshape(a, size, *piece), 0)
+    if blocks is None:
+        return cat(list(pieces), dim)
+    per_rank = [split(p, list(local_blocks(blocks, size)), dim) for p in pieces]
+    return cat([cat([r[i] for r in per_rank], dim) for i in range(len(blocks))], dim)
+
+
+def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.core.prims import shallow_copy
+
+    return shallow_copy(a)  # an alias under a new name (returning `a` itself leaves the output undefined)
+
+
+comm_executor.register_implementation(tp_copy_to_tp, execution_transform=_copy_to_tp_ops)
+comm_executor.register_implementation(tp_scatter, execution_transform=_scatter_ops)
+comm_executor.register_implementation(tp_pack, execution_transform=_pack_ops)
+comm_executor.register_implementation(tp_unpack, execution_transform=_unpack_ops)
 
 
 # --- conjugate grads ----------------------------------------------------------------------------
