@@ -30,7 +30,7 @@ from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from thunder_tp.layouts import REPLICATE, Layout, Shard, shard_chunks
+from thunder_tp.layouts import REPLICATE, Layout, Shard, group_device, shard_chunks
 
 __all__ = ["save", "load", "get_state_dict", "set_state_dict", "export"]
 
@@ -391,13 +391,6 @@ def _submodule_prefix(names: set[str], found: set[str]) -> str:
 
 
 # --- meta-device models ---------------------------------------------------------------------------------------
-
-
-def group_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a process group's tensors live: the current CUDA device for NCCL, else the CPU."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _tensor_device(t: _Tensor) -> torch.device:

@@ -19,7 +19,7 @@ from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_tp.layouts import Shard, local_blocks, local_shape, shard_tensor, unshard_tensor
-from thunder_tp.simulate import local_piece
+from thunder_tp.simulate import for_each_rank, is_simulating, local_piece
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
 register_executor(comm_executor)
@@ -98,6 +98,31 @@ def _reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.Proce
 
 tp_pack = comm_executor.register_operator("tp_pack", meta=_packed_meta, fn=_pack)
 tp_unpack = comm_executor.register_operator("tp_unpack", meta=_unpacked_meta, fn=_unpack)
+
+# --- the rank inside traced programs ------------------------------------------------------------------------
+
+
+def _rank_offset_meta(like: TensorProxy, step: int, group: dist.ProcessGroup) -> TensorProxy:
+    return TensorProxy(like=like, shape=(), dtype=like.dtype)
+
+
+def _rank_offset_impl(like: torch.Tensor, step: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return for_each_rank(lambda r: torch.tensor(r * step, dtype=like.dtype, device=like.device), group)
+
+
+tp_rank_offset = comm_executor.register_operator("tp_rank_offset", meta=_rank_offset_meta, fn=_rank_offset_impl)
+tp_rank_piece = comm_executor.register_operator("tp_rank_piece", meta=_scattered_meta, fn=_local)  # simulated tp_scatter
+comm_executor.register_implementation(tp_rank_offset, tp_rank_offset)
+comm_executor.register_implementation(tp_rank_piece, tp_rank_piece)
+
+
+def rank_offset(tp, step: int, like: TensorProxy) -> int | TensorProxy:
+    """``rank * step`` for a traced program: a constant on a real rank; in a simulation a per-rank tensor
+    (``tp_rank_offset``, a 0-d tensor of ``like``'s dtype), since one trace runs for every simulated rank."""
+    if not is_simulating():
+        return tp.rank * step
+    return tp_rank_offset(like, step, tp.group)
+
 
 # --- the TP collectives ---------------------------------------------------------------------------
 
@@ -213,6 +238,8 @@ def _rank_pieces(a: TensorProxy, dim: int, blocks: Blocks, size: int) -> list[Te
 
 
 def _scatter_ops(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    if is_simulating():  # one trace runs for every simulated rank: the slice is cut per rank, at run time
+        return tp_rank_piece(a, dim, blocks, group)
     return _rank_pieces(a, dim, blocks, group.size())[dist.get_rank(group)]
 
 

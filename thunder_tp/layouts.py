@@ -129,6 +129,13 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tens
     return torch.cat([torch.cat([r[i] for r in per_rank], dim) for i in range(len(layout.blocks))], dim)
 
 
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a process group's tensors live: the current CUDA device for NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """The process group that TP shards over, with this process's rank in it."""

@@ -21,17 +21,15 @@ Leaving the context destroys the fake group and restores the RNG and executors; 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from thunder.core.proxies import TensorProxy
 
 from thunder_tp.layouts import Layout, shard_tensor
 
-__all__ = ["check_transforms", "for_each_rank", "is_simulating", "local_piece", "per_rank", "rank_offset", "simulate"]
+__all__ = ["check_transforms", "for_each_rank", "is_simulating", "local_piece", "per_rank", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -128,35 +126,6 @@ def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: di
     if not is_simulating():
         return shard_tensor(t, layout, rank, size)
     return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size).clone(), group, t.detach())
-
-
-# --- the rank inside traced programs --------------------------------------------------------------------
-
-
-def _rank_offset_meta(like: TensorProxy, step: int, group: dist.ProcessGroup) -> TensorProxy:
-    return TensorProxy(like=like, shape=(), dtype=like.dtype)
-
-
-def _rank_offset_impl(like: torch.Tensor, step: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return for_each_rank(lambda r: torch.tensor(r * step, dtype=like.dtype, device=like.device), group)
-
-
-@functools.cache
-def _tp_rank_offset():
-    """The ``tp_rank_offset`` symbol (registered on first use: collectives imports this module)."""
-    from thunder_tp.collectives import comm_executor
-
-    sym = comm_executor.register_operator("tp_rank_offset", meta=_rank_offset_meta, fn=_rank_offset_impl)
-    comm_executor.register_implementation(sym, sym)
-    return sym
-
-
-def rank_offset(tp, step: int, like: TensorProxy) -> int | TensorProxy:
-    """``rank * step`` for a traced program: a constant on a real rank; in a simulation a per-rank tensor
-    (``tp_rank_offset``, a 0-d tensor of ``like``'s dtype), since one trace runs for every simulated rank."""
-    if not is_simulating():
-        return tp.rank * step
-    return _tp_rank_offset()(like, step, tp.group)
 
 
 def check_transforms(model, tp_group: dist.ProcessGroup) -> None:

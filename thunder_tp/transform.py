@@ -21,6 +21,7 @@ from thunder_tp.layouts import (
     Shard,
     TPGroup,
     check_shardable,
+    group_device,
     local_shape,
 )
 from thunder_tp.composition import check_composition
@@ -135,8 +136,6 @@ class TensorParallel(Transform):
 
 def _trace_meta_tensors_on(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Meta-device tensors are traced as on the group's device (where ck.load or materialization puts them)."""
-    from thunder_tp.checkpoint import group_device
-
     for t in (*module.parameters(), *module.buffers()):
         if t.is_meta and not hasattr(t, "_thunder_device"):
             t._thunder_device = group_device(group)

@@ -8,7 +8,7 @@ from thunder.core.proxies import TensorProxy
 from thunder_tp.collectives import tp_all_reduce_max, tp_reduce_from_tp
 from thunder_tp.layouts import REPLICATE, Shard, TPGroup
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.simulate import rank_offset
+from thunder_tp.collectives import rank_offset
 
 
 def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):
