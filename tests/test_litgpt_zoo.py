@@ -14,9 +14,10 @@ import thunder
 import torch
 
 import thunder_tp
+import thunder_tp.styles
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor
-from thunder_tp.plans.litgpt import GPTWithLoss
+from thunder_tp.plans.litgpt import GPTWithLoss, tp_sizes
 from tests.dist import run_ranks
 from tests.litgpt_models import batch, zoo, zoo_config
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
@@ -54,3 +55,82 @@ def _check(name: str, mode: str) -> dict:
         assert_close_scaled(jm.get_parameter(n).grad, want, rtol=0, atol=tolerance, what=f"{name} {mode} grad of {n}")
     return {"forward": collective_counts(thunder.last_traces(jm)[-1]),
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
+
+
+def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
+    """Megatron's minimum: 2 activation all_reduces per block each way (TP+SP: 2 all_gather + 2 reduce_scatter),
+    the embedding's and the head's, plus one grad all_reduce per replicated parameter used on sharded values
+    (norms under SP, row-parallel biases under SP, per-head q/k norm weights, replicated K/V weight and bias) and
+    OLMo-2's q/k norm statistics (b*s numbers, each way)."""
+    layers = config.n_layer
+    blocks = 2 * layers + 1
+    olmo2 = 2 * layers if config.norm_qk and config.norm_qk_type == "olmo2" else 0
+    per_head_norms = 2 * layers if config.norm_qk and config.norm_qk_type == "default" else 0
+    kv_replicas = layers * (1 + bool(config.bias or config.attn_bias)) if config.n_query_groups < size else 0
+    grads = olmo2 + per_head_norms + kv_replicas
+    if mode == "tp":
+        forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": blocks + grads}
+    elif mode == "tp_lp":  # max, sum-exp and target logit reduced over the vocabulary instead of gathering logits
+        forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": blocks + grads}
+    else:
+        forward = {"reduce_scatter": blocks, "all_gather": blocks + 1, "all_reduce": olmo2}
+        backward = {"reduce_scatter": blocks, "all_gather": blocks, "all_reduce": _sequence_parallel_params(config) + grads}
+    return _nonzero(forward), _nonzero(backward)
+
+
+def _sequence_parallel_params(config) -> int:
+    """Replicated parameters applied to sequence shards under SP: norm weights/biases and row-parallel biases."""
+    from litgpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    plan = thunder_tp.plans.litgpt(model, sequence_parallel=True)
+    styled = thunder_tp.styles.match_plan(model, plan)
+    return sum(
+        1
+        for name, _ in model.named_parameters()
+        if (name.rpartition(".")[0] in styled and isinstance(styled[name.rpartition(".")[0]], thunder_tp.SequenceParallel))
+        or (name.endswith(".bias") and isinstance(styled.get(name.rpartition(".")[0]), thunder_tp.RowwiseParallel))
+    )
+
+
+def _nonzero(counts: dict) -> dict:
+    return {k: v for k, v in counts.items() if v}
+
+
+def _run_and_compare(name: str, world: int, mode: str) -> None:
+    config = zoo_config(name)
+    counts = run_ranks(_check, world, name, mode)[0]
+    forward, backward = _expected_counts(config, mode, world)
+    assert counts == {"forward": forward, "backward": backward}, (name, world, mode, counts)
+
+
+@pytest.mark.parametrize("name,world,mode", FAST, ids=[f"{n}-tp{w}-{m}" for n, w, m in FAST])
+def test_zoo_feature_subset_matches_single_device(name, world, mode):
+    _run_and_compare(name, world, mode)
+
+
+def _refused(name: str) -> str:
+    config = zoo_config(name)
+    model = GPTWithLoss(config)
+    with pytest.raises(ValueError) as excinfo:
+        thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))])
+    return str(excinfo.value)
+
+
+SWEEP = [(n, w, m) for n in zoo() for w in (2, 4) for m in MODES]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("THUNDER_TP_ZOO"), reason="full litgpt sweep: set THUNDER_TP_ZOO=1")
+@pytest.mark.parametrize("name,world,mode", SWEEP, ids=[f"{n}-tp{w}-{m}" for n, w, m in SWEEP])
+def test_zoo_sweep_matches_single_device(name, world, mode):
+    config = zoo_config(name)
+    if config.mlp_class_name == "LLaMAMoE":
+        pytest.skip("mixture of experts: covered by the MoE work (thunder_tp.plans.litgpt MoE entry)")
+    if world not in tp_sizes(config):
+        if mode == "tp":
+            message = run_ranks(_refused, world, name)[0]
+            assert f"cannot be split over {world} ranks" in message and "TP sizes that work" in message, message
+        return
+    _run_and_compare(name, world, mode)

@@ -80,7 +80,7 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
                 new.bound_symbols.append(bsym.from_bsym())
                 local.values[bsym.output.name] = bsym.output
         unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
-        for name in local.needs_grad & {n for n, x in layouts.items() if isinstance(x, Shard) and x.is_replicated}:
+        for name in sorted(local.needs_grad & {n for n, x in layouts.items() if isinstance(x, Shard) and x.is_replicated}):
             local.values[name] = replica_grads_summed(local.values[name], layouts[name], tp)
         for step in steps:
             _emit(step, local)
