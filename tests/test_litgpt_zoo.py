@@ -74,7 +74,8 @@ def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
         forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": blocks + grads}
     else:
         forward = {"reduce_scatter": blocks, "all_gather": blocks + 1, "all_reduce": olmo2}
-        backward = {"reduce_scatter": blocks, "all_gather": blocks, "all_reduce": _sequence_parallel_params(config) + grads}
+        replicated = _sequence_parallel_params(config) + grads
+        backward = {"reduce_scatter": blocks, "all_gather": blocks, "all_reduce": replicated}
     return _nonzero(forward), _nonzero(backward)
 
 
@@ -86,11 +87,11 @@ def _sequence_parallel_params(config) -> int:
         model = GPT(config)
     plan = thunder_tp.plans.litgpt(model, sequence_parallel=True)
     styled = thunder_tp.styles.match_plan(model, plan)
+    owners = [(name, styled.get(name.rpartition(".")[0])) for name, _ in model.named_parameters()]
     return sum(
-        1
-        for name, _ in model.named_parameters()
-        if (name.rpartition(".")[0] in styled and isinstance(styled[name.rpartition(".")[0]], thunder_tp.SequenceParallel))
-        or (name.endswith(".bias") and isinstance(styled.get(name.rpartition(".")[0]), thunder_tp.RowwiseParallel))
+        isinstance(style, thunder_tp.SequenceParallel)
+        or (name.endswith(".bias") and isinstance(style, thunder_tp.RowwiseParallel))
+        for name, style in owners
     )
 
 
@@ -134,3 +135,16 @@ def test_zoo_sweep_matches_single_device(name, world, mode):
             assert f"cannot be split over {world} ranks" in message and "TP sizes that work" in message, message
         return
     _run_and_compare(name, world, mode)
+
+
+def test_replicated_kv_layout_round_trips():
+    """q split over 4 ranks, 2 K/V heads each held by 2 ranks: pieces, full tensor, repr all agree."""
+    from thunder_tp.layouts import Shard, held_chunks, parse_layout, unshard_tensor
+
+    layout = Shard(0, blocks=(8, 2, 2), replicas=(1, 2, 2))
+    full = torch.arange(12.0).reshape(12, 1)
+    pieces = [shard_tensor(full, layout, rank, 4) for rank in range(4)]
+    assert [p.flatten().tolist() for p in pieces] == [[0, 1, 8, 10], [2, 3, 8, 10], [4, 5, 9, 11], [6, 7, 9, 11]]
+    assert held_chunks(layout, 12, 3, 4) == [(6, 2), (9, 1), (11, 1)]
+    assert torch.equal(unshard_tensor(pieces, layout), full)
+    assert parse_layout(repr(layout)) == layout

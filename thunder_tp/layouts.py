@@ -157,7 +157,8 @@ def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int) -> torch
     """This rank's piece of a full tensor (works on meta tensors too)."""
     if not isinstance(layout, Shard):
         return t
-    pieces = [t.narrow(layout.dim, start, length) for start, length in held_chunks(layout, t.shape[layout.dim], rank, size)]
+    chunks = held_chunks(layout, t.shape[layout.dim], rank, size)
+    pieces = [t.narrow(layout.dim, start, length) for start, length in chunks]
     return torch.cat(pieces, layout.dim)
 
 

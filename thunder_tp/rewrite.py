@@ -15,7 +15,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder_tp import collectives as C
 import thunder.torch as ltorch
 
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, held_chunks, local_blocks
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, held_chunks
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import redistribute
 
@@ -80,7 +80,8 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
                 new.bound_symbols.append(bsym.from_bsym())
                 local.values[bsym.output.name] = bsym.output
         unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
-        for name in sorted(local.needs_grad & {n for n, x in layouts.items() if isinstance(x, Shard) and x.is_replicated}):
+        replicated = {n for n, x in layouts.items() if isinstance(x, Shard) and x.is_replicated}
+        for name in sorted(local.needs_grad & replicated):  # same order on every rank
             local.values[name] = replica_grads_summed(local.values[name], layouts[name], tp)
         for step in steps:
             _emit(step, local)
@@ -115,7 +116,8 @@ def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> TensorPr
     summed = C.tp_copy_to_tp(ltorch.cat(padded, dim) if len(padded) > 1 else padded[0], tp.group)
     at = 0
     for i in replicated:
-        pieces[i] = ltorch.getitem(summed, (slice(None),) * dim + (slice(at + offsets[i], at + offsets[i] + chunks[i][1]),))
+        start = at + offsets[i]
+        pieces[i] = ltorch.getitem(summed, (slice(None),) * dim + (slice(start, start + chunks[i][1]),))
         at += blocks[i]
     return ltorch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
 

@@ -50,7 +50,8 @@ class ColwiseParallel:
     replicable: tuple[bool, ...] | None = None
 
     def _units(self) -> list[tuple[int, bool]]:
-        return [(b // self.unit, r) for b, r in zip(self.blocks or (), self.replicable or (False,) * len(self.blocks or ()))]
+        blocks = self.blocks or ()
+        return [(b // self.unit, r) for b, r in zip(blocks, self.replicable or (False,) * len(blocks))]
 
     def tp_sizes(self, up_to: int) -> list[int]:
         """The TP sizes (at most `up_to`) over which every block splits into whole units."""

@@ -93,7 +93,7 @@ def _check_supported(config) -> None:
     if config.mlp_class_name not in _MLP_PLANS:
         raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for {config.mlp_class_name} ({config.name})")
     if config.latent_attention is not None:
-        raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for multi-head latent attention ({config.name})")
+        raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for latent attention ({config.name})")
 
 
 def tp_sizes(config, up_to: int = 8) -> list[int]:

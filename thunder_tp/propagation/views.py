@@ -257,4 +257,5 @@ def _replicated_heads_repeated(op: Op, layout: Shard, dim: int) -> list[Strategy
     (r,) = layout.block_replicas()
     if not isinstance(repeats, int) or repeats % r or x.shape[layout.dim] * r != op.tp.size:
         return []
-    return [Strategy((layout,), (Shard(layout.dim),), lambda a, *_, **__: ltorch.repeat_interleave(a, repeats // r, dim))]
+    local = lambda a, *_, **__: ltorch.repeat_interleave(a, repeats // r, dim)  # noqa: E731
+    return [Strategy((layout,), (Shard(layout.dim),), local)]
