@@ -31,3 +31,56 @@ def batch(seed: int = 0, batch_size: int = BATCH) -> tuple[torch.Tensor, torch.T
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
     return idx, torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+
+
+# --- the litgpt zoo: one scaled-down representative per distinct architecture -------------------------------------
+
+#: config fields that are sizes or names: architectures that differ only in these are the same architecture
+SIZE_FIELDS = frozenset({
+    "name", "hf_config", "block_size", "n_layer", "n_embd", "vocab_size", "padding_multiple", "padded_vocab_size",
+    "intermediate_size", "moe_intermediate_size", "head_size", "norm_eps", "rope_base", "sliding_window_size",
+})
+#: the scaled-down sizes every representative gets (head counts and feature flags are kept)
+ZOO_SIZES = dict(n_layer=2, n_embd=32, head_size=8, intermediate_size=64, moe_intermediate_size=32,
+                 block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, sliding_window_size=4)
+
+
+def _architecture_key(config: dict) -> tuple:
+    from litgpt import Config
+
+    full = Config(**config)
+    return tuple((f, repr(getattr(full, f))) for f in sorted(full.__dataclass_fields__) if f not in SIZE_FIELDS)
+
+
+def _two_layer_indicator(indices: list[int] | None) -> list[int] | None:
+    """A per-layer 0/1 list cut to 2 layers, keeping both kinds of layer when the model has both."""
+    if indices is None:
+        return None
+    return [1, 0] if len(set(indices)) > 1 else list(indices[:2])
+
+
+def zoo() -> dict[str, dict]:
+    """Config name of the first model of each distinct litgpt architecture -> its scaled-down config kwargs."""
+    from litgpt.config import configs
+
+    seen: dict[tuple, dict] = {}
+    for config in configs:
+        seen.setdefault(_architecture_key(config), config)
+    scaled = {}
+    for config in seen.values():
+        kwargs = {k: v for k, v in config.items() if k != "hf_config"} | ZOO_SIZES
+        for field in ("sliding_window_indices", "rope_indices"):
+            kwargs[field] = _two_layer_indicator(config.get(field))
+        if config.get("sliding_window_size") is None:
+            kwargs["sliding_window_size"] = None
+        if config.get("n_expert"):
+            kwargs.update(n_expert=4, n_expert_per_token=min(2, config.get("n_expert_per_token", 2)))
+        scaled[config["name"]] = kwargs
+    return scaled
+
+
+def zoo_config(name: str):
+    """The scaled-down litgpt Config of one zoo architecture."""
+    from litgpt import Config
+
+    return Config(**zoo()[name])

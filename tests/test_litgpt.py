@@ -98,15 +98,16 @@ def test_causal_self_attention_alone_needs_one_all_reduce(world):
     assert counts["backward"] == {"all_reduce": 1}, counts
 
 
-def _gqa_too_few_groups():
+def _gqa_groups_and_ranks_coprime():
     config = make_config("llama")
-    config.n_query_groups = 2
+    config.n_head, config.n_query_groups = 12, 3
     model = GPT(config)
     with pytest.raises(ValueError) as excinfo:
         thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))])
     return str(excinfo.value)
 
 
-def test_gqa_with_fewer_query_groups_than_ranks_is_a_clear_error():
-    message = run_ranks(_gqa_too_few_groups, 4)[0]
-    assert "attn.qkv" in message and "cannot be split over 4 ranks" in message, message
+def test_query_groups_neither_dividing_nor_divisible_by_ranks_is_a_clear_error():
+    message = run_ranks(_gqa_groups_and_ranks_coprime, 2)[0]
+    assert "attn.qkv" in message and "cannot be split over 2 ranks" in message, message
+    assert "TP sizes that work for this module: 1, 3, 6, 12" in message, message

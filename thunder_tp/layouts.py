@@ -23,13 +23,32 @@ class Shard:
 
     `blocks` describes a fused dim made of several blocks (e.g. q|k|v): each block is chunked
     separately and a rank holds the concatenation of its chunk of every block.
+    `replicas` (one per block, or one for an unblocked dim): a block with r replicas is cut into
+    size/r chunks and rank i holds chunk i // r, so r consecutive ranks hold copies of the same chunk
+    (K/V heads shared by the query heads of several ranks). None: every block has 1 replica.
     """
 
     dim: int
     blocks: tuple[int, ...] | None = None
+    replicas: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
-        return f"Shard({self.dim})" if self.blocks is None else f"Shard({self.dim}, blocks={self.blocks})"
+        extra = "" if self.blocks is None else f", blocks={self.blocks}"
+        extra += "" if self.replicas is None else f", replicas={self.replicas}"
+        return f"Shard({self.dim}{extra})"
+
+    def moved(self, dim: int) -> Shard:
+        """The same split on another dim (views, permutations, reductions move the sharded dim)."""
+        return Shard(dim, self.blocks, self.replicas)
+
+    def block_replicas(self) -> tuple[int, ...]:
+        """Replicas of each block (of the one block when unblocked)."""
+        return self.replicas or (1,) * len(self.blocks or (0,))
+
+    @property
+    def is_replicated(self) -> bool:
+        """Whether some chunk is held by more than one rank."""
+        return any(r > 1 for r in self.block_replicas())
 
 
 @dataclass(frozen=True)
@@ -53,7 +72,7 @@ PARTIAL = Partial()
 def normalize(layout: Layout, ndim: int) -> Layout:
     """Shard with a non-negative dim; other layouts unchanged."""
     if isinstance(layout, Shard) and layout.dim < 0:
-        return Shard(layout.dim + ndim, layout.blocks)
+        return layout.moved(layout.dim + ndim)
     return layout
 
 
@@ -67,35 +86,58 @@ def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) 
     blocks = layout.blocks or (n,)
     if sum(blocks) != n:
         raise ValueError(f"{what}: blocks {layout.blocks} do not add up to dim {layout.dim} of size {n}")
-    for b in blocks:
-        if b % size:
+    replicas = layout.block_replicas()
+    if len(replicas) != len(blocks) or any(size % r for r in replicas):
+        raise ValueError(f"{what}: {layout} needs one replica count per block, each dividing the TP size {size}")
+    for b, r in zip(blocks, replicas):
+        if b % (size // r):
             part = f"block of size {b} in dim {layout.dim}" if layout.blocks else f"dim {layout.dim} of size {n}"
+            split = f"the TP group size {size}" if r == 1 else f"{size // r} ({r} replicas on {size} ranks)"
             raise ValueError(
-                f"{what}: {part} is not divisible by the TP group size {size}; "
+                f"{what}: {part} is not divisible by {split}; "
                 f"choose a TP size that divides {b} or leave this tensor replicated"
             )
+
+
+def local_size(n: int, layout: Shard, size: int) -> int:
+    """Length of one rank's piece of the sharded dim (of full length n)."""
+    return sum(local_blocks(layout.blocks or (n,), size, layout.replicas))
 
 
 def local_shape(shape: Sequence[int], layout: Layout, size: int) -> tuple[int, ...]:
     """Shape of one rank's piece."""
     out = list(shape)
     if isinstance(layout, Shard):
-        out[layout.dim] //= size
+        out[layout.dim] = local_size(out[layout.dim], layout, size)
     return tuple(out)
 
 
-def local_blocks(blocks: tuple[int, ...] | None, size: int) -> tuple[int, ...] | None:
+def local_blocks(
+    blocks: tuple[int, ...] | None, size: int, replicas: tuple[int, ...] | None = None
+) -> tuple[int, ...] | None:
     """Sizes of one rank's chunk of each block."""
-    return None if blocks is None else tuple(b // size for b in blocks)
+    if blocks is None:
+        return None
+    return tuple(b * r // size for b, r in zip(blocks, replicas or (1,) * len(blocks)))
+
+
+def held_chunks(layout: Shard, n: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """(start, length) in the full dim of each piece `rank` holds, in the order of its local piece."""
+    chunks, start = [], 0
+    for block, r in zip(layout.blocks or (n,), layout.block_replicas()):
+        length = block * r // size
+        chunks.append((start + (rank // r) * length, length))
+        start += block
+    return chunks
 
 
 def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int) -> torch.Tensor:
     """This rank's piece of a full tensor (works on meta tensors too)."""
     if not isinstance(layout, Shard):
         return t
-    dim = layout.dim
-    pieces = t.split(list(layout.blocks), dim) if layout.blocks else (t,)
-    return torch.cat([p.chunk(size, dim)[rank] for p in pieces], dim)
+    chunks = held_chunks(layout, t.shape[layout.dim], rank, size)
+    pieces = [t.narrow(layout.dim, start, length) for start, length in chunks]
+    return torch.cat(pieces, layout.dim)
 
 
 def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -116,17 +158,16 @@ def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> 
 
 
 def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor:
-    """The full tensor from every rank's piece, in rank order."""
+    """The full tensor from every rank's piece, in rank order (replicated chunks taken from their first holder)."""
     if isinstance(layout, Replicate):
         return pieces[0]
     if isinstance(layout, Partial):
         return torch.stack(list(pieces)).sum(0)
-    dim = layout.dim
-    if layout.blocks is None:
-        return torch.cat(list(pieces), dim)
-    size = len(pieces)
-    per_rank = [p.split(list(local_blocks(layout.blocks, size)), dim) for p in pieces]
-    return torch.cat([torch.cat([r[i] for r in per_rank], dim) for i in range(len(layout.blocks))], dim)
+    dim, size = layout.dim, len(pieces)
+    replicas = layout.block_replicas()
+    local = local_blocks(layout.blocks, size, layout.replicas) or (pieces[0].shape[dim],)
+    per_rank = [p.split(list(local), dim) for p in pieces]
+    return torch.cat([torch.cat([per_rank[k][i] for k in range(0, size, r)], dim) for i, r in enumerate(replicas)], dim)
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:

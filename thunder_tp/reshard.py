@@ -28,6 +28,8 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
     """Alpha-beta cost of turning `t` from `src` into `dst` over `size` ranks."""
     if src == dst:
         return 0.0
+    if _replicated_shard(src, dst):
+        return math.inf
     moved = nbytes(t) * (size - 1) / size
     match src, dst:
         case Replicate(), Shard():
@@ -45,8 +47,17 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
     return cost * (PARAMETER_PENALTY if is_parameter else 1.0)
 
 
+def _replicated_shard(*layouts: Layout) -> bool:
+    return any(isinstance(x, Shard) and x.is_replicated for x in layouts)
+
+
 def redistribute(x: TensorProxy, src: Layout, dst: Layout, group: dist.ProcessGroup) -> TensorProxy:
     """Emit the collective that turns local piece `x` from `src` into `dst` (inside a trace context)."""
+    if src != dst and _replicated_shard(src, dst):
+        raise NotImplementedError(
+            f"thunder_tp cannot redistribute {src} to {dst}: chunks held by several ranks (replicated K/V heads) "
+            "are only used where they are (attention heads); please report the model that needs this"
+        )
     match src, dst:
         case _ if src == dst:
             return x

@@ -13,7 +13,9 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, TPGroup
+import thunder.torch as ltorch
+
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, held_chunks
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import redistribute
 
@@ -70,7 +72,6 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
     ret = trace.bound_symbols[-1]
     assert ret.sym.id == prims.PrimIDs.RETURN, "a computation trace ends with its return"
     args = [a for a in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(a, Proxy)]
-    arg_names = {a.name for a in args}
     local = LocalValues(tp, layouts, {a.name for a in args if isinstance(a, TensorProxy) and a.requires_grad})
     new = from_trace(trace)
     with tracectx(new):
@@ -78,18 +79,59 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
             if bsym.sym.id == prims.PrimIDs.UNPACK_TRIVIAL:
                 new.bound_symbols.append(bsym.from_bsym())
                 local.values[bsym.output.name] = bsym.output
+        unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
+        replicated = {n for n, x in layouts.items() if isinstance(x, Shard) and x.is_replicated}
+        for name in sorted(local.needs_grad & replicated):  # same order on every rank
+            local.values[name] = replica_grads_summed(local.values[name], layouts[name], tp)
         for step in steps:
             _emit(step, local)
-        outputs = tree_map(lambda x: _returned(x, local, arg_names), ret.args)
+        outputs = tree_map(lambda x: _returned(x, local, unpacked), ret.args)
         prims.python_return(*outputs)
     new.bound_symbols = fuse_gather_into_tp_region(new.bound_symbols)
     new.set_provenance(TraceProvenance("thunder_tp: tensor-parallel rewrite"))
     return new
 
 
-def _returned(x: Any, local: LocalValues, arg_names: set[str]) -> Any:
+def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> TensorProxy:
+    """`x` unchanged, but in backward each replicated chunk's grad is summed over the ranks that hold it.
+
+    A chunk held by r ranks (K/V heads shared by the query heads of r ranks) gets a partial grad on each:
+    the contributions of that rank's query heads. Every rank writes its replicated chunks into a zero
+    buffer the size of those blocks in full, the buffer is all_reduced over the TP group (the backward
+    of tp_copy_to_tp) and each rank reads its chunks back: one all_reduce per replicated parameter, of
+    the full K/V block (n_query_groups * head_size rows). A sum over each replica subgroup would move
+    n_query_groups times fewer bytes but needs a process group per subgroup, created collectively by
+    every rank of the world (a problem inside 2-D meshes and simulated ranks); the K/V weight is small
+    next to the b*s*h activations of the block's two all_reduces, and weights stay identical on the
+    replicas because their grads do.
+    """
+    dim = layout.dim
+    blocks = layout.blocks or (x.shape[dim] * tp.size // layout.block_replicas()[0],)
+    chunks = held_chunks(layout, sum(blocks), tp.rank, tp.size)
+    pieces = list(ltorch.split(x, [length for _, length in chunks], dim))
+    replicated = [i for i, r in enumerate(layout.block_replicas()) if r > 1]
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    offsets = {i: chunks[i][0] - starts[i] for i in replicated}  # where this rank's chunk sits in its block
+    padded = [_zero_padded(pieces[i], dim, offsets[i], blocks[i]) for i in replicated]
+    summed = C.tp_copy_to_tp(ltorch.cat(padded, dim) if len(padded) > 1 else padded[0], tp.group)
+    at = 0
+    for i in replicated:
+        start = at + offsets[i]
+        pieces[i] = ltorch.getitem(summed, (slice(None),) * dim + (slice(start, start + chunks[i][1]),))
+        at += blocks[i]
+    return ltorch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+
+
+def _zero_padded(piece: TensorProxy, dim: int, before: int, full: int) -> TensorProxy:
+    """`piece` at offset `before` of a zero tensor `full` long in `dim`."""
+    pad = [0] * (2 * (piece.ndim - dim))
+    pad[-2:] = [before, full - before - piece.shape[dim]]
+    return ltorch.pad(piece, tuple(pad), value=0)
+
+
+def _returned(x: Any, local: LocalValues, unpacked: dict[str, Any]) -> Any:
     if isinstance(x, TensorProxy):
-        return local.values[x.name] if x.name in arg_names else local.get(x, REPLICATE)
+        return unpacked[x.name] if x.name in unpacked else local.get(x, REPLICATE)
     if isinstance(x, Proxy):
         return local.values.get(x.name, x)
     return x

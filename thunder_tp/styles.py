@@ -39,31 +39,51 @@ class ColwiseParallel:
     `input_layout`: what the input is turned into (Replicate: gathered if it arrives sharded).
     `output_layout`: None keeps the output sharded on its last dim.
     `unit`: features come in indivisible groups of this size (e.g. one attention head).
+    `replicable`: per block, whether it may have fewer units than ranks (K/V heads of grouped-query
+    attention): each unit is then held by size/units consecutive ranks, and its grads summed over them.
     """
 
     input_layout: Layout | None = REPLICATE
     output_layout: Layout | None = None
     blocks: tuple[int, ...] | None = None
     unit: int = 1
+    replicable: tuple[bool, ...] | None = None
+
+    def _units(self) -> list[tuple[int, bool]]:
+        blocks = self.blocks or ()
+        return [(b // self.unit, r) for b, r in zip(blocks, self.replicable or (False,) * len(blocks))]
+
+    def tp_sizes(self, up_to: int) -> list[int]:
+        """The TP sizes (at most `up_to`) over which every block splits into whole units."""
+        return [s for s in range(1, up_to + 1) if all(_splits(u, s, r) for u, r in self._units())]
 
     def check(self, module_name: str, size: int) -> None:
-        """Each rank must own whole units (heads) of every block."""
-        for block in self.blocks or ():
-            if (block // self.unit) % size:
+        """Each rank must own whole units (heads) of every block, or one replicated unit of a replicable block."""
+        for units, replicable in self._units():
+            if not _splits(units, size, replicable):
+                also = " nor a multiple of it (K/V heads are then replicated)" if replicable else ""
+                sizes = ", ".join(map(str, self.tp_sizes(max(u for u, _ in self._units()))))
                 raise ValueError(
-                    f"{module_name}: a block of {block // self.unit} units of {self.unit} features (e.g. attention "
-                    f"heads or K/V query groups) cannot be split over {size} ranks; use a TP size that divides "
-                    f"{block // self.unit}"
+                    f"{module_name}: a block of {units} units of {self.unit} features (e.g. attention heads or K/V "
+                    f"query groups) cannot be split over {size} ranks: {size} is not a divisor of {units}{also}; "
+                    f"TP sizes that work for this module: {sizes}"
                 )
 
-    def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
-        """Layout of each of the module's own parameters."""
+    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+        """Layout of each of the module's own parameters on `size` ranks."""
         if _kind(module, "ColwiseParallel") == "embedding":
             return {"weight": Shard(1)}
-        layouts = {"weight": Shard(0, self.blocks)}
+        replicas = tuple(size // u if r and u < size else 1 for u, r in self._units())
+        layout = Shard(0, self.blocks, replicas if any(r > 1 for r in replicas) else None)
+        layouts = {"weight": layout}
         if module.bias is not None:
-            layouts["bias"] = Shard(0, self.blocks)
+            layouts["bias"] = layout
         return layouts
+
+
+def _splits(units: int, size: int, replicable: bool) -> bool:
+    """Whether `units` split evenly over `size` ranks (or, if replicable, `size` ranks split evenly over them)."""
+    return units % size == 0 or (replicable and size % units == 0)
 
 
 @dataclass(frozen=True)
@@ -80,7 +100,7 @@ class RowwiseParallel:
     def check(self, module_name: str, size: int) -> None:
         """Nothing beyond divisibility of the weight."""
 
-    def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
+    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layout of each of the module's own parameters."""
         if _kind(module, "RowwiseParallel") == "embedding":
             return {"weight": Shard(0)}
@@ -107,7 +127,7 @@ class SequenceParallel:
     def check(self, module_name: str, size: int) -> None:
         """Nothing to check: parameters are replicated."""
 
-    def parameter_layouts(self, module: nn.Module) -> dict[str, Layout]:
+    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Every parameter replicated."""
         params = dict(module.named_parameters(recurse=False))
         if "weight" not in params and not isinstance(module, _NORM_TYPES):
@@ -115,7 +135,25 @@ class SequenceParallel:
         return {name: REPLICATE for name in params}
 
 
-Style = ColwiseParallel | RowwiseParallel | SequenceParallel
+@dataclass(frozen=True)
+class FeatureShardedNorm:
+    """A norm over a feature dim that arrives sharded (OLMo-2's q/k norm over all heads of a column-parallel
+    projection): weight and bias split like the features, so each rank normalizes its own features and only
+    the statistics (b*s numbers) are all_reduced; the activations are never gathered.
+    """
+
+    input_layout = None
+    output_layout = None
+
+    def check(self, module_name: str, size: int) -> None:
+        """Nothing beyond divisibility of the parameters (whole heads are checked on the projection)."""
+
+    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+        """Every parameter split on its (only) dim."""
+        return {name: Shard(0) for name, _ in module.named_parameters(recurse=False)}
+
+
+Style = ColwiseParallel | RowwiseParallel | SequenceParallel | FeatureShardedNorm
 
 
 def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:

@@ -64,7 +64,7 @@ class TensorParallel(Transform):
         for module_name, style in styles.items():
             submodule = module.get_submodule(module_name)
             style.check(module_name, self.tp.size)
-            for pname, layout in style.parameter_layouts(submodule).items():
+            for pname, layout in style.parameter_layouts(submodule, self.tp.size).items():
                 name = f"{module_name}.{pname}"
                 param = getattr(submodule, pname)
                 check_distparallel_type(name, param, layout)

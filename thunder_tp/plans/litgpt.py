@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Shard
-from thunder_tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel, Style
+from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
 
 _MLP_PLANS = {
     "LLaMAMLP": {"fc_1": "col", "fc_2": "col", "proj": "row"},
@@ -60,19 +60,17 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
 
     sequence_parallel: norms and the residual stream sharded on the sequence dim (all_gather into each TP
     region, reduce_scatter out of it). loss_parallel: lm_head's output stays vocab-sharded, for a
-    cross-entropy inside the jitted program.
+    cross-entropy inside the jitted program. With fewer K/V groups than ranks, each K/V head is
+    replicated on the ranks whose query heads use it (see `tp_sizes` for the sizes that work).
     """
     prefix = _gpt_prefix(model)
     config = model.get_submodule(prefix.rstrip(".")).config if prefix else model.config
-    if config.mlp_class_name != "LLaMAMoE" and config.mlp_class_name not in _MLP_PLANS:
-        raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for {config.mlp_class_name}")
-    hs = config.head_size
-    q, kv = config.n_head * hs, config.n_query_groups * hs
+    _check_supported(config)
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
     block = "transformer.h.*."
     plan: dict[str, Style] = {
         "transformer.wte": RowwiseParallel(output_layout=reduced),
-        f"{block}attn.qkv": ColwiseParallel(blocks=(q, kv, kv), unit=hs),
+        f"{block}attn.qkv": _qkv_style(config),
         f"{block}attn.proj": RowwiseParallel(output_layout=reduced),
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
     }
@@ -83,8 +81,41 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     for i in range(config.first_k_dense_replace or 0):  # MoE models whose first blocks have a dense LLaMAMLP
         plan |= {f"transformer.h.{i}.mlp.{name}": ColwiseParallel() if kind == "col" else row[kind]
                  for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
+    if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them
+        plan.update({f"{block}attn.norm_q": FeatureShardedNorm(), f"{block}attn.norm_k": FeatureShardedNorm()})
     if sequence_parallel:
-        norms = ["norm_1"] + ([] if config.shared_attention_norm else ["norm_2"])
-        plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in norms})
+        plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in _block_norms(config)})
         plan["transformer.ln_f"] = SequenceParallel(SEQUENCE_DIM)
     return {prefix + key: style for key, style in plan.items()}
+
+
+def _qkv_style(config) -> ColwiseParallel:
+    """Fused q|k|v split by heads; K/V blocks replicable (grouped-query attention with few K/V groups)."""
+    hs = config.head_size
+    q, kv = config.n_head * hs, config.n_query_groups * hs
+    return ColwiseParallel(blocks=(q, kv, kv), unit=hs, replicable=(False, True, True))
+
+
+def _block_norms(config) -> list[str]:
+    """The norms a block really has (post-norm blocks have an Identity norm_1 / norm_2)."""
+    present = {
+        "norm_1": config.norm_1,
+        "norm_2": config.norm_2 and not config.shared_attention_norm,
+        "post_attention_norm": config.post_attention_norm,
+        "post_mlp_norm": config.post_mlp_norm,
+    }
+    return [name for name, exists in present.items() if exists]
+
+
+def _check_supported(config) -> None:
+    """A clear error for what the plan cannot shard."""
+    if config.mlp_class_name != "LLaMAMoE" and config.mlp_class_name not in _MLP_PLANS:
+        raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for {config.mlp_class_name} ({config.name})")
+    if config.latent_attention is not None:
+        raise NotImplementedError(f"thunder_tp.plans.litgpt has no plan for latent attention ({config.name})")
+
+
+def tp_sizes(config, up_to: int = 8) -> list[int]:
+    """TP sizes (at most `up_to`) that the plan can shard `config` over: n_head divisible by the size and the
+    K/V groups either divisible by it or dividing it (K/V heads then replicated)."""
+    return _qkv_style(config).tp_sizes(up_to)

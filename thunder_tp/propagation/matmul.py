@@ -16,11 +16,11 @@ def linear(op: Op) -> list[Strategy]:
     has_bias = len(op.tensors) == 3
     last = x.ndim - 1
     w_layout = op.layout_of(w)
-    blocks = w_layout.blocks if isinstance(w_layout, Shard) and w_layout.dim == 0 else None
-    bias_col = (Shard(0, blocks),) if has_bias else ()
+    column = w_layout if isinstance(w_layout, Shard) and w_layout.dim == 0 else Shard(0)
+    bias_col = (column,) if has_bias else ()
     bias_rep = (REPLICATE,) if has_bias else ()
     strategies = [
-        Strategy((REPLICATE, Shard(0, blocks), *bias_col), (Shard(last, blocks),)),
+        Strategy((REPLICATE, column, *bias_col), (column.moved(last),)),
         *(Strategy((Shard(d), REPLICATE, *bias_rep), (Shard(d),)) for d in range(last)),
         op.replicated(),
     ]

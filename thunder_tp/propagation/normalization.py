@@ -9,12 +9,10 @@ from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 
 def _batch_dim_strategies(op: Op, normalized: set[int]) -> list[Strategy]:
-    x = op.tensors[0]
+    x, current = op.tensors[0], op.layouts[0]
     rest = (REPLICATE,) * (len(op.tensors) - 1)
-    return [
-        *(Strategy((Shard(d), *rest), (Shard(d),)) for d in range(x.ndim) if d not in normalized),
-        op.replicated(),
-    ]
+    shards = [current if isinstance(current, Shard) and current.dim == d else Shard(d) for d in range(x.ndim)]
+    return [*(Strategy((s, *rest), (s,)) for s in shards if s.dim not in normalized), op.replicated()]
 
 
 @register_rule(ltorch.layer_norm, ltorch.rms_norm)
@@ -25,7 +23,7 @@ def norm(op: Op) -> list[Strategy]:
     return _batch_dim_strategies(op, set(range(x.ndim - n, x.ndim)))
 
 
-@register_rule(ltorch.softmax, ltorch.log_softmax)
+@register_rule(ltorch.softmax, ltorch._softmax, ltorch.log_softmax)
 def softmax(op: Op) -> list[Strategy]:
     """Sharded on any dim but the softmax dim."""
     x = op.tensors[0]

@@ -23,24 +23,35 @@ def elementwise_strategies(op: Op) -> list[Strategy]:
     """Keep a shard of any output dim that every non-broadcast input can be sharded on."""
     out = op.outputs[0]
     strategies = []
+    has_partial = any(isinstance(x, Partial) for x in op.layouts)
     for d in range(out.ndim):
-        blocks = _blocks_on(op, d)
+        if has_partial and not _sharded_on(op, d):  # a reduce_scatter here would need an all_gather later
+            continue
+        shard = _shard_on(op, d)
         layouts: list[Layout] = []
-        for t in op.tensors:
+        for t, current in zip(op.tensors, op.layouts):
             td = d - (out.ndim - t.ndim)
-            layouts.append(Shard(td, blocks) if td >= 0 and t.shape[td] == out.shape[d] else REPLICATE)
-        strategies.append(Strategy(tuple(layouts), (Shard(d, blocks),)))
+            # a size-1 dim of a replicated input is a broadcast even where the output's dim is 1 as well
+            sharded = td >= 0 and t.shape[td] == out.shape[d] and (t.shape[td] != 1 or current == shard.moved(td))
+            layouts.append(shard.moved(td) if sharded else REPLICATE)
+        strategies.append(Strategy(tuple(layouts), (shard.moved(d),)))
     strategies.append(op.replicated())
     return strategies
 
 
-def _blocks_on(op: Op, d: int) -> tuple[int, ...] | None:
-    """Blocks of the first input currently sharded on output dim d, if blocked."""
+def _sharded_on(op: Op, d: int) -> bool:
+    """Whether some input is currently sharded on output dim d."""
+    out = op.outputs[0]
+    return any(isinstance(x, Shard) and x.dim == d - (out.ndim - t.ndim) for t, x in zip(op.tensors, op.layouts))
+
+
+def _shard_on(op: Op, d: int) -> Shard:
+    """How the first input currently sharded on output dim d is split there (blocks, replicas), else plainly."""
     out = op.outputs[0]
     for t, layout in zip(op.tensors, op.layouts):
         if isinstance(layout, Shard) and layout.dim == d - (out.ndim - t.ndim):
-            return layout.blocks
-    return None
+            return layout
+    return Shard(d)
 
 
 def _all_partial(op: Op) -> Strategy:

@@ -32,12 +32,12 @@ def reduction(op: Op) -> list[Strategy]:
     strategies = [op.replicated()]
     if isinstance(layout, Partial):
         strategies.insert(0, Strategy((PARTIAL,), (PARTIAL,)))
-    elif isinstance(layout, Shard) and layout.dim in dims:
+    elif isinstance(layout, Shard) and layout.dim in dims and not layout.is_replicated:
         local = _chunk_mean(op.tp.size) if op.bsym.sym.name == "mean" else None
         strategies.insert(0, Strategy((Shard(layout.dim),), (PARTIAL,), local))
-    elif isinstance(layout, Shard):
+    elif isinstance(layout, Shard) and layout.dim not in dims:
         out_dim = layout.dim if keepdim else layout.dim - sum(d < layout.dim for d in dims)
-        strategies.insert(0, Strategy((layout,), (Shard(out_dim, layout.blocks),)))
+        strategies.insert(0, Strategy((layout,), (layout.moved(out_dim),)))
     return strategies
 
 

@@ -13,6 +13,7 @@ import thunder.core.prims as prims
 import thunder.torch as ltorch
 
 from thunder_tp.layouts import PARTIAL, Partial, Shard, local_blocks
+from thunder_tp.layouts import local_shape as local_shape_of
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 DimMap = list[int | None]
@@ -26,7 +27,7 @@ def _through(op: Op, dim_map: DimMap, local=None) -> list[Strategy]:
     if isinstance(layout, Partial):
         strategies.insert(0, Strategy((PARTIAL,), (PARTIAL,) * n_out))
     elif isinstance(layout, Shard) and layout.dim in dim_map:
-        out_layout = Shard(dim_map.index(layout.dim), layout.blocks)
+        out_layout = layout.moved(dim_map.index(layout.dim))
         strategies.insert(0, Strategy((layout,), (out_layout,) * n_out, local))
     return strategies
 
@@ -65,17 +66,18 @@ def reshape(op: Op) -> list[Strategy]:
     for gi, gj in view_groups(x.shape, out.shape):
         if layout.dim not in gi:
             continue
-        outer_in = [d for d in gi if x.shape[d] != 1]
-        outer_out = [d for d in gj if out.shape[d] != 1]
+        kept = lambda shape, d: shape[d] != 1 or layout.is_replicated  # noqa: E731  (a replicated head may be 1 of 1)
+        outer_in = [d for d in gi if kept(x.shape, d)]
+        outer_out = [d for d in gj if kept(out.shape, d)]
         if not outer_in or outer_in[0] != layout.dim or not outer_out:
             break
         target = outer_out[0]
         if layout.blocks is not None and (len(outer_in) != 1 or len(outer_out) != 1):
             break
-        local_shape = list(out.shape)
-        local_shape[target] //= op.tp.size
+        out_layout = layout.moved(target)
+        local_shape = local_shape_of(out.shape, out_layout, op.tp.size)
         return [
-            Strategy((layout,), (Shard(target, layout.blocks),), lambda a, *_, **__: ltorch.reshape(a, local_shape)),
+            Strategy((layout,), (out_layout,), lambda a, *_, **__: ltorch.reshape(a, local_shape)),
             op.replicated(),
         ]
     return [op.replicated()]
@@ -84,6 +86,8 @@ def reshape(op: Op) -> list[Strategy]:
 def _permutation(op: Op) -> DimMap:
     ndim = op.tensors[0].ndim
     sym = op.bsym.sym.name
+    if op.bsym.sym.id == prims.transpose.id:  # prims.transpose(a, permutation): named like torch's, not alike
+        return [d % ndim for d in op.bsym.args[1]]
     if sym in ("transpose", "t"):
         d0, d1 = (op.arg("dim0", 0), op.arg("dim1", 1)) if sym == "transpose" else (0, 1)
         perm = list(range(ndim))
@@ -161,9 +165,8 @@ def _local_target(op: Op, dim_map: DimMap, call):
     layout = op.layouts[0]
     if not isinstance(layout, Shard) or layout.dim not in dim_map:
         return None
-    shape = list(op.outputs[0].shape)
-    shape[dim_map.index(layout.dim)] //= op.tp.size
-    return lambda a, *_, **__: call(a, tuple(shape))
+    shape = local_shape_of(op.outputs[0].shape, layout.moved(dim_map.index(layout.dim)), op.tp.size)
+    return lambda a, *_, **__: call(a, shape)
 
 
 def _getitem_map(ndim: int, key) -> DimMap | None:
@@ -208,9 +211,10 @@ def split(op: Op) -> list[Strategy]:
     sizes = tuple(o.shape[dim] for o in op.outputs)
     if layout.blocks != sizes:
         return [op.replicated()]
-    local = local_blocks(sizes, op.tp.size)
+    local = local_blocks(sizes, op.tp.size, layout.replicas)
+    outputs = tuple(Shard(dim, replicas=None if r == 1 else (r,)) for r in layout.block_replicas())
     return [
-        Strategy((layout,), (Shard(dim),) * len(sizes), lambda a, *_, **__: ltorch.split(a, local, dim)),
+        Strategy((layout,), outputs, lambda a, *_, **__: ltorch.split(a, local, dim)),
         op.replicated(),
     ]
 
@@ -226,7 +230,7 @@ def concatenate(op: Op) -> list[Strategy]:
         strategies.insert(0, Strategy((PARTIAL,) * len(op.tensors), (PARTIAL,)))
     for layout in {x for x in op.layouts if isinstance(x, Shard) and (x.dim != dim or stack)}:
         out_dim = layout.dim + (stack and layout.dim >= dim)
-        strategies.insert(0, Strategy((layout,) * len(op.tensors), (Shard(out_dim, layout.blocks),)))
+        strategies.insert(0, Strategy((layout,) * len(op.tensors), (layout.moved(out_dim),)))
     return strategies
 
 
@@ -237,6 +241,21 @@ def repeat_interleave(op: Op) -> list[Strategy]:
     dim = op.arg("dim")
     if len(op.tensors) != 1 or dim is None or op.arg("output_size") is not None:
         return [op.replicated()]
+    if isinstance(layout, Shard) and layout.is_replicated and layout.dim == dim % x.ndim:
+        return [*_replicated_heads_repeated(op, layout, dim), op.replicated()]
     if isinstance(layout, Shard) and layout.blocks is None:
         return [Strategy((layout,), (layout,)), op.replicated()]
     return _through(op, list(range(x.ndim)))
+
+
+def _replicated_heads_repeated(op: Op, layout: Shard, dim: int) -> list[Strategy]:
+    """One entry held by r ranks, repeated `repeats` times: each of them holds repeats / r of the copies.
+
+    (K/V heads replicated over the ranks whose query heads share them: after the repeat, a plain shard.)
+    """
+    x, repeats = op.tensors[0], op.arg("repeats")
+    (r,) = layout.block_replicas()
+    if not isinstance(repeats, int) or repeats % r or x.shape[layout.dim] * r != op.tp.size:
+        return []
+    local = lambda a, *_, **__: ltorch.repeat_interleave(a, repeats // r, dim)  # noqa: E731
+    return [Strategy((layout,), (Shard(layout.dim),), local)]
