@@ -27,9 +27,10 @@ RTOL = 1e-6
 
 
 def _config(**changes):
-    """The neox-like test config with one block (tracing time grows with blocks)."""
+    """The neox-like test config with one block (tracing time grows with blocks) and 2 K/V groups for its 4 heads
+    (so TP=4 replicates each K/V head on 2 ranks)."""
     config = make_config("neox")
-    for key, value in {"n_layer": 1, **changes}.items():
+    for key, value in {"n_layer": 1, "n_query_groups": 2, **changes}.items():
         setattr(config, key, value)
     return config
 
@@ -69,14 +70,17 @@ def _train_save_continue(path: str) -> list[float]:
     return _steps(jm, optimizer, SAVED_AFTER, RESUMED)
 
 
-def _resume(path: str, meta: bool = False, own_dcp_calls: bool = False) -> list[float]:
+def _resume(path: str, meta: bool = False, own_dcp_calls: bool = False, resave: str = "") -> list[float]:
     """A differently seeded (or meta-device) TP model and a fresh optimizer load the checkpoint and continue.
 
     own_dcp_calls: then everything is scrambled and reloaded through get_state_dict / dcp.load / set_state_dict.
+    resave: a directory the loaded state is saved to again (at this TP size) before continuing.
     """
     jm = _jit(_model(1, "meta" if meta else "cpu"))
     optimizer = _optimizer(jm)
     ck.load(path, jm, optimizer)
+    if resave:
+        ck.save(resave, jm, optimizer)
     if own_dcp_calls:
         with torch.no_grad():
             for t in (*jm.parameters(), *(v for s in optimizer.state.values() for v in s.values())):
@@ -103,10 +107,13 @@ def saved(tmp_path_factory) -> tuple[str, list[float]]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_resume_at_another_tp_size(saved, world):
+def test_resume_at_another_tp_size(saved, world, tmp_path):
+    """At TP=4 the K/V heads are replicated: loaded into both holders, saved once, and loaded back by a plain module."""
     path, expected = saved
-    for losses in run_ranks(_resume, world, path, False, world == 2):
+    resave = str(tmp_path / f"tp{world}")
+    for losses in run_ranks(_resume, world, path, False, True, resave):
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
+    torch.testing.assert_close(_resume_plain(resave), expected, rtol=RTOL, atol=0)
 
 
 def test_resume_meta_device_model(saved):

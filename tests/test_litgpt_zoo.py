@@ -2,12 +2,10 @@
 
 Loss and every gradient equal the single-device run (float64, Thunder's torch executor) and the collectives
 per block equal Megatron's minimum. The default run checks a fast subset covering the zoo's special features;
-`THUNDER_TP_ZOO=1 pytest -m slow tests/test_litgpt_zoo.py` runs the full sweep at TP=2 and TP=4.
+`python -m pytest -q -m slow tests/test_litgpt_zoo.py` (or THUNDER_TP_SLOW=1) runs the full sweep at TP=2 and TP=4.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import thunder
@@ -123,7 +121,6 @@ SWEEP = [(n, w, m) for n in zoo() for w in (2, 4) for m in MODES]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("THUNDER_TP_ZOO"), reason="full litgpt sweep: set THUNDER_TP_ZOO=1")
 @pytest.mark.parametrize("name,world,mode", SWEEP, ids=[f"{n}-tp{w}-{m}" for n, w, m in SWEEP])
 def test_zoo_sweep_matches_single_device(name, world, mode):
     config = zoo_config(name)

@@ -30,7 +30,8 @@ from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from thunder_tp.layouts import REPLICATE, Layout, Shard, group_device, shard_chunks
+from thunder_tp.collectives import gather_full
+from thunder_tp.layouts import REPLICATE, Layout, Shard, group_device, shard_chunks, shard_tensor
 
 __all__ = ["save", "load", "get_state_dict", "set_state_dict", "export"]
 
@@ -61,28 +62,43 @@ class _Tensor:
         return out
 
     def for_dcp(self) -> torch.Tensor:
-        """A plain tensor when this rank holds all of it, else a ShardedTensor of its slices."""
+        """A plain tensor when this rank holds all of it, else a ShardedTensor of its slices.
+
+        A chunk that several ranks hold (replicated K/V heads) is described once, by its first holder: DCP then
+        writes it once and reads it once; copy_from hands it on to the other holders.
+        """
         if self.chunks() == [((0,) * len(self.global_shape), self.global_shape)]:
             return self.local
         device = self.local.device
+        holders: dict[tuple, int] = {}
+        for r in range(self.size):
+            for chunk in self.chunks(r):
+                holders.setdefault(chunk, r)
         placement = lambda r: f"rank:{dist.get_global_rank(self.group, r)}/{device}"  # noqa: E731
-        every = [ShardMetadata(list(o), list(s), placement(r)) for r in range(self.size) for o, s in self.chunks(r)]
-        mine = [m for m in every if m.placement.rank() == dist.get_rank()]
-        shards = [LocalShard(view.contiguous(), md) for (_, _, view), md in zip(self.slices(), mine)]
+        every = [ShardMetadata(list(o), list(s), placement(r)) for (o, s), r in holders.items()]
+        views = {(o, s): view for o, s, view in self.slices()}
+        shards = [LocalShard(views[(o, s)].contiguous(), md)
+                  for ((o, s), r), md in zip(holders.items(), every) if r == self.rank]
         props = TensorProperties(dtype=self.local.dtype, requires_grad=False)
         metadata = ShardedTensorMetadata(every, torch.Size(self.global_shape), props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=self.group)
 
     def copy_from(self, value: torch.Tensor) -> None:
-        """Write what DCP loaded into for_dcp()'s value into `local`, wherever DCP did not write in place."""
+        """Write what DCP loaded into for_dcp()'s value into `local`, wherever DCP did not write in place
+        (collective for a layout with replicated chunks: their first holders pass them on)."""
         if isinstance(value, ShardedTensor):
-            pairs = zip((view for _, _, view in self.slices()), (s.tensor for s in value.local_shards()))
+            views = {(o, s): view for o, s, view in self.slices()}
+            pairs = [(views[(tuple(x.metadata.shard_offsets), tuple(x.metadata.shard_sizes))], x.tensor)
+                     for x in value.local_shards()]
         else:
             pairs = [(self.local, value)]
         with torch.no_grad():
             for view, source in pairs:
                 if view.data_ptr() != source.data_ptr():
                     view.copy_(source)
+            if isinstance(self.layout, Shard) and self.layout.is_replicated:
+                full = gather_full(self.local, self.layout, self.group)
+                self.local.copy_(shard_tensor(full, self.layout, self.rank, self.size))
 
 
 @contextlib.contextmanager

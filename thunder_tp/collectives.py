@@ -80,12 +80,17 @@ def _all_reduce(a: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM)
     return out
 
 
-def gather_shards(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
-    """The full tensor from every rank's Shard(dim, blocks) piece (synchronous)."""
+def gather_full(a: torch.Tensor, layout: Shard, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's piece of `layout` (synchronous; replicated chunks from their first holder)."""
     size = group.size()
     out = torch.empty((size * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
     dist.all_gather_into_tensor(out, a.contiguous(), group)
-    return _unpack(out, dim, blocks, size, tuple(a.shape))
+    return unshard_tensor(out.view(size, *a.shape).unbind(0), layout)
+
+
+def gather_shards(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's Shard(dim, blocks) piece (synchronous)."""
+    return gather_full(a, Shard(dim, blocks), group)
 
 
 def _reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:

@@ -141,20 +141,15 @@ def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int) -> torch
 
 
 def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(global offsets, sizes) of the slices of the full tensor that make up this rank's piece (see shard_tensor).
-
-    The piece is their concatenation along the layout's dim, in this order; checkpoints use only this.
-    """
-    full = ((0,) * len(shape), tuple(shape))
+    """(global offsets, sizes) of the slices of the full tensor that make up this rank's piece (held_chunks in
+    every dim); the piece is their concatenation along the layout's dim, in this order."""
     if not isinstance(layout, Shard):
-        return [full]
-    dim, chunks, start = layout.dim % len(shape), [], 0
-    for block in layout.blocks or (shape[layout.dim],):
-        step = block // size
-        offsets = tuple(start + rank * step if d == dim else 0 for d in range(len(shape)))
-        chunks.append((offsets, tuple(step if d == dim else n for d, n in enumerate(shape))))
-        start += block
-    return chunks
+        return [((0,) * len(shape), tuple(shape))]
+    dim = layout.dim % len(shape)
+    return [
+        (tuple(start if d == dim else 0 for d in range(len(shape))), tuple(length if d == dim else n for d, n in enumerate(shape)))
+        for start, length in held_chunks(layout, shape[dim], rank, size)
+    ]
 
 
 def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor:

@@ -13,7 +13,7 @@ from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform
 
-from thunder_tp.collectives import gather_shards
+from thunder_tp.collectives import gather_full
 from thunder_tp.constraints import constrain_styled_ops
 from thunder_tp.layouts import (
     REPLICATE,
@@ -97,7 +97,7 @@ class TensorParallel(Transform):
         layout = self.parameter_layouts.get(name)
         if not isinstance(layout, Shard) or not isinstance(value, torch.Tensor):
             return value
-        return gather_shards(value.detach(), layout.dim, layout.blocks, self.tp.group)
+        return gather_full(value.detach(), layout, self.tp.group)
 
     def _shard_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
