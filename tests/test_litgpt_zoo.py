@@ -72,10 +72,11 @@ def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
         forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": blocks + grads}
     elif mode == "tp_lp":  # max, sum-exp and target logit reduced over the vocabulary instead of gathering logits
         forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": blocks + grads}
-    else:
-        forward = {"reduce_scatter": blocks, "all_gather": blocks + 1, "all_reduce": olmo2}
+    else:  # a norm shared by attention and MLP (parallel residual) is gathered once for both
+        gathers = blocks - layers * config.shared_attention_norm
+        forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
         replicated = _sequence_parallel_params(config) + grads
-        backward = {"reduce_scatter": blocks, "all_gather": blocks, "all_reduce": replicated}
+        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": replicated}
     return _nonzero(forward), _nonzero(backward)
 
 
