@@ -66,14 +66,16 @@ def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
     per_head_norms = 2 * layers if config.norm_qk and config.norm_qk_type == "default" else 0
     kv_replicas = layers * (1 + bool(config.bias or config.attn_bias)) if config.n_query_groups < size else 0
     grads = olmo2 + per_head_norms + kv_replicas
+    # a norm output shared by attention and MLP (parallel residual) enters the TP region once for both
+    gathers = blocks - layers * config.shared_attention_norm
     if mode == "tp":
-        forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": blocks + grads}
+        forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": gathers + grads}
     elif mode == "tp_lp":  # max, sum-exp and target logit reduced over the vocabulary instead of gathering logits
-        forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": blocks + grads}
+        forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": gathers + grads}
     else:
-        forward = {"reduce_scatter": blocks, "all_gather": blocks + 1, "all_reduce": olmo2}
+        forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
         replicated = _sequence_parallel_params(config) + grads
-        backward = {"reduce_scatter": blocks, "all_gather": blocks, "all_reduce": replicated}
+        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": replicated}
     return _nonzero(forward), _nonzero(backward)
 
 
