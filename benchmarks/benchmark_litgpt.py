@@ -479,10 +479,9 @@ def collectives_per_iteration(jm: nn.Module) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world, device = init_distributed(args.timeout)
     if args.simulate:
         return simulate_dry_run(args)
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(args.timeout)
     try:
         return run(args, rank, world, device)
     finally:

@@ -175,6 +175,21 @@ def test_bf16_and_2d_modes():
     assert ranks[0]["param_bytes"] < 0.3 * ranks[0]["full_param_bytes"], ranks[0]
 
 
+def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
+    """--save_checkpoint at TP=2, --resume at TP=4, and --checkpoint from the exported lit_model.pth at TP=2 continue
+    from the same weights (SGD has no state: both runs then see equal losses), not from a fresh initialization."""
+    from tests.dist import run_ranks
+    from thunder_tp.checkpoint import export
+
+    saved_dir, pth = str(tmp_path / "ckpt"), str(tmp_path / "lit_model.pth")
+    fresh = run_ranks(_train, 2, ["--distributed_mode", "tp", "--save_checkpoint", saved_dir])[0]
+    export(saved_dir, pth)
+    resumed = run_ranks(_train, 4, ["--distributed_mode", "tp", "--resume", saved_dir])[0]
+    pretrained = run_ranks(_train, 2, ["--distributed_mode", "tp", "--checkpoint", pth])[0]
+    assert _close(resumed["losses"], pretrained["losses"]), (resumed["losses"], pretrained["losses"])
+    assert not _close(resumed["losses"][:1], fresh["losses"][:1]), (resumed["losses"], fresh["losses"])
+
+
 # --- option parsing (no processes) ------------------------------------------------------------------------
 
 
