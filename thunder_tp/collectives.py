@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from thunder.core.prims import get_grad, put_grad
-from thunder.core.proxies import FutureTensorProxy, TensorProxy
+from thunder.core.proxies import FutureTensorProxy, NumberProxy, TensorProxy
 from thunder.core.transforms import register_grad
 from thunder.distributed.prims import DistributedReduceOps
 from thunder.extend import OperatorExecutor, register_executor
@@ -187,9 +187,18 @@ tp_name_work = comm_executor.register_operator(
 )
 
 
+def _symbolic(a: TensorProxy) -> bool:
+    """Shapes of symbolic values (cache="symbolic values"): Thunder 0.2.6's wait sorting cannot order async
+    collectives on them (it reads their numel outside a trace), so those stay synchronous (the symbol's own fn)."""
+    return any(isinstance(d, NumberProxy) for d in a.shape)
+
+
 def _async_all_reduce(op: str):
     def lower(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
         from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
+
+        if _symbolic(a):
+            return (tp_reduce_from_tp if op == "sum" else tp_all_reduce_max)(a, group)
 
         reduce_op = DistributedReduceOps.SUM if op == "sum" else DistributedReduceOps.MAX
         future = all_reduce_prim_impl(a, reduce_op, group, True, False)
@@ -201,6 +210,9 @@ def _async_all_reduce(op: str):
 def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
+    if _symbolic(a):
+        return tp_gather(a, dim, blocks, group)
+
     a = tp_pack(a, 0, None, 1)
     gathered = wait_prim_impl(tp_name_work(all_gather_prim_impl(a, group, True, None), "all_gather", a, group))
     if dim == 0 and blocks is None:
@@ -210,6 +222,9 @@ def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.Proc
 
 def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import reduce_scatter_prim_impl, wait_prim_impl
+
+    if _symbolic(a):
+        return tp_reduce_scatter(a, dim, blocks, group)
 
     packed = tp_pack(a, dim, blocks, group.size())
     future = reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None)
