@@ -18,6 +18,7 @@ import thunder.torch as ltorch
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, held_chunks
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import redistribute
+from thunder_tp.simulate import is_simulating
 
 
 @dataclass
@@ -112,6 +113,7 @@ def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> TensorPr
     replicated = [i for i, r in enumerate(layout.block_replicas()) if r > 1]
     starts = [sum(blocks[:i]) for i in range(len(blocks))]
     offsets = {i: chunks[i][0] - starts[i] for i in replicated}  # where this rank's chunk sits in its block
+    _check_simulated_offsets(layout, sum(blocks), tp, replicated)
     padded = [_zero_padded(pieces[i], dim, offsets[i], blocks[i]) for i in replicated]
     summed = C.tp_copy_to_tp(ltorch.cat(padded, dim) if len(padded) > 1 else padded[0], tp.group)
     at = 0
@@ -120,6 +122,18 @@ def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> TensorPr
         pieces[i] = ltorch.getitem(summed, (slice(None),) * dim + (slice(start, start + chunks[i][1]),))
         at += blocks[i]
     return ltorch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+
+
+def _check_simulated_offsets(layout: Shard, n: int, tp: TPGroup, replicated: list[int]) -> None:
+    """One trace runs for every simulated rank: the replicated chunks' offsets must then be the same on all."""
+    held = [[held_chunks(layout, n, r, tp.size)[i] for i in replicated] for r in range(tp.size)]
+    if is_simulating() and any(h != held[0] for h in held):
+        raise NotImplementedError(
+            f"thunder_tp.simulate: K/V heads replicated over {tp.size} simulated ranks with more than one K/V group "
+            f"({layout}) sum their grads at rank-dependent offsets, which one simulated trace cannot express yet; "
+            "simulate a TP size that divides the K/V groups (or equals the replicas of a single group), or run on "
+            "real ranks"
+        )
 
 
 def _zero_padded(piece: TensorProxy, dim: int, before: int, full: int) -> TensorProxy:
