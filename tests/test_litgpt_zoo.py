@@ -58,14 +58,14 @@ def _check(name: str, mode: str) -> dict:
 def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
     """Megatron's minimum: 2 activation all_reduces per block each way (TP+SP: 2 all_gather + 2 reduce_scatter),
     the embedding's and the head's, plus one grad all_reduce per replicated parameter used on sharded values
-    (norms under SP, row-parallel biases under SP, per-head q/k norm weights, replicated K/V weight and bias) and
-    OLMo-2's q/k norm statistics (b*s numbers, each way)."""
+    (norms under SP, row-parallel biases under SP, per-head q/k norm weights, replicated K/V weight and bias, an
+    MoE layer's router weight) and OLMo-2's q/k norm statistics (b*s numbers, each way)."""
     layers = config.n_layer
     blocks = 2 * layers + 1
     olmo2 = 2 * layers if config.norm_qk and config.norm_qk_type == "olmo2" else 0
     per_head_norms = 2 * layers if config.norm_qk and config.norm_qk_type == "default" else 0
     kv_replicas = layers * (1 + bool(config.bias or config.attn_bias)) if config.n_query_groups < size else 0
-    moe = layers if config.mlp_class_name == "LLaMAMoE" else 0  # the routing weights' grad (tokens x k) is reduced
+    moe = layers if config.mlp_class_name == "LLaMAMoE" else 0  # the router weight's grad (n_expert x C) is reduced
     grads = olmo2 + per_head_norms + kv_replicas + moe
     # a norm output shared by attention and MLP (parallel residual) enters the TP region once for both
     gathers = blocks - layers * config.shared_attention_norm
@@ -74,10 +74,9 @@ def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
     elif mode == "tp_lp":  # max, sum-exp and target logit reduced over the vocabulary instead of gathering logits
         forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": gathers + grads}
     else:
-        # known gap: an MoE layer's output is all-reduced, then sliced to the sequence shard (not reduce-scattered)
-        forward = {"reduce_scatter": blocks - moe, "all_gather": gathers + 1, "all_reduce": olmo2 + moe}
-        replicated = _sequence_parallel_params(config) + grads + moe
-        backward = {"reduce_scatter": gathers - moe, "all_gather": blocks, "all_reduce": replicated}
+        forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
+        replicated = _sequence_parallel_params(config) + grads
+        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": replicated}
     return _nonzero(forward), _nonzero(backward)
 
 

@@ -61,13 +61,13 @@ def test_plain_jit_matches_eager_litgpt(name):
     jm = thunder.jit(model)  # Thunder's default executors: no TP, no thunder_tp executor list
     _check_loss_and_grads(reference, jm, lambda n: REPLICATE)
     names = [b.sym.name for b in thunder.last_traces(jm)[-1].bound_symbols]
-    assert names.count("moe_routed_experts") == 2, names
+    assert names.count("moe_layer") == 2, names
 
 
-def _tp(name):
+def _tp(name, sequence_parallel):
     rank, size = rank_and_size()
     reference, model = _reference_and_copy(name)
-    transform = TensorParallel(thunder_tp.plans.litgpt(model))
+    transform = TensorParallel(thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel))
     jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
     _check_loss_and_grads(reference, jm, lambda n: transform.parameter_layouts.get(n, REPLICATE), rank, size)
     expert = next(n for n in transform.parameter_layouts if "experts.1.proj" in n)
@@ -76,20 +76,25 @@ def _tp(name):
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
 
 
-@pytest.mark.parametrize("world, name", [(2, "mixtral"), (2, "grouped_shared"), (4, "qwen3_moe")])
-def test_tp_matches_single_device_with_one_reduction_per_moe_layer(world, name):
-    counts = run_ranks(_tp, world, name)[0]
-    n_layer = _BASE["n_layer"]
-    # as a dense llama: per block one all_reduce after attention and ONE after the MoE layer (all its experts);
-    # plus the embedding's; logits gathered for the loss
-    assert counts["forward"] == {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, counts
-    # backward per block: attention input grad, MoE input grad and the routing weights' grad (tokens x k);
+CASES = [(2, "mixtral", False), (2, "grouped_shared", True), (4, "qwen3_moe", False)]
+
+
+@pytest.mark.parametrize("world, name, sequence_parallel", CASES, ids=[f"tp{w}-{n}{'-sp' * sp}" for w, n, sp in CASES])
+def test_tp_matches_single_device_with_one_reduction_per_moe_layer(world, name, sequence_parallel):
+    counts = run_ranks(_tp, world, name, sequence_parallel)[0]
+    blocks = 2 * _BASE["n_layer"] + 1  # attention and MoE layer of each block, and the embedding
+    # per MoE layer: the router weight's grad (n_expert x C, replicated, used by every rank's experts);
     # Qwen3's per-head q/k norm weights, replicated and used on sharded heads, get their grads reduced too
-    qk_norms = 2 * n_layer if CONFIGS[name].get("norm_qk") else 0
-    # shared experts: their input grad is reduced apart from the routed experts' (their fc_1/fc_2 input
-    # constraint makes a second copy of the tokens) -- one all_reduce per layer above the minimum
-    shared = n_layer if CONFIGS[name].get("n_shared_expert") else 0
-    assert counts["backward"] == {"all_reduce": 3 * n_layer + 1 + qk_norms + shared}, counts
+    router = _BASE["n_layer"]
+    qk_norms = 2 * _BASE["n_layer"] if CONFIGS[name].get("norm_qk") else 0
+    if sequence_parallel:  # as a dense llama with SP: the MoE layer (shared experts included) reduce-scattered once
+        norms = blocks  # norm_1, norm_2 of each block and ln_f: replicated weights applied to sequence shards
+        assert counts["forward"] == {"reduce_scatter": blocks, "all_gather": blocks + 1}, counts
+        assert counts["backward"] == {"reduce_scatter": blocks, "all_gather": blocks,
+                                      "all_reduce": norms + router + qk_norms}, counts
+    else:  # as a dense llama: per block one all_reduce after attention and ONE after the MoE layer; logits gathered
+        assert counts["forward"] == {"all_reduce": blocks, "all_gather": 1}, counts
+        assert counts["backward"] == {"all_reduce": blocks + router + qk_norms}, counts
 
 
 def test_moe_with_biased_experts_is_a_clear_error():

@@ -1,19 +1,25 @@
-"""Mixture of experts that Thunder can trace: litgpt's `LLaMAMoE` with its routed experts as one opaque symbol.
+"""Mixture of experts that Thunder can trace: litgpt's `LLaMAMoE` as one opaque symbol, `moe_layer`.
 
 litgpt's `LLaMAMoE.forward` gathers each expert's tokens with `torch.where(mask)`, whose result shape depends
-on the data, so Thunder cannot trace it. Here the router (gate, top-k, softmax or grouped top-k, routed
-scaling) stays ordinary traced ops, and the routed experts become `moe_routed_experts`: tokens x C and
-tokens x k routing weights and expert indices in, tokens x C out. Inside, rows are sorted by expert, each
+on the data, so Thunder cannot trace it. `moe_layer` takes the whole layer: activations (B, T, C), the
+router's weight, every expert's parameters and the shared experts' in; (B, T, C) out. Inside, the router
+picks k experts per token (softmax top-k, or litgpt's grouped top-k), rows are sorted by expert, each
 expert's SwiGLU MLP runs on its rows, and the weighted results are added back to their tokens.
 
+Under TP the router and the activations are the layer's only replicated inputs: their grads are partial
+sums (each rank's experts' share) reduced by the rewrite's entry into the TP region, so a layer costs what
+a dense Megatron MLP does (one reduction each way; with SP one reduce_scatter and one all_gather each way),
+plus one all_reduce of the router weight's grad.
+
 A jit lookaside for `LLaMAMoE.forward` calls this form, so a plain `thunder.jit` of a litgpt MoE model
-traces once thunder_tp is imported. The symbol's grad is `moe_routed_experts_backward`, which recomputes
-the forward through torch.autograd (the forward keeps no data-dependent residuals).
+traces once thunder_tp is imported. The symbol's grad is `moe_layer_backward`, which recomputes the
+forward through torch.autograd (the forward keeps no data-dependent residuals).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +30,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import register_grad
 from thunder.extend import OperatorExecutor, add_default_executor, register_executor
 
-from thunder_tp.annotate import annotate
-from thunder_tp.layouts import REPLICATE
-
-__all__ = ["moe_executor", "moe_routed_experts", "moe_routed_experts_backward", "routed_experts"]
+__all__ = ["Routing", "moe_executor", "moe_layer", "moe_layer_backward", "moe_layer_torch"]
 
 #: Runs the MoE symbols (opaque: never fused). A Thunder default executor, so `executors()`, tests' executor
 #: lists and a plain `thunder.jit` all include it.
@@ -39,59 +42,118 @@ Tensors = Sequence[torch.Tensor]
 OptionalTensors = Sequence[torch.Tensor] | None
 
 
+@dataclass(frozen=True)
+class Routing:
+    """The router's settings from a litgpt Config: k experts per token, expert groups, routed scaling."""
+
+    k: int
+    n_expert_groups: int | None = None
+    n_topk_groups: int | None = None
+    n_topk_scores_per_group: int | None = None
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> Routing:
+        """The routing of a litgpt Config."""
+        return cls(config.n_expert_per_token, config.n_expert_groups, config.n_topk_groups,
+                   config.n_topk_scores_per_group, config.norm_topk_prob, config.routed_scaling_factor)
+
+
 def _expert_mlp(x, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias) -> torch.Tensor:
     """litgpt's LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x))."""
     return F.linear(F.silu(F.linear(x, fc_1, fc_1_bias)) * F.linear(x, fc_2, fc_2_bias), proj, proj_bias)
 
 
-def routed_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    indices: torch.Tensor,
-    fc_1: Tensors,
-    fc_2: Tensors,
-    proj: Tensors,
-    fc_1_bias: OptionalTensors = None,
-    fc_2_bias: OptionalTensors = None,
-    proj_bias: OptionalTensors = None,
-) -> torch.Tensor:
-    """sum_j weights[t, j] * expert[indices[t, j]](x[t]) for every token t (torch implementation)."""
+def _grouped_choice(scores: torch.Tensor, score_bias: torch.Tensor, r: Routing) -> torch.Tensor:
+    """Grouped top-k (DeepSeek-V3, as litgpt's GroupedTopkRouter): the k experts of each token, chosen among
+    the experts of its best groups (a group scored by the sum of its best few biased scores)."""
+    biased = scores + score_bias
+    n, n_expert = biased.shape
+    per_group = biased.view(n, r.n_expert_groups, -1)
+    group_scores = per_group.topk(r.n_topk_scores_per_group, dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(r.n_topk_groups, dim=-1, sorted=False).indices
+    in_best = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)
+    candidates = biased.masked_fill(~in_best.repeat_interleave(n_expert // r.n_expert_groups, dim=1), 0.0)
+    return candidates.topk(r.k, dim=-1, sorted=False).indices
+
+
+def route(tokens: torch.Tensor, gate_weight: torch.Tensor, score_bias, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights and expert indices (tokens x k) as litgpt's LLaMAMoE computes them."""
+    if not r.n_expert_groups:
+        logits, indices = torch.topk(F.linear(tokens, gate_weight), r.k)
+        weights = logits.softmax(dim=1, dtype=torch.float).to(tokens.dtype)
+    else:  # litgpt's GroupedTopkRouter: sigmoid scores in float32, choice without grad
+        scores = F.linear(tokens.float(), gate_weight.float()).sigmoid()
+        with torch.no_grad():
+            indices = _grouped_choice(scores, score_bias, r)
+        weights = scores.gather(1, indices)
+        if r.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * r.routed_scaling_factor if r.routed_scaling_factor != 1.0 else weights), indices
+
+
+def _routed_experts(tokens, weights, indices, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias) -> torch.Tensor:
+    """sum_j weights[t, j] * expert[indices[t, j]](tokens[t]) for every token t."""
     n_expert, k = len(fc_1), indices.shape[1]
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # routed rows grouped by expert, tokens ascending within each
-    tokens = order // k
+    rows = order // k
     counts = torch.bincount(flat, minlength=n_expert).tolist()
     none = (None,) * n_expert
     outputs = [
-        _expert_mlp(rows, *params)
-        for rows, *params in zip(
-            x[tokens].split(counts), fc_1, fc_2, proj, fc_1_bias or none, fc_2_bias or none, proj_bias or none
+        _expert_mlp(x, *params)
+        for x, *params in zip(
+            tokens[rows].split(counts), fc_1, fc_2, proj, fc_1_bias or none, fc_2_bias or none, proj_bias or none
         )
     ]
-    weighted = (torch.cat(outputs) * weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, weighted)
+    weighted = (torch.cat(outputs) * weights.reshape(-1)[order, None]).to(tokens.dtype)
+    return torch.zeros_like(tokens).index_add_(0, rows, weighted)
 
 
-def _differentiable(x, weights, indices, *params) -> list[torch.Tensor]:
+def moe_layer_torch(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    score_bias: torch.Tensor | None,
+    fc_1: Tensors,
+    fc_2: Tensors,
+    proj: Tensors,
+    fc_1_bias: OptionalTensors,
+    fc_2_bias: OptionalTensors,
+    proj_bias: OptionalTensors,
+    shared: OptionalTensors,
+    shared_bias: OptionalTensors,
+    routing: Routing,
+) -> torch.Tensor:
+    """litgpt's LLaMAMoE on x (B, T, C): routed experts plus shared experts (torch implementation)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    weights, indices = route(tokens, gate_weight, score_bias, routing)
+    y = _routed_experts(tokens, weights, indices, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias)
+    if shared is not None:
+        y = y + _expert_mlp(tokens, *shared, *(shared_bias or (None,) * 3))
+    return y.view(x.shape)
+
+
+def _differentiable(x, gate_weight, score_bias, *params_and_routing) -> list[torch.Tensor]:
     """The inputs that get a grad, in the order the backward returns them."""
-    return [x, weights, *(t for group in params if group is not None for t in group)]
+    params = params_and_routing[:-1]
+    return [x, gate_weight, *(t for group in params if group is not None for t in group)]
 
 
-def _routed_experts_backward(grad: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
-    """Grads of x, weights and every expert parameter, by recomputing the forward under torch.autograd."""
+def _moe_layer_backward(grad: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+    """Grads of x, the router weight and every expert parameter, by recomputing the forward under torch.autograd."""
     inputs = _differentiable(*args)
     with torch.enable_grad():
         leaves = {id(t): t.detach().requires_grad_() for t in inputs}
-        x, weights, indices, *groups = (
-            [leaves[id(t)] for t in a] if isinstance(a, (list, tuple)) else leaves.get(id(a), a) for a in args
-        )
-        y = routed_experts(x, weights, indices, *groups)
+        relinked = [[leaves[id(t)] for t in a] if isinstance(a, (list, tuple)) else leaves.get(id(a), a) for a in args]
+        y = moe_layer_torch(*relinked)
         grads = torch.autograd.grad(y, list(leaves.values()), grad, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves.values(), grads))
 
 
-def _forward_meta(x, weights, indices, fc_1, fc_2, proj, fc_1_bias=None, fc_2_bias=None, proj_bias=None) -> TensorProxy:
-    """Same signature as `routed_experts`: propagation rules read the arguments by name."""
+def _forward_meta(x, gate_weight, score_bias, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias, shared, shared_bias,
+                  routing) -> TensorProxy:
+    """Same signature as `moe_layer_torch`: propagation rules read the arguments by name."""
     return TensorProxy(like=x)
 
 
@@ -99,28 +161,26 @@ def _backward_meta(grad: TensorProxy, *args) -> tuple[TensorProxy, ...]:
     return tuple(TensorProxy(like=t) for t in _differentiable(*args))
 
 
-moe_routed_experts = moe_executor.register_operator("moe_routed_experts", meta=_forward_meta, fn=routed_experts)
-moe_routed_experts_backward = moe_executor.register_operator(
-    "moe_routed_experts_backward", meta=_backward_meta, fn=_routed_experts_backward
-)
+moe_layer = moe_executor.register_operator("moe_layer", meta=_forward_meta, fn=moe_layer_torch)
+moe_layer_backward = moe_executor.register_operator("moe_layer_backward", meta=_backward_meta, fn=_moe_layer_backward)
 
 
-def _routed_experts_grad(*args) -> TensorProxy:
-    y = moe_routed_experts(*args)
-    grads = moe_routed_experts_backward(get_grad(y), *args)
+def _moe_layer_grad(*args) -> TensorProxy:
+    y = moe_layer(*args)
+    grads = moe_layer_backward(get_grad(y), *args)
     for t, g in zip(_differentiable(*args), grads):
         put_grad(t, g)
     return y
 
 
-register_grad(moe_routed_experts, _routed_experts_grad)
+register_grad(moe_layer, _moe_layer_grad)
 
 
 # --- litgpt ----------------------------------------------------------------------------------------------
 
 
-def _expert_parameters(experts) -> tuple:
-    """fc_1, fc_2 and proj weights of every expert, then their biases (None without biases)."""
+def _mlp_parameters(experts) -> tuple:
+    """fc_1, fc_2 and proj weights of every MLP in `experts`, then their biases (None without biases)."""
     layers = ("fc_1", "fc_2", "proj")
     weights = tuple([getattr(e, layer).weight for e in experts] for layer in layers)
     biased = experts[0].fc_1.bias is not None
@@ -128,34 +188,20 @@ def _expert_parameters(experts) -> tuple:
     return (*weights, *biases)
 
 
-def grouped_topk_route(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """litgpt's GroupedTopkRouter.forward without its in-place normalization (Thunder 0.2.6 differentiates
-    `topk_weights /= topk_weights.sum(...)` through the updated value: wrong grads)."""
-    scores = F.linear(x.type(torch.float32), gate.weight.type(torch.float32)).sigmoid()
-    indices = gate.get_topk_indices(scores)
-    weights = scores.gather(1, indices)
-    if gate.config.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights, indices
+def _shared_parameters(module) -> tuple:
+    """The shared experts' [fc_1, fc_2, proj] weights and biases (None where absent)."""
+    if not module.config.n_shared_expert:
+        return None, None
+    fc_1, fc_2, proj, *biases = _mlp_parameters([module.shared_experts])
+    return [fc_1[0], fc_2[0], proj[0]], (None if biases[0] is None else [b[0] for b in biases])
 
 
 def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
-    """litgpt's LLaMAMoE.forward with the routed experts as `moe_routed_experts` (same router, same result)."""
-    config = module.config
-    B, T, C = x.size()
-    tokens = x.view(-1, C)
-    if not config.n_expert_groups:
-        router = module.gate(tokens)
-        probs, indices = torch.topk(router, config.n_expert_per_token)
-        probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
-    else:
-        probs, indices = grouped_topk_route(module.gate, tokens)
-    if config.routed_scaling_factor != 1.0:
-        probs = probs * config.routed_scaling_factor
-    y = moe_routed_experts(tokens, probs, indices, *_expert_parameters(module.experts))
-    if config.n_shared_expert:  # on the same (B*T, C) tokens: under TP one copy of them, one grad reduction
-        y = y + module.shared_experts(tokens)
-    return annotate(y, REPLICATE).view(B, T, C)  # under TP: experts' partial sums reduced here, once per layer
+    """litgpt's LLaMAMoE.forward as one `moe_layer` call (same router, same result)."""
+    gate = module.gate
+    score_bias = getattr(gate, "e_score_correction_bias", None)
+    return moe_layer(x, gate.weight, score_bias, *_mlp_parameters(module.experts), *_shared_parameters(module),
+                     Routing.of(module.config))
 
 
 try:

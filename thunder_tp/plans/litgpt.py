@@ -17,8 +17,8 @@ SEQUENCE_DIM = 1
 
 
 def _moe_plan(config) -> dict[str, str]:
-    """LLaMAMoE: every expert sharded like a dense MLP; the shared experts' output stays Partial ("partial") so
-    that it is reduced together with the routed experts' (one reduction per layer); router replicated."""
+    """LLaMAMoE: every expert (and the shared experts) sharded like a dense MLP; router replicated. All of them
+    are consumed by one `moe_layer` op, whose rule reduces the layer's output once."""
     if config.bias:
         raise NotImplementedError(
             f"thunder_tp.plans.litgpt: LLaMAMoE experts with biases (config.bias=True) would add each proj bias once "
@@ -26,7 +26,7 @@ def _moe_plan(config) -> dict[str, str]:
         )
     plan = {f"experts.*.{name}": kind for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.n_shared_expert:
-        plan |= {"shared_experts.fc_1": "col", "shared_experts.fc_2": "col", "shared_experts.proj": "partial"}
+        plan |= {f"shared_experts.{name}": kind for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     return plan
 
 
@@ -75,11 +75,10 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
     }
     mlp_plan = _moe_plan(config) if config.mlp_class_name == "LLaMAMoE" else _MLP_PLANS[config.mlp_class_name]
-    row = {"row": RowwiseParallel(output_layout=reduced), "partial": RowwiseParallel(output_layout=None)}
     for name, kind in mlp_plan.items():
-        plan[f"{block}mlp.{name}"] = ColwiseParallel() if kind == "col" else row[kind]
+        plan[f"{block}mlp.{name}"] = ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
     for i in range(config.first_k_dense_replace or 0):  # MoE models whose first blocks have a dense LLaMAMLP
-        plan |= {f"transformer.h.{i}.mlp.{name}": ColwiseParallel() if kind == "col" else row[kind]
+        plan |= {f"transformer.h.{i}.mlp.{name}": ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
                  for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them
         plan.update({f"{block}attn.norm_q": FeatureShardedNorm(), f"{block}attn.norm_k": FeatureShardedNorm()})
