@@ -516,7 +516,7 @@ _pools: dict[int, _Pool] = {}
 _lock = threading.RLock()
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300, **kwargs) -> list:
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float | None = None, **kwargs) -> list:
     """Run fn(*args, **kwargs) on world_size gloo ranks; return each rank's result (rank order).
 
     ``fn`` must be a module-level function (it is pickled by reference); its
@@ -525,8 +525,10 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300, **kwar
     starting the pool.  If any rank raises, dies or
     does not finish within ``timeout`` seconds, :class:`RanksFailed` (an
     ``AssertionError``) is raised with every rank's traceback (or stack, for
-    ranks that were stuck).
+    ranks that were stuck).  The default timeout is THUNDER_TP_TEST_TIMEOUT seconds (300 unless set: raise it
+    when the machine is shared with other jobs).
     """
+    timeout = float(os.environ.get("THUNDER_TP_TEST_TIMEOUT", 300)) if timeout is None else timeout
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     with _lock:
