@@ -15,8 +15,10 @@ cross-entropy, backward, SGD step):
   the sequence-parallel plan, and the best plan under ``torch.compile`` (skipped, with the reason, if it fails);
 - litgpt GPT of the same dims, single-device thunder and thunder_tp TP/SP with ``thunder_tp.plans.litgpt``.
 
-Before any timing, each mode's first-step loss (and second-step loss, which checks the gradients through
-the SGD update) is compared with the single-device eager run; a mode that disagrees is reported and not timed.
+Before any timing, each mode's first-step gradients (every parameter, gathered to full tensors) are compared
+with the single-device eager run's, each within ``--grad_rtol`` of that tensor's largest entry: a mismatch raises
+``GradientMismatch`` naming the mode and the parameter. Its first and second-step losses are compared too; a mode
+whose losses disagree is reported and not timed.
 Every rank uses one thread (``torch.set_num_threads(1)``). Outputs: a markdown table on stdout, ``--json_path``
 and ``--png_path`` (step time and communication per mode, and transform time vs depth).
 """
@@ -484,8 +486,51 @@ def sync():
         torch.cuda.synchronize()
 
 
+class GradientMismatch(AssertionError):
+    """A mode's gradient differs from the single-device run's: the mode computes something else."""
+
+
+def full_grads(jm: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient (thunder_tp shards and DTensors gathered: collective in a distributed mode)."""
+    from torch.distributed.tensor import DTensor
+
+    from thunder_tp import TensorParallel
+    from thunder_tp.collectives import gather_full
+    from thunder_tp.layouts import Shard
+
+    tp = next((t for t in getattr(jm, "_lc_transforms", []) if isinstance(t, TensorParallel)), None)
+    layouts = tp.parameter_layouts if tp is not None else {}
+    grads = {}
+    for name, p in jm.named_parameters():
+        name = name.removeprefix("_orig_mod.")  # torch.compile's wrapper
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        elif isinstance(layouts.get(name), Shard):
+            grad = gather_full(grad, layouts[name], tp.tp.group)
+        grads[name] = grad.detach()
+    return grads
+
+
+def check_gradients(mode_name: str, grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], rtol: float) -> float:
+    """The largest gradient error relative to its reference's largest entry; GradientMismatch above rtol."""
+    if set(grads) != set(reference):
+        raise GradientMismatch(f"{mode_name}: parameters {sorted(set(grads) ^ set(reference))} are not in both "
+                               "this mode and the single-device model")
+    worst = 0.0
+    for name, ref in reference.items():
+        grad = grads[name].to(ref.device, torch.float64)
+        error, largest = (grad - ref).abs().max().item(), ref.abs().max().item()
+        bound = rtol * largest
+        worst = max(worst, error / largest if largest else error)
+        if not error <= bound:
+            raise GradientMismatch(f"{mode_name}: gradient of {name!r} differs from the single-device run by {error:.3e} "
+                                   f"(allowed {bound:.3e} = {rtol:g} x its largest entry); not timed")
+    return worst
+
+
 def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
-    """Build, check the first two losses, warm up; returns this rank's result so far and (jm, opt, params)."""
+    """Build, check every gradient and the first two losses, warm up; returns this rank's result and (jm, opt, params)."""
     distributed = mode.ranks != 1
     barrier = dist.barrier if distributed else (lambda: None)
     result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
@@ -497,9 +542,10 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     loss1 = train_step(jm, opt, idx, targets)
     sync()
     result["first_iter_s"] = time.perf_counter() - t0
+    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.family]["grads"], args.grad_rtol)
     loss2 = train_step(jm, opt, idx, targets)
     result["loss_step1"], result["loss_step2"] = loss1.item(), loss2.item()
-    ref1, ref2 = reference[mode.family]
+    ref1, ref2 = reference[mode.family]["losses"]
     ok1 = math.isclose(loss1.item(), ref1, rel_tol=args.rtol)
     ok2 = math.isclose(loss2.item(), ref2, rel_tol=10 * args.rtol)
     result["loss_ok"] = ok1 and ok2
@@ -635,12 +681,14 @@ def profile_steps(name, jm, opt, idx, targets, directory):
     prof.export_chrome_trace(os.path.join(directory, f"{name}.json"))
 
 
-def reference_losses(family: str, cfg: LlamaConfig, state, idx, targets, lr) -> list[float]:
-    """Eager single-device first and second-step losses (the second checks grads through the SGD update)."""
+def reference_run(family: str, cfg: LlamaConfig, state, idx, targets, lr) -> dict:
+    """Eager single-device first and second-step losses and first-step gradients (float64 copies)."""
     model = make_model(family, cfg, 0)
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    return [train_step(model, opt, idx, targets).item() for _ in range(2)]
+    loss1 = train_step(model, opt, idx, targets).item()
+    grads = {name: p.grad.detach().to(torch.float64) for name, p in model.named_parameters()}
+    return {"losses": [loss1, train_step(model, opt, idx, targets).item()], "grads": grads}
 
 
 # --- transform time vs depth ------------------------------------------------------------------------
@@ -809,6 +857,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps, the first (compile) and second (checked) included")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--rtol", type=float, default=1e-4, help="first-step loss tolerance (10x for the second step)")
+    p.add_argument("--grad_rtol", type=float, default=1e-4,
+                   help="first-step gradient tolerance, relative to each gradient's largest entry (fp32)")
     p.add_argument("--modes", default="all", help="comma-separated mode names, or 'all'")
     p.add_argument("--skip", default="", help="comma-separated mode names to leave out")
     p.add_argument("--scaling_layers", default="2,4,8", help="depths for the transform-time scaling ('' to skip)")
@@ -868,13 +918,8 @@ def main(argv=None) -> int:
     families = sorted({m.family for m in modes})
     states_dicts = {f: make_model(f, cfg, 0).state_dict() for f in families}
 
-    reference = {}
-    for family in families:
-        refs = torch.zeros(2, dtype=torch.float64)
-        if rank == 0:
-            refs = torch.tensor(reference_losses(family, cfg, states_dicts[family], idx, targets, args.lr), dtype=torch.float64)
-        dist.broadcast(refs, 0)
-        reference[family] = refs.tolist()
+    # every rank runs the reference itself: each checks the full gradients it gathered
+    reference = {f: reference_run(f, cfg, states_dicts[f], idx, targets, args.lr) for f in families}
 
     results: dict = {}
     states: dict = {}
@@ -893,7 +938,7 @@ def main(argv=None) -> int:
                 states[mode.name] = state
         except Exception as e:
             msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            if mode.runtime != "compile":
+            if mode.runtime != "compile" or isinstance(e, GradientMismatch):
                 traceback.print_exc()
                 raise
             results[mode.name] = {"description": mode.description, "skipped": f"torch.compile failed: {msg}"}
