@@ -6,7 +6,7 @@ default ``--compile thunder`` (thunder_tp's fusion executor) runs in the main-jo
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -111,8 +111,30 @@ def test_tp(tmp_path):
             assert (tmp_path / "traces" / f"rank{r}_{name}").is_file(), name
 
 
+def _run(argv: list[str], json_path: str) -> str:
+    """The benchmark's run on this gloo rank of tests/dist.py (as under torchrun, minus the process-group set-up):
+    what it printed."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    bench = _benchmark_module("benchmark_litgpt")
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert bench.run(bench.parse_args([*TINY, *argv, "--json_path", json_path]), dist.get_rank(),
+                         dist.get_world_size(), torch.device("cpu")) == 0
+    return output.getvalue()
+
+
 def test_tp_sp_loss_parallel(tmp_path):
-    res, output = _torchrun(tmp_path, "--distributed_mode", "tp_sp", "--loss_parallel", "true")
+    """On the warm gloo ranks of tests/dist.py (no torchrun start-up; test_tp covers the command line)."""
+    from tests.dist import run_ranks
+
+    json_path = tmp_path / "results.json"
+    output = run_ranks(_run, 2, ["--distributed_mode", "tp_sp", "--loss_parallel", "true"], str(json_path))[0]
+    res = json.loads(json_path.read_text())
     _check_common(res, output)
     assert res["loss_parallel"] is True
     # SP: into each TP region (qkv, fc after their sequence-sharded norms; lm_head after ln_f) an all_gather of the
@@ -124,23 +146,24 @@ def test_tp_sp_loss_parallel(tmp_path):
     assert per_iter["backward"]["by_kind"] == sp, per_iter
 
 
-def test_simulate_dry_run(tmp_path):
-    """--simulate 2: the TP plan on 2 ranks simulated in one plain process (no torchrun)."""
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--distributed_mode", "tp", "--loss_parallel", "true", "--simulate", "2",
-           "--json_path", str(tmp_path / "results.json")]
-    env = _env()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-8000:]
+def test_simulate_dry_run(tmp_path, capsys):
+    """--simulate 2: the TP plan on 2 ranks simulated in one plain process (here, pytest's: it holds no process group)."""
+    bench = _benchmark_module("benchmark_litgpt")
+    argv = [*TINY, "--distributed_mode", "tp", "--loss_parallel", "true", "--simulate", "2",
+            "--json_path", str(tmp_path / "results.json")]
+    assert bench.main(argv) == 0
+    output = capsys.readouterr().out
     res = json.loads((tmp_path / "results.json").read_text())
     losses = list(res["losses"].values())
     assert len(losses) == 2 and losses[0] == losses[1] and math.isfinite(losses[0]), losses
     per_rank = list(res["param_bytes_per_rank"].values())
     full, tp_rank = _pythia_param_bytes(2)
     assert per_rank == [tp_rank, tp_rank] and res["param_bytes_full_model"] == full, res
-    # loss parallel, one block: 2 activation all_reduces + the embedding's + the loss's 3 statistics, no logits gather
-    kinds = res["collectives"]["per_iteration"]["forward"]["by_kind"]
-    assert kinds == {"all_reduce": {"count": 6, "bytes": kinds["all_reduce"]["bytes"]}}, kinds
+    # loss parallel, one block: 2 activation all_reduces + the embedding's + the loss's 3 per-token statistics, no
+    # logits gather; backward: the input grads of qkv, fc and lm_head
+    per_iter = res["collectives"]["per_iteration"]
+    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 6, "bytes": 3 * ACTIVATION + 3 * TOKENS * 4}}, per_iter
+    assert per_iter["backward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION}}, per_iter
     assert "rank 1: loss" in output and "Collectives per rank and iteration, backward" in output
 
 
@@ -153,18 +176,18 @@ def _train(argv: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    bench = _bench_module()
+    bench, harness, setup = (_benchmark_module(n) for n in ("benchmark_litgpt", "harness", "litgpt_setup"))
     args = bench.parse_args([*TINY, *argv])
     world = dist.get_world_size()
-    groups = bench.make_groups(args.tp_size or world)
+    groups = setup.make_groups(args.tp_size or world)
     config, model, jm = bench.build(args, groups, torch.device("cpu"))
     losses, _ = bench.train(args, groups, torch.device("cpu"), jm, config.padded_vocab_size)
     return {
         "losses": losses,
         "tp_rank": groups.tp_rank,
         "dtype": str(next(jm.parameters()).dtype),
-        "saved": bench.saved_for_backward(thunder.last_traces(jm)[-1]),
-        "collectives": bench.collectives_per_iteration(jm)["per_iteration"],
+        "saved": harness.saved_for_backward(thunder.last_traces(jm)[-1]),
+        "collectives": harness.collectives_per_iteration(jm)["per_iteration"],
         "checksum": sum(p.double().sum().item() for p in jm.parameters()),
         "param_bytes": sum(p.numel() * p.element_size() for p in jm.parameters()),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -226,19 +249,18 @@ def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
 # --- option parsing (no processes) ------------------------------------------------------------------------
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("benchmark_litgpt", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+def _benchmark_module(name: str):
+    """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
+    return importlib.import_module(name)
 
 
 def test_options():
-    bench = _bench_module()
+    bench, setup = _benchmark_module("benchmark_litgpt"), _benchmark_module("litgpt_setup")
     args = bench.parse_args(["--distributed_mode", "tp", "--dump_thunder_traces", "true", "--loss_parallel", "False"])
     assert args.dump_thunder_traces is True and args.loss_parallel is False and args.compile == "thunder"
-    assert set(bench.MODES) >= {"none", "tp", "tp_sp"}
+    assert set(setup.MODES) >= {"none", "tp", "tp_sp"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--dump_thunder_traces", "maybe"])
     with pytest.raises(SystemExit):  # eager has no TP
@@ -250,6 +272,6 @@ def test_options():
     with pytest.raises(SystemExit):  # --simulate simulates a TP plan
         bench.parse_args(["--simulate", "2"])
     args = bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "8"])
-    assert bench.accumulation_steps(args, dp_size=2) == 2
+    assert setup.accumulation_steps(args, dp_size=2) == 2
     with pytest.raises(SystemExit, match="multiple"):
-        bench.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
+        setup.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
