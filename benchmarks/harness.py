@@ -10,7 +10,6 @@ import contextlib
 import datetime
 import gc
 import json
-import math
 import os
 import resource
 import socket
@@ -283,8 +282,3 @@ def write_json(path: str | os.PathLike, results: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return path
-
-
-def is_finite(values) -> bool:
-    """Whether every value is a finite number."""
-    return all(math.isfinite(v) for v in values)
