@@ -5,6 +5,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -25,7 +26,9 @@ EVERY_MODE = {
 }
 #: modes that compile with Inductor by default (the slow-marked test)
 INDUCTOR_MODES = ("thunder_tp_tp", "dtensor_tp_compile")
-TIMEOUT_S = 600
+#: a bound for a run on a loaded machine (minutes on 2 shared cores); a hung rank fails earlier, after compare.py's
+#: process-group --timeout
+TIMEOUT_S = 1500
 
 pytest.importorskip("litgpt")
 
@@ -38,16 +41,23 @@ def _compare(tmp_path, *args: str) -> tuple[dict, str]:
            os.path.join(BENCHMARKS, "compare.py"), *TINY, "--json_path", str(json_path), *args]
     path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)  # this checkout's thunder_tp
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    # its own session: on a timeout the ranks go too, not only torchrun (orphaned ranks would load the machine)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        out = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"compare.py did not finish within {TIMEOUT_S} s\n{out[-5000:]}")
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"compare.py did not finish within {TIMEOUT_S} s\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    finally:
+        if proc.poll() is None:  # interrupted
+            os.killpg(proc.pid, signal.SIGKILL)
     # a failing rank's error: the first rank traceback (head) and torchrun's root-cause summary (tail, via @record)
-    first = proc.stderr.find("Traceback")
-    assert proc.returncode == 0, (f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n--- first traceback ---\n"
-                                  f"{proc.stderr[max(first, 0):][:6000]}\n--- end ---\n{proc.stderr[-6000:]}")
-    return json.loads(json_path.read_text()), proc.stdout
+    first = stderr.find("Traceback")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\n{stdout[-3000:]}\n--- first traceback ---\n"
+                                  f"{stderr[max(first, 0):][:6000]}\n--- end ---\n{stderr[-6000:]}")
+    return json.loads(json_path.read_text()), stdout
 
 
 def _check_modes(modes: dict) -> None:
