@@ -14,7 +14,8 @@ tokens/s, parameter bytes per rank, peak memory (CUDA: ``torch.cuda.max_memory_a
 max RSS), bytes saved for backward, and the collectives of one iteration (forward/backward, from the final traces
 via ``thunder_tp.collectives_table``). ``--json_path`` writes all of it, per-iteration losses and times included.
 
-Distributed modes are entries of ``MODES`` (mode -> ``Mode(transforms=..., data_parallel=...)``): a mode is a
+Distributed modes are entries of ``MODES`` in ``litgpt_setup.py`` (mode -> ``Mode(transforms=..., data_parallel=...)``;
+shared measuring and timing in ``harness.py``): a mode is a
 function that builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process
 groups: ``none``, ``tp``, ``tp_sp`` and the 2-D ``tp_ddp`` / ``tp_fsdp`` (TP over ``--tp_size`` consecutive ranks
 inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parallel groups), e.g.::
@@ -35,22 +36,24 @@ lines, e.g.::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import resource
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from harness import (
+    EXECUTORS, collectives_lines, collectives_per_iteration, fmt_bytes, init_distributed, log, param_bytes,
+    peak_memory_bytes, saved_for_backward, slowest_rank, timed, train_step, write_json,
+)
+from litgpt_setup import (
+    DTYPES, FP8_MODES, MODES, Groups, accumulation_steps, make_batch, make_config, make_model, resolve_groups,
+)
 
 # --------------------------------------------------------------------------------------------------------------
 # options
@@ -127,275 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-#: --dtype -> the parameters' dtype
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: Thunder's benchmark_litgpt fp8 modes (TransformerEngine), refused with an explanation
-FP8_MODES = ("fp8-delayed-te", "fp8-default-te", "fp8-delayed-te-wo_layernorm", "fp8-default-te-wo_layernorm")
-
-# --------------------------------------------------------------------------------------------------------------
-# distributed setup
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Groups:
-    """This rank's place in a (dp x tp) layout of the world, tp-fastest (TP groups are consecutive ranks)."""
-
-    rank: int
-    world_size: int
-    tp_size: int
-    tp_rank: int
-    tp_group: Any  # torch ProcessGroup; None: the default group
-    dp_size: int
-    dp_rank: int
-    dp_group: Any
-
-
-def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.device]:
-    """Join the default process group (NCCL + cuda:LOCAL_RANK on CUDA, gloo on CPU); a single process works too."""
-    if "RANK" not in os.environ:  # plain `python benchmark_litgpt.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # one GPU per rank, or none at all: every rank decides the same way (NCCL can't share a GPU between ranks)
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        if torch.cuda.is_available() and local_rank == 0:
-            print(f"note: {torch.cuda.device_count()} GPU(s) for {local_world} ranks per node: running on CPU (gloo)")
-        device = torch.device("cpu")
-        backend = "gloo"
-    if not dist.is_initialized():
-        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def make_groups(tp_size: int) -> Groups:
-    """TP groups of ``tp_size`` consecutive ranks and the orthogonal DP groups (the default group where one spans it)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if tp_size < 1 or world % tp_size:
-        raise SystemExit(f"--tp_size {tp_size} must divide the world size {world}")
-    dp_size = world // tp_size
-    tp_group = dp_group = None  # None: the default group, for a group that spans the world
-    # every rank creates every group, in the same order (torch.distributed's rule), and keeps its own
-    if tp_size != world:
-        for d in range(dp_size):
-            g = dist.new_group(list(range(d * tp_size, (d + 1) * tp_size)))
-            if rank // tp_size == d:
-                tp_group = g
-    if dp_size != world:
-        for t in range(tp_size):
-            g = dist.new_group(list(range(t, world, tp_size)))
-            if rank % tp_size == t:
-                dp_group = g
-    return Groups(rank, world, tp_size, rank % tp_size, tp_group, dp_size, rank // tp_size, dp_group)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# distributed modes: mode -> the transforms for thunder.jit
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Mode:
-    """``transforms(model, args, groups)`` builds the ``transforms=`` list; ``data_parallel``: the mode syncs grads
-    over the DP groups (without it, a TP size smaller than the world size is refused: the replicas would train
-    independently)."""
-
-    transforms: Callable[[nn.Module, argparse.Namespace, Groups], list]
-    data_parallel: bool = False
-
-
-def _none(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
-    return []
-
-
-def _tp(model: nn.Module, args: argparse.Namespace, groups: Groups, *, sequence_parallel: bool = False) -> list:
-    import thunder_tp
-
-    plan = thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
-    return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group)]
-
-
-MODES: dict[str, Mode] = {
-    "none": Mode(_none),
-    "tp": Mode(_tp),
-    "tp_sp": Mode(partial(_tp, sequence_parallel=True)),
-}
-
-
-# 2-D: TP over the tp groups, then Thunder's DDP / FSDP over the dp groups (TP first; see thunder_tp/mesh.py)
-
-
-def _dp_group(groups: Groups):
-    return groups.dp_group if groups.dp_group is not None else dist.group.WORLD
-
-
-def _tp_ddp(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
-    from thunder.distributed.transforms.ddp_v2 import DDPTransform
-
-    ddp = DDPTransform(process_group=_dp_group(groups), bucket_size_in_mb=25.0, broadcast_from=None)
-    return [*_tp(model, args, groups), ddp]
-
-
-def _tp_fsdp(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
-    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
-
-    device = next(model.parameters()).device
-    return [*_tp(model, args, groups), FSDPTransform(device=device, process_group=_dp_group(groups))]
-
-
-MODES["tp_ddp"] = Mode(_tp_ddp, data_parallel=True)
-MODES["tp_fsdp"] = Mode(_tp_fsdp, data_parallel=True)
-
-
-def _thunder_tp_executors() -> list:
-    import thunder_tp
-
-    return thunder_tp.executors()
-
-
-def _thunder_default_executors() -> list:
-    import thunder
-    from thunder_tp.collectives import comm_executor
-
-    return [comm_executor, *thunder.get_default_executors()]
-
-
-#: --compile -> the executors list for thunder.jit
-EXECUTORS: dict[str, Callable[[], list]] = {
-    "thunder": _thunder_tp_executors,
-    "thunder_default": _thunder_default_executors,
-}
-
-
-# --------------------------------------------------------------------------------------------------------------
-# model and data
-# --------------------------------------------------------------------------------------------------------------
-
-
-def make_config(args: argparse.Namespace):
-    from litgpt import Config
-
-    overrides: dict[str, Any] = {"block_size": args.block_size}
-    if args.n_layers is not None:
-        overrides["n_layer"] = args.n_layers
-    return Config.from_name(args.model_name, **overrides)
-
-
-#: tokens are drawn from [0, DATA_VOCAB), as in Thunder's benchmark, so that the loss visibly goes down
-DATA_VOCAB = 100
-
-
-def make_batch(args: argparse.Namespace, vocab: int, dp_rank: int, iteration: int, device: torch.device,
-               rows: int | None = None):
-    """Random (idx, targets) of shape (rows (micro_batch_size), block_size); identical on the ranks of a TP group."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank * 10_007 + iteration)
-    data = torch.randint(0, min(DATA_VOCAB, vocab), (rows or args.micro_batch_size, args.block_size + 1), generator=g)
-    return data[:, :-1].to(device), data[:, 1:].to(device)
-
-
-def accumulation_steps(args: argparse.Namespace, dp_size: int) -> int:
-    """Micro-batches per optimizer step on each data-parallel rank (``--global_batch_size``)."""
-    per_step = args.micro_batch_size * dp_size
-    if args.global_batch_size is None:
-        return 1
-    if args.global_batch_size < per_step or args.global_batch_size % per_step:
-        raise SystemExit(f"--global_batch_size {args.global_batch_size} must be a multiple of --micro_batch_size "
-                         f"{args.micro_batch_size} * dp size {dp_size} = {per_step}")
-    return args.global_batch_size // per_step
-
-
-def checkpoint_blocks(model: nn.Module) -> None:
-    """Run every litgpt Block under torch.utils.checkpoint; Thunder recomputes its activations in the backward."""
-    from litgpt.model import Block
-    from torch.utils.checkpoint import checkpoint
-
-    for module in model.modules():
-        if isinstance(module, Block):
-            module.forward = partial(checkpoint, module.forward, use_reentrant=False)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# measurements
-# --------------------------------------------------------------------------------------------------------------
-
-
-def tensor_bytes(proxies) -> int:
-    return sum(math.prod(int(s) for s in p.shape) * p.dtype.bytes for p in proxies)
-
-
-def saved_for_backward(forward_trace) -> dict | None:
-    """Tensors the forward trace returns for the backward (Thunder's ``return output, (saved_tensors, other)``).
-
-    ``bytes``/``count``: all of them; ``activation_bytes``: without the forward's own inputs (parameters, batch),
-    which are held anyway. ``None`` when the trace saves nothing (no backward).
-    """
-    from thunder.core import prims
-    from thunder.core.proxies import TensorProxy
-    from thunder.core.pytree import tree_flatten
-
-    ret = next((b for b in reversed(forward_trace.bound_symbols) if b.sym.id == prims.PrimIDs.RETURN), None)
-    if ret is None or len(ret.args) != 2 or not isinstance(ret.args[1], (tuple, list)) or not ret.args[1]:
-        return None
-    output, (saved, *_) = ret.args
-    tensors = {p.name: p for p in tree_flatten(saved)[0] if isinstance(p, TensorProxy)}
-    inputs = set()
-    if isinstance(output, dict) and "flat_args" in output:
-        inputs = {p.name for p in tree_flatten(output["flat_args"])[0] if isinstance(p, TensorProxy)}
-    return {
-        "count": len(tensors),
-        "bytes": tensor_bytes(tensors.values()),
-        "activation_bytes": tensor_bytes(p for n, p in tensors.items() if n not in inputs),
-    }
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 # --------------------------------------------------------------------------------------------------------------
 # the benchmark
 # --------------------------------------------------------------------------------------------------------------
-
-
-def log(rank: int, *msg: Any) -> None:
-    if rank == 0:
-        print(*msg, flush=True)
-
-
-def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Module:
-    """The litgpt GPT with its loss, seeded random weights in ``--dtype``, blocks checkpointed if asked."""
-    from thunder_tp.plans.litgpt import GPTWithLoss
-
-    torch.manual_seed(args.seed)
-    with device:
-        model = GPTWithLoss(config).to(DTYPES[args.dtype])
-    if args.checkpoint_activations:
-        checkpoint_blocks(model)
-    return model
 
 
 def build(args: argparse.Namespace, groups: Groups, device: torch.device):
@@ -411,27 +148,17 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
     return config, model, thunder.jit(model, transforms=transforms, executors=EXECUTORS[args.compile]())
 
 
-def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module, vocab: int):
+def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module,
+          vocab: int) -> tuple[list[float], list[float]]:
+    """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): the losses and the slowest rank's times."""
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
     load_checkpoints(args, jm, optimizer)
     steps = accumulation_steps(args, groups.dp_size)
     losses, times = [], []
     for it in range(args.max_iters):
         idx, targets = make_batch(args, vocab, groups.dp_rank, it, device, rows=steps * args.micro_batch_size)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
-        for micro_idx, micro_targets in zip(idx.split(args.micro_batch_size), targets.split(args.micro_batch_size)):
-            micro_loss = jm(micro_idx, micro_targets) / steps  # gradients accumulate over the micro-batches
-            micro_loss.backward()
-            loss = loss + micro_loss.detach()
-        optimizer.step()
-        loss_value = loss.item()  # waits for the step
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
+        # gradients accumulate over the micro-batches; .item() waits for the step
+        loss_value, dt = timed(lambda: train_step(jm, optimizer, idx, targets, args.micro_batch_size).item(), device)
         losses.append(loss_value)
         times.append(dt)
         tag = " (warm-up)" if it < args.warmup_iters else ""
@@ -441,10 +168,7 @@ def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn
 
         ck.save(args.save_checkpoint, jm, optimizer)
         log(groups.rank, f"checkpoint saved to {args.save_checkpoint}")
-    # the slowest rank's time per iteration
-    t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return losses, t.tolist()
+    return losses, slowest_rank(times, device)
 
 
 def load_checkpoints(args: argparse.Namespace, jm: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -457,27 +181,9 @@ def load_checkpoints(args: argparse.Namespace, jm: nn.Module, optimizer: torch.o
         ck.load(args.resume, jm, optimizer)
 
 
-def collectives_per_iteration(jm: nn.Module) -> dict:
-    import thunder
-    import thunder_tp
-    from thunder_tp.debug import totals
-
-    forward = thunder.last_traces(jm)[-1]
-    backward = thunder.last_backward_traces(jm)
-    tables = {"forward": thunder_tp.collectives_table(forward),
-              "backward": thunder_tp.collectives_table(backward[-1] if backward else None)}
-    per_pass = {}
-    for name, table in tables.items():
-        kinds = totals(table)
-        per_pass[name] = {
-            "count": sum(k["count"] for k in kinds.values()),
-            "bytes": sum(k["bytes"] for k in kinds.values()),
-            "by_kind": kinds,
-        }
-    return {"tables": tables, "per_iteration": per_pass}
-
-
+@record  # a failing rank's error and traceback go into torchrun's summary
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (or ``--simulate`` dry run); 0 on success."""
     args = parse_args(argv)
     if args.simulate:
         return simulate_dry_run(args)
@@ -489,29 +195,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
-    mode = MODES[args.distributed_mode]
-    if args.distributed_mode == "none":
-        tp_size = 1
-        if args.tp_size not in (None, 1):
-            raise SystemExit("--tp_size needs a tensor-parallel --distributed_mode (tp, tp_sp)")
-    else:
-        tp_size = args.tp_size or (world // args.dp_size if args.dp_size else world)
-    if args.dp_size is not None and not mode.data_parallel:
-        raise SystemExit(f"--dp_size needs a 2-D --distributed_mode (tp_ddp, tp_fsdp), not {args.distributed_mode}")
-    if args.dp_size is not None and args.dp_size * tp_size != world:
-        raise SystemExit(f"--dp_size {args.dp_size} * --tp_size {tp_size} must equal the world size {world}")
-    if tp_size < world and not mode.data_parallel and args.distributed_mode != "none":
-        raise SystemExit(
-            f"--distributed_mode {args.distributed_mode} with --tp_size {tp_size} < world size {world}: the TP "
-            f"replicas would train independently; use --tp_size {world} (or a 2-D mode that syncs grads over DP)"
-        )
-    groups = make_groups(tp_size) if args.distributed_mode != "none" else Groups(rank, world, 1, 0, None, 1, 0, None)
-    if args.distributed_mode == "none" and world > 1:
-        log(rank, f"note: --distributed_mode none with {world} ranks: every rank trains its own full copy")
-
+    """Build, train and report on this rank."""
+    groups = resolve_groups(args, rank, world)
     config, model, jm = build(args, groups, device)
-    param_bytes = sum(p.numel() * p.element_size() for p in jm.parameters())  # this rank's shards
-    full_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the unsharded model
     log(rank, f"model {config.name}: {config.n_layer} layers, n_embd {config.n_embd}, vocab {config.padded_vocab_size}, "
               f"{sum(p.numel() for p in model.parameters())} parameters ({sum(p.numel() for p in jm.parameters())} "
               f"on rank 0); block_size {args.block_size}, "
@@ -522,8 +208,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     if not all(math.isfinite(x) for x in losses):
         log(rank, f"ERROR: non-finite loss: {losses}")
         return 1
-    timed = times[args.warmup_iters:]
-    avg_s = sum(timed) / len(timed)
+    timed_times = times[args.warmup_iters:]
+    avg_s = sum(timed_times) / len(timed_times)
     steps = accumulation_steps(args, groups.dp_size)
     tokens_per_iter = steps * args.micro_batch_size * args.block_size * groups.dp_size
     results: dict[str, Any] = {
@@ -550,8 +236,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         "average_iter_time_ms": avg_s * 1000,
         "tokens_per_iter": tokens_per_iter,
         "tokens_per_sec": tokens_per_iter / avg_s,
-        "param_bytes_per_rank": param_bytes,
-        "param_bytes_full_model": full_param_bytes,
+        "param_bytes_per_rank": param_bytes(jm),  # this rank's shards
+        "param_bytes_full_model": param_bytes(model),  # the unsharded model
         "peak_memory_bytes": peak_memory_bytes(device),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
     }
@@ -569,14 +255,12 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     if args.dump_thunder_traces and args.compile != "eager":
         dump(args, jm, rank)
     if args.json_path and rank == 0:
-        path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        log(rank, f"results written to {path}")
+        log(rank, f"results written to {write_json(args.json_path, results)}")
     return 0
 
 
 def report(r: dict, rank: int) -> None:
+    """Print the results (rank 0)."""
     if rank != 0:
         return
     lines = [
@@ -600,11 +284,8 @@ def report(r: dict, rank: int) -> None:
     if saved:
         lines.append(f"Saved for backward: {fmt_bytes(saved['bytes'])} in {saved['count']} tensors "
                      f"({fmt_bytes(saved['activation_bytes'])} without parameters and inputs)")
-    coll = r.get("collectives")
-    if coll:
-        for name, c in coll["per_iteration"].items():
-            kinds = ", ".join(f"{v['count']} {k} ({fmt_bytes(v['bytes'])})" for k, v in c["by_kind"].items()) or "none"
-            lines.append(f"Collectives per iteration, {name}: {c['count']} calls, {fmt_bytes(c['bytes'])}: {kinds}")
+    if r.get("collectives"):
+        lines += collectives_lines(r["collectives"]["per_iteration"], "Collectives per iteration")
     print("\n".join(lines), flush=True)
 
 
@@ -653,31 +334,29 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
         if args.dump_thunder_traces:
             thunder_tp.dump_traces(jm, args.trace_dir)
     losses = thunder_tp.per_rank(loss)
-    param_bytes = {r: 0 for r in range(n)}
+    rank_bytes = {r: 0 for r in range(n)}
     for p in jm.parameters():
         for r, piece in thunder_tp.per_rank(p).items():
-            param_bytes[r] += piece.numel() * piece.element_size()
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            rank_bytes[r] += piece.numel() * piece.element_size()
+    full_bytes = param_bytes(model)
     lines = [
         f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {config.name}, "
         f"{config.n_layer} layers, mode {args.distributed_mode}, loss_parallel {args.loss_parallel}, "
         f"block_size {args.block_size}, micro_batch_size {args.micro_batch_size}",
         f"forward + backward: {seconds:.2f} s (simulated, all ranks)",
-        *(f"rank {r}: loss {losses[r].item():.6f}, parameters {fmt_bytes(param_bytes[r])}" for r in range(n)),
+        *(f"rank {r}: loss {losses[r].item():.6f}, parameters {fmt_bytes(rank_bytes[r])}" for r in range(n)),
         f"full model: {fmt_bytes(full_bytes)}",
     ]
-    for name, c in collectives["per_iteration"].items():
-        kinds = ", ".join(f"{v['count']} {k} ({fmt_bytes(v['bytes'])})" for k, v in c["by_kind"].items()) or "none"
-        lines.append(f"Collectives per rank and iteration, {name}: {c['count']} calls, {fmt_bytes(c['bytes'])}: {kinds}")
+    lines += collectives_lines(collectives["per_iteration"], "Collectives per rank and iteration")
     if args.dump_thunder_traces:
         lines.append(f"traces of every simulated rank written to {Path(args.trace_dir).resolve()}")
     print("\n".join(lines), flush=True)
     if args.json_path:
         results = {"simulate": n, "model_name": args.model_name, "n_layers": config.n_layer,
                    "distributed_mode": args.distributed_mode, "loss_parallel": args.loss_parallel,
-                   "losses": {r: v.item() for r, v in losses.items()}, "param_bytes_per_rank": param_bytes,
+                   "losses": {r: v.item() for r, v in losses.items()}, "param_bytes_per_rank": rank_bytes,
                    "param_bytes_full_model": full_bytes, "collectives": collectives}
-        Path(args.json_path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_json(args.json_path, results)
     return 0
 
 

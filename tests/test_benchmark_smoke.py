@@ -6,7 +6,7 @@ default ``--compile thunder`` (thunder_tp's fusion executor) runs in the main-jo
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -22,6 +22,8 @@ SCRIPT = Path(REPO_ROOT) / "benchmarks" / "benchmark_litgpt.py"
 TINY = ["--model_name", "pythia-14m", "--n_layers", "1", "--block_size", "32", "--micro_batch_size", "1",
         "--max_iters", "3", "--warmup_iters", "1", "--compile", "thunder_default"]
 TIMEOUT_S = 300
+TOKENS = 32  # one micro-batch of 1 x block_size 32 per iteration
+ACTIVATION = TOKENS * 128 * 4  # (1, 32, n_embd) fp32: what each activation all_reduce carries
 
 pytest.importorskip("litgpt")
 
@@ -52,12 +54,37 @@ def _torchrun(tmp_path: Path, *args: str) -> tuple[dict, str]:
     return json.loads(json_path.read_text()), output
 
 
+def _pythia_param_bytes(tp_size: int) -> tuple[int, int]:
+    """fp32 parameter bytes of the 1-layer pythia-14m: (full model, one TP rank's), by hand from its config.
+
+    plans.litgpt shards the embedding and lm_head (vocab), q|k|v and fc (weights and biases) and the two row-parallel
+    weights; the LayerNorms (norm_1, norm_2, ln_f: weight and bias) and the row-parallel biases stay replicated.
+    """
+    from litgpt import Config
+
+    c = Config.from_name("pythia-14m", n_layer=1)
+    assert not c.lm_head_bias and c.bias and c.n_query_groups == c.n_head, c  # what the count below assumes
+    e, v, f, qkv = c.n_embd, c.padded_vocab_size, c.intermediate_size, (c.n_head + 2 * c.n_query_groups) * c.head_size
+    sharded = 2 * v * e + (qkv * e + qkv) + e * e + (f * e + f) + e * f
+    replicated = 3 * 2 * e + 2 * e
+    return 4 * (sharded + replicated), 4 * (sharded // tp_size + replicated)
+
+
 def _check_common(res: dict, output: str) -> None:
     assert len(res["losses"]) == 3 and all(math.isfinite(x) for x in res["losses"]), res["losses"]
     assert res["world_size"] == 2 and res["tp_size"] == 2
-    assert res["average_iter_time_ms"] > 0 and res["tokens_per_sec"] > 0
-    assert res["peak_memory_bytes"] > 0
-    assert res["saved_for_backward"]["bytes"] > 0
+    # the figures are those of the timed iterations (all but the warm-up one)
+    assert len(res["iter_times_ms"]) == 3 and res["tokens_per_iter"] == TOKENS, res
+    assert math.isclose(res["average_iter_time_ms"], sum(res["iter_times_ms"][1:]) / 2, rel_tol=1e-9), res
+    assert math.isclose(res["tokens_per_sec"], TOKENS * 1000 / res["average_iter_time_ms"], rel_tol=1e-9), res
+    full, per_rank = _pythia_param_bytes(2)
+    assert (res["param_bytes_full_model"], res["param_bytes_per_rank"]) == (full, per_rank), res
+    # max RSS of a process that holds its parameters; rank 0's figure is the first of the per-rank ones
+    assert res["peak_memory_bytes_per_rank"][0] == res["peak_memory_bytes"] > per_rank, res
+    assert len(res["peak_memory_bytes_per_rank"]) == 2 and min(res["peak_memory_bytes_per_rank"]) > per_rank, res
+    # saved for backward: activations plus forward inputs (parameters and batch), never more inputs than those
+    saved = res["saved_for_backward"]
+    assert 0 < saved["activation_bytes"] <= saved["bytes"] <= saved["activation_bytes"] + per_rank + 2 * TOKENS * 8, saved
     for line in ("Average iter time:", "Tokens/s:", "Collectives per iteration, forward:", "iter 2: loss"):
         assert line in output, output[-4000:]
 
@@ -67,15 +94,16 @@ def test_tp(tmp_path):
                             "--trace_dir", str(tmp_path / "traces"))
     _check_common(res, output)
     per_iter = res["collectives"]["per_iteration"]
-    assert per_iter["forward"]["count"] > 0 and per_iter["forward"]["bytes"] > 0
-    assert per_iter["backward"]["count"] > 0 and per_iter["backward"]["bytes"] > 0
-    # one block, TP: the activation all_reduces (b*s*h fp32 = 1*32*128*4 bytes) are there, in both passes
+    logits = TOKENS * 50304 * 4  # lm_head's vocab-sharded output gathered (padded vocab, fp32)
+    # forward: the embedding's, attn.proj's and mlp.proj's all_reduce, the logits' all_gather
+    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION},
+                                              "all_gather": {"count": 1, "bytes": logits}}, per_iter
+    # backward: the input grads of qkv, fc and lm_head (column-parallel: one all_reduce each)
+    assert per_iter["backward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION}}, per_iter
     for name in ("forward", "backward"):
-        rows = res["collectives"]["tables"][name]
-        assert any(r["kind"] == "all_reduce" and r["group_size"] == 2 and r["bytes_per_call"] == 32 * 128 * 4
-                   for r in rows), rows
-    # a TP-sharded model: a rank holds fewer parameter bytes than the full model
-    assert res["param_bytes_per_rank"] < 0.6 * res["param_bytes_full_model"], res
+        rows = [r for r in res["collectives"]["tables"][name] if r["kind"] == "all_reduce"]
+        assert rows == [{"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION, "count": 3,
+                         "total_bytes": 3 * ACTIVATION}], rows
     # --dump_thunder_traces: rank 0 printed the traces, every rank wrote its files
     assert "final forward trace" in output and "final backward trace" in output
     for r in (0, 1):
@@ -83,32 +111,61 @@ def test_tp(tmp_path):
             assert (tmp_path / "traces" / f"rank{r}_{name}").is_file(), name
 
 
+def _run(argv: list[str], json_path: str) -> str:
+    """The benchmark's run on this gloo rank of tests/dist.py (as under torchrun, minus the process-group set-up):
+    what it printed."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    bench = _benchmark_module("benchmark_litgpt")
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert bench.run(bench.parse_args([*TINY, *argv, "--json_path", json_path]), dist.get_rank(),
+                         dist.get_world_size(), torch.device("cpu")) == 0
+    return output.getvalue()
+
+
 def test_tp_sp_loss_parallel(tmp_path):
-    res, output = _torchrun(tmp_path, "--distributed_mode", "tp_sp", "--loss_parallel", "true")
+    """On the warm gloo ranks of tests/dist.py (no torchrun start-up; test_tp covers the command line)."""
+    from tests.dist import run_ranks
+
+    json_path = tmp_path / "results.json"
+    output = run_ranks(_run, 2, ["--distributed_mode", "tp_sp", "--loss_parallel", "true"], str(json_path))[0]
+    res = json.loads(json_path.read_text())
     _check_common(res, output)
     assert res["loss_parallel"] is True
-    for name in ("forward", "backward"):
-        kinds = res["collectives"]["per_iteration"][name]["by_kind"]
-        assert kinds.get("all_gather", {}).get("count", 0) > 0, kinds
-        assert kinds.get("reduce_scatter", {}).get("count", 0) > 0, kinds
+    # SP: into each TP region (qkv, fc after their sequence-sharded norms; lm_head after ln_f) an all_gather of the
+    # (1, 32, 128) activations, out of each (embedding, attn.proj, mlp.proj) a reduce_scatter; the backward swaps them.
+    # Loss parallel: the logits stay vocab-sharded, 3 all_reduces of per-token statistics (fp32, 32 tokens each).
+    # Backward: the grads of the replicated parameters used on sequence-sharded activations (the three LayerNorms'
+    # weight and bias, attn.proj's and mlp.proj's bias: 8 of n_embd fp32) are summed over the ranks
+    per_iter = res["collectives"]["per_iteration"]
+    sp = {"all_gather": {"count": 3, "bytes": 3 * ACTIVATION}, "reduce_scatter": {"count": 3, "bytes": 3 * ACTIVATION}}
+    assert per_iter["forward"]["by_kind"] == {**sp, "all_reduce": {"count": 3, "bytes": 3 * TOKENS * 4}}, per_iter
+    assert per_iter["backward"]["by_kind"] == {**sp, "all_reduce": {"count": 8, "bytes": 8 * 128 * 4}}, per_iter
 
 
-def test_simulate_dry_run(tmp_path):
-    """--simulate 2: the TP plan on 2 ranks simulated in one plain process (no torchrun)."""
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--distributed_mode", "tp", "--loss_parallel", "true", "--simulate", "2",
-           "--json_path", str(tmp_path / "results.json")]
-    env = _env()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-8000:]
+def test_simulate_dry_run(tmp_path, capsys):
+    """--simulate 2: the TP plan on 2 ranks simulated in one plain process (here, pytest's: it holds no process group)."""
+    bench = _benchmark_module("benchmark_litgpt")
+    argv = [*TINY, "--distributed_mode", "tp", "--loss_parallel", "true", "--simulate", "2",
+            "--json_path", str(tmp_path / "results.json")]
+    assert bench.main(argv) == 0
+    output = capsys.readouterr().out
     res = json.loads((tmp_path / "results.json").read_text())
     losses = list(res["losses"].values())
     assert len(losses) == 2 and losses[0] == losses[1] and math.isfinite(losses[0]), losses
     per_rank = list(res["param_bytes_per_rank"].values())
-    assert per_rank[0] == per_rank[1] < 0.6 * res["param_bytes_full_model"], res
-    # loss parallel, one block: 2 activation all_reduces + the embedding's + the loss's 3 statistics, no logits gather
-    kinds = res["collectives"]["per_iteration"]["forward"]["by_kind"]
-    assert kinds == {"all_reduce": {"count": 6, "bytes": kinds["all_reduce"]["bytes"]}}, kinds
+    full, tp_rank = _pythia_param_bytes(2)
+    assert per_rank == [tp_rank, tp_rank] and res["param_bytes_full_model"] == full, res
+    # loss parallel, one block: 2 activation all_reduces + the embedding's + the loss's 3 per-token statistics, no
+    # logits gather; backward: the input grads of qkv, fc and lm_head
+    per_iter = res["collectives"]["per_iteration"]
+    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 6, "bytes": 3 * ACTIVATION + 3 * TOKENS * 4}}, per_iter
+    assert per_iter["backward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION}}, per_iter
     assert "rank 1: loss" in output and "Collectives per rank and iteration, backward" in output
 
 
@@ -121,18 +178,18 @@ def _train(argv: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    bench = _bench_module()
+    bench, harness, setup = (_benchmark_module(n) for n in ("benchmark_litgpt", "harness", "litgpt_setup"))
     args = bench.parse_args([*TINY, *argv])
     world = dist.get_world_size()
-    groups = bench.make_groups(args.tp_size or world)
+    groups = setup.make_groups(args.tp_size or world)
     config, model, jm = bench.build(args, groups, torch.device("cpu"))
     losses, _ = bench.train(args, groups, torch.device("cpu"), jm, config.padded_vocab_size)
     return {
         "losses": losses,
         "tp_rank": groups.tp_rank,
         "dtype": str(next(jm.parameters()).dtype),
-        "saved": bench.saved_for_backward(thunder.last_traces(jm)[-1]),
-        "collectives": bench.collectives_per_iteration(jm)["per_iteration"],
+        "saved": harness.saved_for_backward(thunder.last_traces(jm)[-1]),
+        "collectives": harness.collectives_per_iteration(jm)["per_iteration"],
         "checksum": sum(p.double().sum().item() for p in jm.parameters()),
         "param_bytes": sum(p.numel() * p.element_size() for p in jm.parameters()),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -172,7 +229,8 @@ def test_bf16_and_2d_modes():
         assert ranks[0]["losses"] == ranks[1]["losses"] != ranks[2]["losses"]  # dp ranks see different batches
         if mode == "tp_ddp":  # the same TP shard on both dp ranks after the steps: grads were averaged over dp
             assert math.isclose(ranks[0]["checksum"], ranks[2]["checksum"], rel_tol=1e-6), ranks
-    assert ranks[0]["param_bytes"] < 0.3 * ranks[0]["full_param_bytes"], ranks[0]
+    full, tp_rank = _pythia_param_bytes(2)
+    assert ranks[0]["full_param_bytes"] == full and ranks[0]["param_bytes"] == tp_rank // 2, ranks[0]  # FSDP halves it
 
 
 def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
@@ -193,19 +251,18 @@ def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
 # --- option parsing (no processes) ------------------------------------------------------------------------
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("benchmark_litgpt", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+def _benchmark_module(name: str):
+    """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
+    return importlib.import_module(name)
 
 
 def test_options():
-    bench = _bench_module()
+    bench, setup = _benchmark_module("benchmark_litgpt"), _benchmark_module("litgpt_setup")
     args = bench.parse_args(["--distributed_mode", "tp", "--dump_thunder_traces", "true", "--loss_parallel", "False"])
     assert args.dump_thunder_traces is True and args.loss_parallel is False and args.compile == "thunder"
-    assert set(bench.MODES) >= {"none", "tp", "tp_sp"}
+    assert set(setup.MODES) >= {"none", "tp", "tp_sp"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--dump_thunder_traces", "maybe"])
     with pytest.raises(SystemExit):  # eager has no TP
@@ -217,6 +274,6 @@ def test_options():
     with pytest.raises(SystemExit):  # --simulate simulates a TP plan
         bench.parse_args(["--simulate", "2"])
     args = bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "8"])
-    assert bench.accumulation_steps(args, dp_size=2) == 2
+    assert setup.accumulation_steps(args, dp_size=2) == 2
     with pytest.raises(SystemExit, match="multiple"):
-        bench.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
+        setup.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)

@@ -1,49 +1,190 @@
-"""Smoke test of benchmarks/compare.py: every mode runs under torchrun on a tiny config and matches single device."""
+"""Smoke test of benchmarks/compare.py: every mode runs under torchrun on a tiny config, its every gradient gated
+against single device; the gate fails on one wrong shard."""
 
+import importlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
-from tests.dist import REPO_ROOT, free_port
+import pytest
+import torch
 
-TINY = ["--dim", "32", "--n_layers", "1", "--n_heads", "4", "--n_kv_heads", "2", "--vocab", "64", "--ffn_hidden", "64",
-        "--batch", "2", "--seq", "8", "--steps", "2", "--warmup", "1", "--scaling_layers", "1,2", "--scaling_repeats", "1",
-        "--fresh_inductor_cache", "0"]
+from tests.dist import REPO_ROOT, free_port, run_ranks
+
+BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
+DIMS = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab": 64, "ffn_hidden": 64}
+BATCH, SEQ = 2, 8
+TINY = [*(x for k, v in DIMS.items() for x in (f"--{k}", str(v))), "--batch", str(BATCH), "--seq", str(SEQ),
+        "--steps", "2", "--warmup", "1", "--fresh_inductor_cache", "0"]
+EVERY_MODE = {
+    "single_eager", "single_thunder", "single_thunder_defaults", "thunder_tp_tp", "thunder_tp_sp", "thunder_tp_tp_lp",
+    "dtensor_tp_lp", "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
+    "litgpt_single_thunder", "litgpt_thunder_tp_tp", "litgpt_thunder_tp_sp",
+}
+#: modes that compile with Inductor by default (the slow-marked test)
+INDUCTOR_MODES = ("thunder_tp_tp", "dtensor_tp_compile")
+#: a bound for a run on a loaded machine (minutes on 2 shared cores); a hung rank fails earlier, after compare.py's
+#: process-group --timeout
+TIMEOUT_S = 1500
+
+pytest.importorskip("litgpt")
+
+
+def _compare(tmp_path, *args: str) -> tuple[dict, str]:
+    """Run compare.py on 2 ranks under torchrun; its JSON report and stdout."""
+    json_path = tmp_path / "compare.json"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(BENCHMARKS, "compare.py"), *TINY, "--json_path", str(json_path), *args]
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)  # this checkout's thunder_tp
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    # its own session: on a timeout the ranks go too, not only torchrun (orphaned ranks would load the machine)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"compare.py did not finish within {TIMEOUT_S} s\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    finally:
+        if proc.poll() is None:  # interrupted
+            os.killpg(proc.pid, signal.SIGKILL)
+    # a failing rank's error: the first rank traceback (head) and torchrun's root-cause summary (tail, via @record)
+    first = stderr.find("Traceback")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\n{stdout[-3000:]}\n--- first traceback ---\n"
+                                  f"{stderr[max(first, 0):][:6000]}\n--- end ---\n{stderr[-6000:]}")
+    return json.loads(json_path.read_text()), stdout
+
+
+def _check_modes(modes: dict) -> None:
+    """Every mode checked, matched single device on its every gradient and both losses, and was timed."""
+    for name, r in modes.items():
+        if "skipped" in r:  # only torch.compile may be skipped, with its reason
+            assert name == "dtensor_tp_compile" and r["skipped"].startswith("torch.compile failed"), (name, r)
+            continue
+        assert r["loss_ok"], (name, r)
+        assert 0 <= r["grad_error"] <= 1e-4, (name, r["grad_error"])  # every gradient gathered and checked
+        reference = r["reference_losses"][0]
+        assert math.isclose(r["loss_step1"], reference, rel_tol=1e-4), (name, r["loss_step1"], reference)
+        assert len(r["times_s"]) == 2 and 0 < r["min_s"] <= r["median_s"] <= r["max_s"], (name, r)
+
+
+def _llama_param_bytes(tp: int) -> int:
+    """fp32 bytes of the Llama's parameters on one of ``tp`` ranks: every linear and the embedding sharded (q: all
+    heads; k, v: the K/V heads), the three RMSNorm weights replicated."""
+    d, f, v = DIMS["dim"], DIMS["ffn_hidden"], DIMS["vocab"]
+    kv = DIMS["n_kv_heads"] * d // DIMS["n_heads"]
+    sharded = 2 * v * d + 2 * d * d + 2 * kv * d + 3 * f * d
+    return 4 * (sharded // tp + 3 * d)
 
 
 def test_compare_runs_every_mode(tmp_path):
-    json_path, png_path = tmp_path / "compare.json", tmp_path / "compare.png"
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(REPO_ROOT, "benchmarks", "compare.py"), *TINY,
-           "--json_path", str(json_path), "--png_path", str(png_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}"
-
-    report = json.loads(json_path.read_text())
+    """Every mode but torch.compile's (that one in the slow test), the thunder modes on Thunder's default executors:
+    no Inductor compile at all; the report and the plot."""
+    png_path = tmp_path / "compare.png"
+    report, stdout = _compare(tmp_path, "--executors", "thunder_default", "--skip", "dtensor_tp_compile",
+                              "--scaling_layers", "1,2", "--scaling_repeats", "1", "--png_path", str(png_path))
     modes = report["modes"]
-    expected = {
-        "single_eager", "single_thunder", "single_thunder_defaults", "thunder_tp_tp", "thunder_tp_sp", "thunder_tp_tp_lp",
-        "dtensor_tp_lp",
-        "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
-        "litgpt_single_thunder", "litgpt_thunder_tp_tp", "litgpt_thunder_tp_sp",
-    }
-    assert set(modes) == expected, sorted(modes)
-    for name, r in modes.items():
-        if "skipped" in r:  # only torch.compile may be skipped, with its reason
-            assert name == "dtensor_tp_compile" and r["skipped"], (name, r)
-            continue
-        assert r["loss_ok"], (name, r)
-        reference = r["reference_losses"][0]
-        assert math.isclose(r["loss_step1"], reference, rel_tol=1e-4), (name, r["loss_step1"], reference)
-        assert r["median_s"] > 0 and len(r["times_s"]) == 2, (name, r)
+    assert set(modes) == EVERY_MODE - {"dtensor_tp_compile"}, sorted(modes)
+    _check_modes(modes)
     # the same model gives the same first-step loss in every Llama mode
     llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith("litgpt") and "loss_step1" in r}
     assert max(llama) - min(llama) <= 1e-4 * max(llama), llama
-    assert report["modes"]["thunder_tp_tp"]["comm_backward_trace"]["counts"] == {"all_reduce": 3}  # 2 per block + lm_head
-    assert set(report["transform_scaling"]) == {"1", "2"}
+    # Megatron's minimum: 2 all_reduce per block + the embedding's (forward) / lm_head's (backward), the logits gathered
+    for name in ("thunder_tp_tp", "dtensor_tp"):
+        r = modes[name]
+        forward, backward = (r.get(f"comm_{p}_trace") or r[f"comm_{p}"] for p in ("forward", "backward"))
+        assert forward["counts"] == {"all_reduce": 3, "all_gather": 1}, (name, forward)
+        assert backward["counts"] == {"all_reduce": 3}, (name, backward)
+    # parameters: single device holds the whole model, a TP rank its shards (DTensor's and thunder_tp's alike)
+    for name, r in modes.items():
+        if "param_bytes" in r and not name.startswith("litgpt"):
+            assert r["param_bytes"] == _llama_param_bytes(r["ranks"]), (name, r["param_bytes"])
+    assert set(report["transform_scaling"]) == {"1", "2"} and "transform_s_per_layer" in report["targets"]
     assert png_path.stat().st_size > 0
-    assert "| thunder_tp_tp |" in proc.stdout
+    assert "| thunder_tp_tp |" in stdout and "| dtensor_sp |" in stdout
+
+
+@pytest.mark.slow
+def test_compare_with_inductor(tmp_path):
+    """The Inductor-compiled runs: the default executors (thunder_tp.executors(): Inductor fusions) on the headline TP
+    mode, and DTensor under torch.compile. Slow-marked: Inductor compiles on 2 cores take minutes; the fusion executor
+    under TP is tested in tests/test_tp_executor.py and run by the main-job smoke of .ci/run."""
+    report, _ = _compare(tmp_path, "--modes", ",".join(INDUCTOR_MODES), "--scaling_layers", "")
+    assert set(report["modes"]) == set(INDUCTOR_MODES)
+    _check_modes(report["modes"])
+    assert report["modes"]["thunder_tp_tp"]["description"] == "thunder_tp TP"
+    assert report["transform_scaling"] == {}
+
+
+# --- the gradient gate ----------------------------------------------------------------------------------------
+
+
+def _benchmark_module(name: str):
+    """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    return importlib.import_module(name)
+
+
+def test_gradient_gate_fails_on_one_wrong_entry():
+    """One entry of one gradient off by 1e-3 of the largest: the gate names the mode and the parameter."""
+    gate = _benchmark_module("gate")
+    torch.manual_seed(0)
+    reference = {"model.w1.weight": torch.randn(8, 4, dtype=torch.float64), "model.norm.weight": torch.randn(4, dtype=torch.float64)}
+    grads = {name: g.float() for name, g in reference.items()}
+    assert gate.check_gradients("thunder_tp_tp", grads, reference, rtol=1e-4) < 1e-6  # fp32 rounding passes
+    wrong = grads["model.w1.weight"].clone()
+    wrong[5, 2] += 1e-3 * reference["model.w1.weight"].abs().max().item()
+    with pytest.raises(gate.GradientMismatch, match=r"thunder_tp_tp: gradient of 'model.w1.weight'"):
+        gate.check_gradients("thunder_tp_tp", {**grads, "model.w1.weight": wrong}, reference, rtol=1e-4)
+    with pytest.raises(gate.GradientMismatch, match="model.norm.weight"):  # a parameter missing
+        gate.check_gradients("dtensor_tp", {"model.w1.weight": grads["model.w1.weight"]}, reference, rtol=1e-4)
+    with pytest.raises(gate.GradientMismatch, match="shape"):  # a shard not gathered
+        gate.check_gradients("dtensor_tp", {**grads, "model.w1.weight": grads["model.w1.weight"][:4]}, reference, 1e-4)
+
+
+WRONG = "model.layers.0.attention.wq.weight"  # column-parallel in every TP mode: each rank holds half of its rows
+
+
+def _gate_with_one_wrong_shard(mode_names: list[str]) -> dict:
+    """Per mode: the gate's error after one training step, then its message once rank 1's shard of one gradient
+    is off in one entry (gathered, every rank sees it)."""
+    from torch.distributed.tensor import DTensor
+
+    compare, compare_modes, gate, harness, llama = (
+        _benchmark_module(n) for n in ("compare", "compare_modes", "gate", "harness", "llama"))
+    cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
+    idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
+    model = compare_modes.make_model("llama", cfg, 0)
+    reference = compare.reference_run("llama", cfg, model.state_dict(), idx, targets, lr=1e-2)["grads"]
+    modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
+    out = {}
+    for name in mode_names:
+        jm = modes[name].build(compare_modes.make_model("llama", cfg, 0))
+        harness.train_step(jm, torch.optim.SGD(jm.parameters(), lr=1e-2), idx, targets)
+        error = gate.check_gradients(name, gate.full_grads(jm), reference, rtol=1e-4)
+        grad = dict(jm.named_parameters())[WRONG].grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        assert local.shape[0] == reference[WRONG].shape[0] // 2, local.shape  # a shard
+        if torch.distributed.get_rank() == 1:
+            local[0, 0] += 1e-3 * reference[WRONG].abs().max()
+        try:
+            gate.check_gradients(name, gate.full_grads(jm), reference, rtol=1e-4)
+            message = None
+        except gate.GradientMismatch as e:
+            message = str(e)
+        out[name] = {"error": error, "message": message}
+    return out
+
+
+def test_gradient_gate_fails_on_one_wrong_shard():
+    """thunder_tp and DTensor TP on 2 ranks: correct gradients pass the gate, one rank's wrong shard fails it."""
+    for rank in run_ranks(_gate_with_one_wrong_shard, 2, ["thunder_tp_tp", "dtensor_tp"]):
+        for name, r in rank.items():
+            assert r["error"] <= 1e-5, (name, r)
+            assert r["message"] is not None and r["message"].startswith(f"{name}: gradient of {WRONG!r}"), (name, r)

@@ -1,5 +1,7 @@
 """thunder_tp.dump_traces / collectives_table on the TP MLP (2 ranks)."""
 
+import re
+
 import thunder
 import torch
 
@@ -10,6 +12,14 @@ from tests.tp_checks import FAST_EXECUTORS
 
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
 ALL_REDUCE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
+# the MLP's one collective per pass: the row-parallel output's all_reduce (forward), the input grad's (backward)
+ALL_REDUCE_ROW = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
+                  "total_bytes": ACTIVATION_BYTES}
+
+
+def _functions(text: str) -> list[str]:
+    """Names of the top-level functions a printed trace defines."""
+    return re.findall(r"^def (\w+)\(", text, re.MULTILINE)
 
 
 def _jitted_mlp():
@@ -29,6 +39,7 @@ def _dump(directory: str, grad: bool) -> dict:
     paths = thunder_tp.dump_traces(jm, directory)
     backward = thunder.last_backward_traces(jm)
     return {
+        "traces": {"forward": str(thunder.last_traces(jm)[-1]), "backward": str(backward[-1]) if backward else None},
         "rank": dist.get_rank(),
         "paths": [str(p) for p in paths],
         "texts": {p.name: p.read_text() for p in paths},
@@ -45,25 +56,23 @@ def test_dump_traces_and_collectives_table(tmp_path):
         assert set(res["texts"]) == names
         assert all((tmp_path / "traces" / n).is_file() for n in names)
 
-        assert res["forward"] == [
-            {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
-             "total_bytes": ACTIVATION_BYTES}
-        ]
-        assert res["backward"] == [
-            {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
-             "total_bytes": ACTIVATION_BYTES}
-        ]
+        assert res["forward"] == [ALL_REDUCE_ROW]
+        assert res["backward"] == [ALL_REDUCE_ROW]
 
         forward = res["texts"][f"rank{r}_forward.py"]
         # the printed trace itself, each collective on one line, and a header naming its group size
-        assert "def computation(" in forward or "def " in forward
+        assert forward.endswith("\n" + res["traces"]["forward"] + "\n"), forward[-2000:]
+        assert _functions(forward) == ["computation"], forward
         assert sum(f"{ALL_REDUCE}(" in line for line in forward.splitlines() if not line.startswith("#")) == 1
         header = [line for line in forward.splitlines() if line.startswith("#   ") and ALL_REDUCE in line]
         assert len(header) == 1 and "all_reduce over" in header[0] and "group size 2" in header[0], forward[:2000]
         assert f"{ACTIVATION_BYTES} bytes" in header[0], header
         assert "global ranks [0, 1]" in forward
         compile(forward, "forward", "exec")  # the header keeps it a Python file
-        assert f"{ALL_REDUCE}(" in res["texts"][f"rank{r}_backward.py"]
+        backward = res["texts"][f"rank{r}_backward.py"]
+        assert backward.endswith("\n" + res["traces"]["backward"] + "\n"), backward[-2000:]
+        assert _functions(backward) == ["backward_fn"], backward
+        assert sum(f"{ALL_REDUCE}(" in line for line in backward.splitlines() if not line.startswith("#")) == 1
 
         table = res["texts"][f"rank{r}_collectives.md"]
         assert "| pass | kind | group size | bytes per call | count | total bytes |" in table
@@ -76,7 +85,9 @@ def test_dump_traces_without_backward(tmp_path):
     for r, res in enumerate(results):
         assert set(res["texts"]) == {f"rank{r}_forward.py", f"rank{r}_collectives.md"}
         assert res["backward"] == []
-        assert res["forward"][0]["kind"] == "all_reduce" and res["forward"][0]["count"] == 1
+        assert res["forward"] == [ALL_REDUCE_ROW]
+        assert not (tmp_path / f"rank{r}_backward.py").exists()
+        assert _functions(res["texts"][f"rank{r}_forward.py"]) == ["computation"]
         assert "| backward" not in res["texts"][f"rank{r}_collectives.md"]
 
 
@@ -96,8 +107,6 @@ def _unlowered_tables(executors_name: str) -> dict:
 def test_table_of_thunder_tp_symbols_without_comm_executor():
     # comm executor not listed: thunder_tp's symbols stay in the final traces (no torchex lowering) and count too
     res = run_ranks(_unlowered_tables, 2, "defaults")[0]
-    row = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
-           "total_bytes": ACTIVATION_BYTES}
     assert "tp_reduce_from_tp" in res["symbols"] and ALL_REDUCE not in res["symbols"], res
-    assert res["forward"] == [row], res
-    assert res["backward"] == [row], res
+    assert res["forward"] == [ALL_REDUCE_ROW], res
+    assert res["backward"] == [ALL_REDUCE_ROW], res

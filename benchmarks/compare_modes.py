@@ -1,0 +1,165 @@
+"""The modes ``compare.py`` runs side by side: single device, thunder_tp and PyTorch DTensor TP (its plans for
+the Llama), each a function that turns the model into the module to train."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from harness import EXECUTORS, seeded_model
+from llama import Llama, LlamaConfig, WithLoss, litgpt_config, thunder_tp_plan
+
+
+def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
+    """DTensor plan for ``Llama``: 'default' (per-linear), 'best' (shared inputs) or 'sp' (torchtitan's);
+    loss_parallel leaves the logits a vocab-sharded DTensor (for ``torch.distributed.tensor.parallel.loss_parallel``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    sp = kind == "sp"
+    act = Shard(1) if sp else Replicate()
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
+        if loss_parallel else ColwiseParallel(input_layouts=act, output_layouts=Replicate()),
+    }
+    if sp:
+        plan["norm"] = SequenceParallel()
+    blk = "layers.*."
+    for w in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        plan[blk + w] = ColwiseParallel()
+    plan[blk + "attention.wo"] = RowwiseParallel(output_layouts=act)
+    plan[blk + "feed_forward.w2"] = RowwiseParallel(output_layouts=act)
+    if kind != "default":
+        # the module input becomes one Replicate DTensor shared by q/k/v (w1/w3): their Partial grads are summed
+        # as DTensors and all-reduced once (the default plan all-reduces each linear's input grad separately)
+        plan[blk + "attention"] = PrepareModuleInput(
+            input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=False)
+        plan[blk + "feed_forward"] = PrepareModuleInput(
+            input_layouts=(act,), desired_input_layouts=(Replicate(),), use_local_output=False)
+    if sp:
+        plan[blk + "attention_norm"] = SequenceParallel()
+        plan[blk + "ffn_norm"] = SequenceParallel()
+    return plan
+
+
+
+
+# --- modes ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Mode:
+    name: str
+    family: str  # "llama" or "litgpt"
+    ranks: int  # 1: runs on rank 0 only
+    runtime: str  # "eager", "thunder", "compile"
+    build: Callable[[nn.Module], nn.Module]
+    description: str
+
+
+def _thunder_single(executors_fn):
+    def build(model):
+        import thunder
+
+        return thunder.jit(model, executors=executors_fn())
+
+    return build
+
+
+def _thunder_tp(plan_fn, executors_fn):
+    def build(model):
+        import thunder
+        import thunder_tp
+
+        return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan_fn(model))], executors=executors_fn())
+
+    return build
+
+
+def _dtensor(kind: str, compile: bool = False, loss_parallel: bool = False):
+    def build(model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        parallelize_module(model.model, mesh, dtensor_plan(kind, loss_parallel))
+        if loss_parallel:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            def replicated_targets(_module, args):
+                idx, targets = args
+                return idx, DTensor.from_local(targets, mesh, [Replicate()])
+
+            model.register_forward_pre_hook(replicated_targets)
+            model.step_context = loss_parallel_context  # forward and backward of the loss run inside it
+        return torch.compile(model) if compile else model
+
+    return build
+
+
+def all_modes(executors: str = "thunder") -> list[Mode]:
+    """Every mode; ``executors`` (a key of ``harness.EXECUTORS``) is what the thunder modes (but
+    single_thunder_defaults) run with."""
+    import thunder
+    import thunder_tp
+
+    chosen = EXECUTORS[executors]
+    name = "thunder_tp.executors()" if executors == "thunder" else "Thunder's default executors + thunder_tp's comm executor"
+
+    def litgpt_plan(sp):
+        return lambda model: thunder_tp.plans.litgpt(model, sequence_parallel=sp)
+
+    return [
+        Mode("single_eager", "llama", 1, "eager", lambda m: m, "1 rank, eager PyTorch"),
+        Mode("single_thunder", "llama", 1, "thunder", _thunder_single(chosen), f"1 rank, thunder.jit, executors={name}"),
+        Mode("single_thunder_defaults", "llama", 1, "thunder", _thunder_single(thunder.get_default_executors),
+             "1 rank, thunder.jit, Thunder's default executors"),
+        Mode("thunder_tp_tp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False), chosen), "thunder_tp TP"),
+        Mode("thunder_tp_sp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True), chosen),
+             "thunder_tp TP+SP"),
+        Mode("thunder_tp_tp_lp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False, True), chosen),
+             "thunder_tp TP, loss parallel (logits stay vocab-sharded; compare with dtensor_tp_lp)"),
+        Mode("dtensor_tp_lp", "llama", 0, "eager", _dtensor("best", loss_parallel=True),
+             "DTensor TP, best eager plan, loss parallel (torch's loss_parallel(); compare with thunder_tp_tp_lp)"),
+        Mode("dtensor_tp_default", "llama", 0, "eager", _dtensor("default"),
+             "DTensor TP, default plan (Colwise/Rowwise per linear)"),
+        Mode("dtensor_tp", "llama", 0, "eager", _dtensor("best"),
+             "DTensor TP, best eager plan (+PrepareModuleInput per attention/MLP)"),
+        Mode("dtensor_sp", "llama", 0, "eager", _dtensor("sp"), "DTensor TP+SP (torchtitan's plan)"),
+        Mode("dtensor_tp_compile", "llama", 0, "compile", _dtensor("best", compile=True),
+             "DTensor TP, best plan, torch.compile"),
+        Mode("litgpt_single_thunder", "litgpt", 1, "thunder", _thunder_single(chosen),
+             f"litgpt GPT, 1 rank, thunder.jit, {name}"),
+        Mode("litgpt_thunder_tp_tp", "litgpt", 0, "thunder", _thunder_tp(litgpt_plan(False), chosen),
+             "litgpt GPT, thunder_tp TP (plans.litgpt)"),
+        Mode("litgpt_thunder_tp_sp", "litgpt", 0, "thunder", _thunder_tp(litgpt_plan(True), chosen),
+             "litgpt GPT, thunder_tp TP+SP (plans.litgpt)"),
+    ]
+
+
+def select_modes(modes: list[Mode], wanted: str, skip: str) -> list[Mode]:
+    """The modes named in ``wanted`` ('all' or comma-separated) but not in ``skip``; unknown names are an error."""
+    names = {m.name for m in modes} if wanted == "all" else set(wanted.split(","))
+    names -= set(skip.split(","))
+    unknown = names - {m.name for m in modes}
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; known: {[m.name for m in modes]}")
+    return [m for m in modes if m.name in names]
+
+
+def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
+    """The model of a mode family with its loss: the Llama, or litgpt's GPT of the same dims."""
+    if family == "litgpt":
+        from thunder_tp.plans.litgpt import GPTWithLoss
+
+        return seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)
+    return seeded_model(lambda: WithLoss(Llama(cfg)), seed)

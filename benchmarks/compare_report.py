@@ -1,0 +1,178 @@
+"""The side-by-side report of ``compare.py``: the markdown table, the targets, the JSON and the plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+import torch
+
+from harness import write_json
+
+def _mb(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def _comm_cell(r: dict) -> str:
+    f, b = r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
+    if f is None or b is None:
+        return "-"
+
+    def short(c):
+        abbrev = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+        return " ".join(f"{n}{abbrev.get(k, k)}" for k, n in sorted(c["counts"].items())) or "0"
+
+    return f"{short(f)} / {short(b)}"
+
+
+def comm_bytes(r: dict) -> int | None:
+    """Bytes a mode's collectives move per step (forward + backward), from its traces or else counted at runtime."""
+    f, b = r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
+    return None if f is None or b is None else f["bytes"] + b["bytes"]
+
+
+def baseline_for(name: str) -> str:
+    """The 1-rank run a mode's speed-up is measured against: same model family and runtime."""
+    if name.startswith("litgpt"):
+        return "litgpt_single_thunder"
+    if name.startswith(("thunder_tp", "single_thunder")):
+        return "single_thunder"
+    return "single_eager"
+
+
+def _saved_cell(r: dict) -> str:
+    if r.get("runtime") == "thunder" and r.get("saved_bytes_hooks") is not None:
+        return f"{_mb(r.get('saved_bytes'))} ({_mb(r['saved_bytes_hooks'])})"
+    return _mb(r.get("saved_bytes"))
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown_table(results: dict) -> str:
+    """One row per mode: step times, speed-ups, memory, fusion regions and collectives, or why it was not timed."""
+    ref = results.get("dtensor_tp", {}).get("median_s")
+    lines = [
+        "| mode | ranks | step median (ms) | min–max (ms) | tokens/s | × DTensor TP | speed-up vs 1 rank "
+        "| parallel eff. | first iter (s) | params/rank (MB) | saved for bwd (MB) | peak step mem (MB) "
+        "| fusion regions fwd / bwd | collectives fwd / bwd | comm/step (MB) | loss ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for name, r in results.items():
+        first = _fmt(r.get("first_iter_s"), ".1f")
+        if "median_s" not in r:
+            reason = r.get("error") or r.get("skipped") or "not run"
+            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – | {reason} |")
+            continue
+        base = results.get(baseline_for(name), {}).get("median_s")
+        speedup = base / r["median_s"] if base else None
+        cells = [
+            name, str(r["ranks"]), f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
+            f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(speedup, ".2f"),
+            _fmt(speedup / r["ranks"] if speedup else None, ".2f"), first, _mb(r.get("param_bytes")), _saved_cell(r),
+            _mb(r.get("peak_step_bytes")), " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
+            _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, scaling: dict, path: str) -> None:
+    """Step time and communication per mode (and the TP pass's time vs depth) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = {n: r for n, r in results.items() if "median_s" in r}
+    names = list(timed)
+    fig, axes = plt.subplots(1, 3 if scaling else 2, figsize=(18 if scaling else 13, 5.5))
+    ax = axes[0]
+    med = [timed[n]["median_s"] * 1e3 for n in names]
+    err = [[m - timed[n]["min_s"] * 1e3 for n, m in zip(names, med)], [timed[n]["max_s"] * 1e3 - m for n, m in zip(names, med)]]
+    colors = ["tab:gray" if timed[n]["ranks"] == 1 else "tab:blue" if "thunder_tp" in n else "tab:orange" for n in names]
+    ax.barh(names, med, xerr=err, color=colors)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time, ms (median, min–max)")
+    ax.set_title("Training step (fwd + CE + bwd + SGD)")
+    ax = axes[1]
+    comm = [(comm_bytes(timed[n]) or 0) / 2**20 for n in names]
+    ax.barh(names, comm, color=colors)
+    for i, n in enumerate(names):
+        ax.text(comm[i], i, " " + _comm_cell(timed[n]), va="center", fontsize=7)
+    ax.invert_yaxis()
+    ax.set_yticklabels([])
+    ax.set_xlabel("communication per step, MB (collectives fwd / bwd)")
+    ax.set_title("Communication")
+    if scaling:
+        ax = axes[2]
+        depths = sorted(int(k) for k in scaling)
+        ax.plot(depths, [scaling[d]["transform_s"] * 1e3 for d in depths], "o-")
+        ax.set_xlabel("n_layers")
+        ax.set_ylabel("TensorParallel pass, ms")
+        ax.set_title("TP transform time vs depth")
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary_line(r: dict) -> str:
+    """One mode's result in a line (the progress log)."""
+    if "median_s" not in r:
+        return r.get("error") or r.get("skipped") or "not run"
+    return (f"median {r['median_s'] * 1e3:.0f} ms (min {r['min_s'] * 1e3:.0f}, max {r['max_s'] * 1e3:.0f}), "
+            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cell(r)}")
+
+
+def targets_summary(results: dict, scaling: dict, world: int) -> dict:
+    """The issue's targets, measured."""
+    out: dict = {}
+    tp, dt, single = (results.get(n, {}) for n in ("thunder_tp_tp", "dtensor_tp", "single_thunder"))
+    if "median_s" in tp and "median_s" in dt:
+        out["tp_vs_dtensor"] = {"ratio": tp["median_s"] / dt["median_s"], "target": 0.85}
+    if "median_s" in tp and "median_s" in single:
+        out["parallel_efficiency"] = {"value": single["median_s"] / (world * tp["median_s"]), "target": 0.9}
+    lp, dt_lp = (results.get(n, {}) for n in ("thunder_tp_tp_lp", "dtensor_tp_lp"))
+    if "median_s" in lp and "median_s" in dt_lp:
+        out["tp_vs_dtensor_loss_parallel"] = {"ratio": lp["median_s"] / dt_lp["median_s"], "target": 0.85}
+    if "median_s" in lp and "median_s" in single:
+        out["parallel_efficiency_loss_parallel"] = {"value": single["median_s"] / (world * lp["median_s"]),
+                                                    "target": 0.9}
+    if "first_iter_s" in tp and "first_iter_s" in single:
+        out["first_iter_vs_thunder_jit"] = {"ratio": tp["first_iter_s"] / single["first_iter_s"], "target": 1.3}
+    if "comm_forward_trace" in tp:
+        out["thunder_tp_tp_collectives"] = {"forward": tp["comm_forward_trace"]["counts"],
+                                            "backward": tp["comm_backward_trace"]["counts"]}
+    if len(scaling) >= 2:
+        depths = sorted(scaling)
+        out["transform_s_per_layer"] = {d: scaling[d]["transform_s"] / d for d in depths}
+    return out
+
+
+def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
+    """Print the run's header, the table, the transform times and the targets; write the JSON and the plot."""
+    table = markdown_table(results)
+    print()
+    print(f"Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
+          f"vocab={cfg.vocab}, batch={args.batch} seq={args.seq}; {world} ranks x {torch.get_num_threads()} thread, "
+          f"{'NCCL' if torch.cuda.is_available() else 'gloo'}; median of {args.steps} steps after {args.warmup} warm-up")
+    print()
+    print(table)
+    if scaling:
+        print()
+        print("| n_layers | TP transform (ms) | per layer (ms) | logical trace bsyms |")
+        print("|---:|---:|---:|---:|")
+        for d in sorted(scaling):
+            s = scaling[d]
+            print(f"| {d} | {s['transform_s'] * 1e3:.0f} | {s['transform_s'] * 1e3 / d:.1f} | {s['trace_bsyms']} |")
+    summary = targets_summary(results, scaling, world)
+    print()
+    print(json.dumps(summary, indent=1))
+    if args.json_path:
+        write_json(args.json_path, {"command": " ".join(sys.argv), "config": asdict(cfg), "batch": args.batch,
+                                    "seq": args.seq, "world_size": world, "steps": args.steps, "warmup": args.warmup,
+                                    "modes": results, "transform_scaling": scaling, "targets": summary, "table": table})
+    if args.png_path:
+        plot(results, scaling, args.png_path)

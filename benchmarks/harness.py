@@ -1,0 +1,284 @@
+"""What the benchmarks share: process group and device, seeded models and batches, the training step, timing,
+bytes (parameters, saved for backward, collectives, memory) and the JSON report.
+
+Used by ``benchmark_litgpt.py`` and ``compare.py`` (imported as a sibling module: run them as scripts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# --- process group and device -------------------------------------------------------------------------------
+
+
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.device]:
+    """Join the default process group (NCCL + cuda:LOCAL_RANK on CUDA, gloo on CPU); a single process works too."""
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # one GPU per rank, or none at all: every rank decides the same way (NCCL can't share a GPU between ranks)
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        if torch.cuda.is_available() and local_rank == 0:
+            print(f"note: {torch.cuda.device_count()} GPU(s) for {local_world} ranks per node: running on CPU (gloo)")
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def log(rank: int, *msg: Any) -> None:
+    """Print on rank 0 only."""
+    if rank == 0:
+        print(*msg, flush=True)
+
+
+def thunder_tp_executors() -> list:
+    """thunder_tp's executors (its fusion executor: nvFuser on CUDA when installed, Inductor otherwise)."""
+    import thunder_tp
+
+    return thunder_tp.executors()
+
+
+def thunder_default_executors() -> list:
+    """Thunder's default executors behind thunder_tp's comm executor (no fusion executor of thunder_tp's)."""
+    import thunder
+    from thunder_tp.collectives import comm_executor
+
+    return [comm_executor, *thunder.get_default_executors()]
+
+
+#: --compile -> the executors list for thunder.jit
+EXECUTORS: dict[str, Callable[[], list]] = {"thunder": thunder_tp_executors, "thunder_default": thunder_default_executors}
+
+# --- models and batches ---------------------------------------------------------------------------------------
+
+
+def seeded_model(make: Callable[[], nn.Module], seed: int, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> nn.Module:
+    """``make()`` after ``torch.manual_seed(seed)`` (the same weights on every rank), on ``device``, in ``dtype``."""
+    torch.manual_seed(seed)
+    with device if device is not None else contextlib.nullcontext():
+        model = make()
+    return model.to(dtype) if dtype is not None else model
+
+
+def random_batch(rows: int, seq: int, vocab: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens in [0, vocab) as (idx, targets) of shape (rows, seq), targets the next token of idx."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    return data[:, :-1].to(device), data[:, 1:].to(device)
+
+
+def step_context(model: nn.Module):
+    """What a model's forward and backward must run inside (its ``step_context``, e.g. DTensor's loss_parallel)."""
+    return getattr(model, "step_context", contextlib.nullcontext)()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor,
+               micro_batch_size: int | None = None) -> torch.Tensor:
+    """Forward with the loss, backward and an optimizer step; the (detached) loss of the batch.
+
+    With ``micro_batch_size`` the batch runs in micro-batches of that many rows whose gradients accumulate.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    rows = micro_batch_size or idx.shape[0]
+    pieces = list(zip(idx.split(rows), targets.split(rows)))
+    loss = None
+    with step_context(model):
+        for micro_idx, micro_targets in pieces:
+            micro_loss = model(micro_idx, micro_targets)
+            if len(pieces) > 1:
+                micro_loss = micro_loss / len(pieces)
+            micro_loss.backward()
+            loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
+    optimizer.step()
+    return loss
+
+
+# --- timing ---------------------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device | None = None) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, float]:
+    """``fn()`` and its wall time in seconds, the device's work included."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def slowest_rank(times: list[float], device: torch.device | None = None) -> list[float]:
+    """Each entry's maximum over the ranks (a distributed step lasts until its slowest rank is done)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(times)
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def time_stats(times: list[float]) -> dict[str, float]:
+    """Median, min, max and quartiles of step times (seconds)."""
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "q1_s": q[0], "q3_s": q[2]}
+
+
+# --- bytes ----------------------------------------------------------------------------------------------------
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor (a DTensor's local shard) or of a Thunder TensorProxy (its full logical shape)."""
+    if isinstance(t, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    from thunder_tp.reshard import nbytes
+
+    return nbytes(t)
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards under TP)."""
+    return sum(tensor_bytes(p) for p in module.parameters())
+
+
+def saved_for_backward(forward_trace) -> dict | None:
+    """Tensors a Thunder forward trace returns for the backward (``return output, (saved_tensors, other)``).
+
+    ``bytes``/``count``: all of them; ``activation_bytes``: without the forward's own inputs (parameters, batch),
+    which are held anyway. ``None`` when the trace saves nothing (no backward).
+    """
+    from thunder.core import prims
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.pytree import tree_flatten
+
+    ret = next((b for b in reversed(forward_trace.bound_symbols) if b.sym.id == prims.PrimIDs.RETURN), None)
+    if ret is None or len(ret.args) != 2 or not isinstance(ret.args[1], (tuple, list)) or not ret.args[1]:
+        return None
+    saved = ret.args[1][0]
+    tensors = {p.name: p for p in tree_flatten(saved)[0] if isinstance(p, TensorProxy)}
+    inputs = {p.name for p in tree_flatten((forward_trace.args, forward_trace.kwargs))[0] if isinstance(p, TensorProxy)}
+    return {
+        "count": len(tensors),
+        "bytes": sum(tensor_bytes(p) for p in tensors.values()),
+        "activation_bytes": sum(tensor_bytes(p) for n, p in tensors.items() if n not in inputs),
+    }
+
+
+def collectives_per_iteration(jm: nn.Module) -> dict:
+    """The collectives of the last forward and backward traces: ``tables`` (``thunder_tp.collectives_table``) and
+    ``per_iteration`` (count, bytes and ``by_kind`` per pass)."""
+    import thunder
+    import thunder_tp
+    from thunder_tp.debug import totals
+
+    backward = thunder.last_backward_traces(jm)
+    tables = {"forward": thunder_tp.collectives_table(thunder.last_traces(jm)[-1]),
+              "backward": thunder_tp.collectives_table(backward[-1] if backward else None)}
+    per_pass = {}
+    for name, table in tables.items():
+        kinds = totals(table)
+        per_pass[name] = {"count": sum(k["count"] for k in kinds.values()),
+                          "bytes": sum(k["bytes"] for k in kinds.values()), "by_kind": kinds}
+    return {"tables": tables, "per_iteration": per_pass}
+
+
+def collectives_lines(per_iteration: dict, label: str) -> list[str]:
+    """One report line per pass: ``{label}, forward: 4 calls, 1.00 MiB: 3 all_reduce (...), ...``."""
+    lines = []
+    for name, c in per_iteration.items():
+        kinds = ", ".join(f"{v['count']} {k} ({fmt_bytes(v['bytes'])})" for k, v in c["by_kind"].items()) or "none"
+        lines.append(f"{label}, {name}: {c['count']} calls, {fmt_bytes(c['bytes'])}: {kinds}")
+    return lines
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak memory so far: CUDA's max allocated, or on CPU the max resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def peak_step_bytes(step: Callable[[], Any]) -> int | None:
+    """Memory ``step()`` needs above what is live before it: CUDA's peak allocated, or on CPU the process's peak
+    resident set (VmHWM, reset through /proc/self/clear_refs) after returning the heap's free pages (malloc_trim)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = _proc_status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        return None
+    step()
+    return (_proc_status_kib("VmHWM") - before) * 1024
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``n`` bytes in B / KiB / MiB / GiB."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+# --- report ---------------------------------------------------------------------------------------------------
+
+
+def write_json(path: str | os.PathLike, results: dict) -> Path:
+    """Write ``results`` as indented JSON (parent directories created); the path written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return path
