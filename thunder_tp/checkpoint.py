@@ -31,7 +31,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from thunder_tp.collectives import gather_full
-from thunder_tp.layouts import REPLICATE, Layout, Shard, group_device, shard_chunks, shard_tensor
+from thunder_tp.layouts import REPLICATE, Layout, Shard, group_device, piece_parts, shard_chunks, shard_tensor
 
 __all__ = ["save", "load", "get_state_dict", "set_state_dict", "export"]
 
@@ -55,11 +55,8 @@ class _Tensor:
 
     def slices(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
         """(global offsets, sizes, view of `local`) for each chunk this rank holds."""
-        dim, start, out = (self.layout.dim % len(self.global_shape) if isinstance(self.layout, Shard) else 0), 0, []
-        for offsets, sizes in self.chunks():
-            out.append((offsets, sizes, self.local.narrow(dim, start, sizes[dim]) if self.local.dim() else self.local))
-            start += sizes[dim] if self.local.dim() else 0
-        return out
+        parts = piece_parts(self.local, self.layout, self.rank, self.size)
+        return [(offsets, sizes, part) for (offsets, sizes), part in zip(self.chunks(), parts)]
 
     def for_dcp(self) -> torch.Tensor:
         """A plain tensor when this rank holds all of it, else a ShardedTensor of its slices.

@@ -8,11 +8,14 @@ collective and the group. Purely local symbols lower to torch ops the fusion exe
 
 from __future__ import annotations
 
+from functools import partial
+
+import thunder.torch as ltorch
 import torch.distributed as dist
 from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.distributed.prims import DistributedReduceOps
 
-from thunder_tp.collectives.packing import Blocks, pack_ops, rank_pieces_ops, unpack_ops
+from thunder_tp.collectives.packing import Blocks, pack, unpack
 from thunder_tp.collectives.symbols import (
     comm_executor,
     tp_all_reduce_max,
@@ -28,7 +31,7 @@ from thunder_tp.collectives.symbols import (
     tp_scatter,
     tp_unpack,
 )
-from thunder_tp.layouts import Shard, local_shape
+from thunder_tp.layouts import Shard, local_shape, shard_tensor
 from thunder_tp.simulate import is_simulating
 
 
@@ -79,9 +82,7 @@ def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.
     out = wait_prim_impl(tp_name_work(future, "reduce_scatter", packed, group))
     if dim == 0:
         return out
-    from thunder.torch import reshape
-
-    return reshape(out, local_shape(a.shape, Shard(dim), group.size()))
+    return ltorch.reshape(out, local_shape(a.shape, Shard(dim), group.size()))
 
 
 comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce("sum"))
@@ -98,7 +99,7 @@ comm_executor.register_implementation(tp_name_work, tp_name_work)
 def _scatter_ops(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     if is_simulating():  # one trace runs for every simulated rank: the slice is cut per rank, at run time
         return tp_rank_piece(a, dim, blocks, group)
-    return rank_pieces_ops(a, dim, blocks, group.size())[dist.get_rank(group)]
+    return shard_tensor(a, Shard(dim, blocks), dist.get_rank(group), group.size(), ltorch)
 
 
 def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
@@ -109,7 +110,7 @@ def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
 
 comm_executor.register_implementation(tp_copy_to_tp, execution_transform=_copy_to_tp_ops)
 comm_executor.register_implementation(tp_scatter, execution_transform=_scatter_ops)
-comm_executor.register_implementation(tp_pack, execution_transform=pack_ops)
-comm_executor.register_implementation(tp_unpack, execution_transform=unpack_ops)
+comm_executor.register_implementation(tp_pack, execution_transform=partial(pack, ops=ltorch))
+comm_executor.register_implementation(tp_unpack, execution_transform=partial(unpack, ops=ltorch))
 comm_executor.register_implementation(tp_rank_offset, tp_rank_offset)
 comm_executor.register_implementation(tp_rank_piece, tp_rank_piece)
