@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.layouts import REPLICATE, Layout, Shard, group_device, piece_parts, shard_chunks, shard_tensor
+from thunder_tp.thunder_private import applied_transforms, original_module, set_parameter, set_trace_device
 
 __all__ = ["save", "load", "get_state_dict", "set_state_dict", "export"]
 
@@ -113,13 +114,13 @@ def _tensor_parallel(model: nn.Module):
     from thunder_tp.transform import TensorParallel
 
     _check_data_parallel(model)
-    return next((t for t in getattr(model, "_lc_transforms", []) if isinstance(t, TensorParallel)), None)
+    return next((t for t in applied_transforms(model) if isinstance(t, TensorParallel)), None)
 
 
 def _check_data_parallel(model: nn.Module) -> None:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
-    if any(isinstance(t, FSDPTransform) for t in getattr(model, "_lc_transforms", [])):
+    if any(isinstance(t, FSDPTransform) for t in applied_transforms(model)):
         raise NotImplementedError(
             "thunder_tp.checkpoint: FSDPTransform keeps a padded dim-0 chunk of each TP shard per dp rank, and its "
             "(offsets, sizes) in the global tensor are not exposed by Thunder's FSDPTransform, so they cannot be "
@@ -129,7 +130,7 @@ def _check_data_parallel(model: nn.Module) -> None:
 
 
 def _plain_module(model: nn.Module) -> nn.Module:
-    return getattr(model, "_model", model)
+    return original_module(model)
 
 
 def _get(model: nn.Module, name: str) -> torch.Tensor:
@@ -430,8 +431,11 @@ def _install(model: nn.Module, tensors: dict[str, _Tensor], optimizer) -> None:
         swapped[id(old)] = new
         original = plain.state_dict(keep_vars=True)[name]
         if plain is not model:  # a ThunderModule: the computation uses overrides; tracing reads originals' devices
-            (model._overrides_parameters if isinstance(new, nn.Parameter) else model._overrides_buffers)[name] = new
-            original._thunder_device = new.device
+            if isinstance(new, nn.Parameter):
+                set_parameter(model, name, new)
+            else:
+                model.set_buffer(name, new)
+            set_trace_device(original, new.device)
         else:
             owner, _, attr = name.rpartition(".")
             module = plain.get_submodule(owner)
@@ -464,8 +468,8 @@ def _materialize_non_persistent(model: nn.Module) -> None:
             if plain is model:
                 module._buffers[n] = value
             else:
-                model._overrides_buffers[prefix + n] = value
-                module._buffers[n]._thunder_device = value.device
+                model.set_buffer(prefix + n, value)
+                set_trace_device(module._buffers[n], value.device)
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
