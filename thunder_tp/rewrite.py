@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.core.proxies import NumberProxy, Proxy, ProxyTag, TensorProxy
 from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten
@@ -13,8 +14,6 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
-import thunder.torch as ltorch
-
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, full_length, held_chunks, piece_parts
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import redistribute

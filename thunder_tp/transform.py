@@ -86,10 +86,11 @@ class TensorParallel(Transform):
 
     def _local_layouts(self, model) -> dict[str, Layout]:
         """The parameters that get a local piece: the sharded ones; in a simulation, all (a LocalTensor each)."""
-        if is_simulating():
+        simulating = is_simulating()
+        if simulating:
             check_transforms(model, self.tp.group)
-            return {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in original_module(model).named_parameters()}
-        return {name: layout for name, layout in self.parameter_layouts.items() if isinstance(layout, Shard)}
+        layouts = {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in original_module(model).named_parameters()}
+        return {name: layout for name, layout in layouts.items() if simulating or isinstance(layout, Shard)}
 
     def transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
         """Shard full tensors of a submodule's state dict (keys relative to the submodule)."""
@@ -161,12 +162,14 @@ def _check_materialized(model) -> None:
             "checkpoint, or put thunder.transforms.MaterializationTransform(device, init=MaterializationTransform."
             "init_from_original_module_init()) after TensorParallel in transforms= for a fresh initialization"
         )
+
+
 def _thunder_parallel_type(layout: Layout, ndim: int) -> DistParallelType | None:
-    """Thunder's name for a layout where it has one: COLUMN_WISE = dim 0 (weights and their biases), ROW_WISE = dim 1
-    of a 2-D weight; other shards (e.g. a sharded activation-like parameter's dim 2) keep Thunder's NONE."""
+    """Thunder's name for a layout where it has one: COLUMN_WISE = dim 0 of a 2-D weight (and of its 1-D bias),
+    ROW_WISE = dim 1 of a 2-D weight; other shards (e.g. of a 3-D parameter) keep Thunder's NONE."""
     if not isinstance(layout, Shard):
         return None
-    if layout.dim == 0:
+    if layout.dim == 0 and ndim <= 2:
         return DistParallelType.COLUMN_WISE
     return DistParallelType.ROW_WISE if (layout.dim, ndim) == (1, 2) else None
 
