@@ -73,9 +73,9 @@ def _build(config, tp: int, device: str):
 
 def _local_bytes(model) -> tuple[int, int]:
     """(bytes of this rank's tensors, bytes of its largest one)."""
-    import thunder_tp.checkpoint as ck
+    from thunder_tp.checkpoint.tensors import model_tensors
 
-    sizes = [t.local.numel() * t.local.element_size() for t in ck._model_tensors(model).values()]
+    sizes = [t.local.numel() * t.local.element_size() for t in model_tensors(model).values()]
     return sum(sizes), max(sizes)
 
 

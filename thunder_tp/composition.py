@@ -6,6 +6,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from thunder_tp.thunder_private import applied_transforms
+
 __all__ = ["check_composition", "check_data_parallel_order", "check_orthogonal_groups"]
 
 
@@ -19,14 +21,14 @@ def _data_parallel_transform_types() -> tuple[type, ...]:
 def check_data_parallel_order(model) -> None:
     """Raise if a data-parallel transform (DDP/FSDP) was applied to `model` before TensorParallel.
 
-    Thunder applies transforms in list order and records the applied ones in `model._lc_transforms`, so a
+    Thunder applies transforms in list order and records the applied ones (`thunder.list_transforms`), so a
     DDPTransform / FSDPTransform there came first. DP first cannot work: FSDP would shard the full weight on
     dim 0 and TP would then cut its shard out of the FSDP shard; DDP would record full parameter shapes and
     its trace pass would synchronize the full-size parameters before TP gives them their local shapes.
     (The `use_ddp` / `use_fsdp` flags Thunder leaves on the original module are not read: they outlive the
     jit that set them, so a later `thunder.jit(model, transforms=[TP, DDP])` of the same module would fail.)
     """
-    earlier = [t for t in getattr(model, "_lc_transforms", ()) if isinstance(t, _data_parallel_transform_types())]
+    earlier = [t for t in applied_transforms(model) if isinstance(t, _data_parallel_transform_types())]
     if earlier:
         raise ValueError(
             f"thunder_tp.TensorParallel must be applied before {type(earlier[0]).__name__}: list it first, e.g. "

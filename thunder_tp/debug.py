@@ -20,7 +20,6 @@ Sizes are per rank: the trace is the rank's local program, so its proxies have l
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterable
@@ -33,6 +32,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_tp.collectives import COLLECTIVE_KINDS
+from thunder_tp.reshard import nbytes
 from thunder_tp.simulate import is_simulating
 
 __all__ = ["collective_calls", "collective_kind", "collectives_table", "dump_traces", "format_table", "totals"]
@@ -75,10 +75,6 @@ def _group_size(group: Any) -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _nbytes(t: TensorProxy) -> int:
-    return math.prod(int(s) for s in t.shape) * t.dtype.bytes
-
-
 def collective_calls(trace: TraceCtx) -> list[dict]:
     """Every collective of ``trace`` in program order: kind, group size, bytes, and the bound symbol."""
     calls = []
@@ -91,10 +87,8 @@ def collective_calls(trace: TraceCtx) -> list[dict]:
             continue
         group = _group(bsym)
         size = _group_size(group)
-        nbytes = _nbytes(tensor)
-        if kind == "all_gather":  # the gathered output
-            nbytes *= size
-        calls.append({"kind": kind, "group_size": size, "bytes": nbytes, "group": group, "bsym": bsym})
+        moved = nbytes(tensor) * (size if kind == "all_gather" else 1)  # all_gather: the gathered output
+        calls.append({"kind": kind, "group_size": size, "bytes": moved, "group": group, "bsym": bsym})
     return calls
 
 

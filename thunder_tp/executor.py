@@ -62,7 +62,7 @@ class InductorFusionExecutor(TorchCompileExecutor):
     def __init__(self, name: str, *, skip_cuda: bool = False):
         super().__init__(name)
         self.skip_cuda = skip_cuda
-        self._implmap = {op: ImplInfo() for op in pytorch_ex.implmap if op not in _COMM_IDS}
+        self.implmap.update({op: ImplInfo() for op in pytorch_ex.implmap if op not in _COMM_IDS})
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         """True for compute Inductor can take; never for communication (or CUDA ops when ``skip_cuda``)."""

@@ -101,7 +101,7 @@ def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) 
 
 def local_size(n: int, layout: Shard, size: int) -> int:
     """Length of one rank's piece of the sharded dim (of full length n)."""
-    return sum(local_blocks(layout.blocks or (n,), size, layout.replicas))
+    return sum(length for _, length in held_chunks(layout, n, 0, size))
 
 
 def local_shape(shape: Sequence[int], layout: Layout, size: int) -> tuple[int, ...]:
@@ -118,7 +118,7 @@ def local_blocks(
     """Sizes of one rank's chunk of each block."""
     if blocks is None:
         return None
-    return tuple(b * r // size for b, r in zip(blocks, replicas or (1,) * len(blocks)))
+    return tuple(length for _, length in held_chunks(Shard(0, blocks, replicas), sum(blocks), 0, size))
 
 
 def held_chunks(layout: Shard, n: int, rank: int, size: int) -> list[tuple[int, int]]:
@@ -131,13 +131,35 @@ def held_chunks(layout: Shard, n: int, rank: int, size: int) -> list[tuple[int, 
     return chunks
 
 
-def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int) -> torch.Tensor:
-    """This rank's piece of a full tensor (works on meta tensors too)."""
+def full_length(layout: Shard, local_n: int, size: int) -> int:
+    """Length of the full sharded dim, from the length `local_n` of one rank's piece."""
+    return sum(layout.blocks) if layout.blocks else local_n * size // layout.block_replicas()[0]
+
+
+def _all_chunks(layout: Shard, n: int, size: int) -> list[tuple[int, int]]:
+    """Every (start, length) some rank holds, in order: together they tile the full dim."""
+    return sorted({chunk for rank in range(size) for chunk in held_chunks(layout, n, rank, size)})
+
+
+def _cat(parts: Sequence, dim: int, ops):
+    return parts[0] if len(parts) == 1 else ops.cat(list(parts), dim)
+
+
+def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int, ops=torch) -> torch.Tensor:
+    """This rank's piece of a full tensor (meta tensors too; proxies inside a trace with ops=thunder.torch)."""
     if not isinstance(layout, Shard):
         return t
-    chunks = held_chunks(layout, t.shape[layout.dim], rank, size)
-    pieces = [t.narrow(layout.dim, start, length) for start, length in chunks]
-    return torch.cat(pieces, layout.dim)
+    chunks = _all_chunks(layout, t.shape[layout.dim], size)
+    parts = dict(zip(chunks, ops.split(t, [length for _, length in chunks], layout.dim)))
+    return _cat([parts[c] for c in held_chunks(layout, t.shape[layout.dim], rank, size)], layout.dim, ops)
+
+
+def piece_parts(piece: torch.Tensor, layout: Layout, rank: int, size: int, ops=torch) -> list[torch.Tensor]:
+    """A rank's piece cut into the chunks it holds (views, in held_chunks' order); an unsharded tensor whole."""
+    if not isinstance(layout, Shard):
+        return [piece]
+    n = full_length(layout, piece.shape[layout.dim], size)
+    return list(ops.split(piece, [length for _, length in held_chunks(layout, n, rank, size)], layout.dim))
 
 
 def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -152,17 +174,20 @@ def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> 
     ]
 
 
-def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor:
-    """The full tensor from every rank's piece, in rank order (replicated chunks taken from their first holder)."""
+def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout, ops=torch) -> torch.Tensor:
+    """The full tensor from every rank's piece, in rank order (replicated chunks taken from their first holder;
+    proxies inside a trace with ops=thunder.torch)."""
     if isinstance(layout, Replicate):
         return pieces[0]
     if isinstance(layout, Partial):
         return torch.stack(list(pieces)).sum(0)
-    dim, size = layout.dim, len(pieces)
-    replicas = layout.block_replicas()
-    local = local_blocks(layout.blocks, size, layout.replicas) or (pieces[0].shape[dim],)
-    per_rank = [p.split(list(local), dim) for p in pieces]
-    return torch.cat([torch.cat([per_rank[k][i] for k in range(0, size, r)], dim) for i, r in enumerate(replicas)], dim)
+    size = len(pieces)
+    n = full_length(layout, pieces[0].shape[layout.dim], size)
+    parts: dict[tuple[int, int], torch.Tensor] = {}
+    for rank, piece in enumerate(pieces):
+        for chunk, part in zip(held_chunks(layout, n, rank, size), piece_parts(piece, layout, rank, size, ops)):
+            parts.setdefault(chunk, part)
+    return _cat([parts[c] for c in sorted(parts)], layout.dim, ops)
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch.distributed as dist
-from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
@@ -20,8 +19,8 @@ SLICE_COST = 1.0
 
 
 def nbytes(t: TensorProxy) -> int:
-    """Bytes of the full (logical) tensor."""
-    return math.prod(t.shape) * dtypes.to_torch_dtype(t.dtype).itemsize
+    """Bytes of the tensor a proxy describes (symbolic dims at their traced values)."""
+    return math.prod(int(s) for s in t.shape) * t.dtype.bytes
 
 
 def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is_parameter: bool = False) -> float:

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.core.proxies import NumberProxy, Proxy, ProxyTag, TensorProxy
 from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten
@@ -13,9 +14,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
-import thunder.torch as ltorch
-
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, held_chunks
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, full_length, held_chunks, piece_parts
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import redistribute
 from thunder_tp.simulate import is_simulating
@@ -107,13 +106,14 @@ def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> TensorPr
     replicas because their grads do.
     """
     dim = layout.dim
-    blocks = layout.blocks or (x.shape[dim] * tp.size // layout.block_replicas()[0],)
-    chunks = held_chunks(layout, sum(blocks), tp.rank, tp.size)
-    pieces = list(ltorch.split(x, [length for _, length in chunks], dim))
+    n = full_length(layout, x.shape[dim], tp.size)
+    blocks = layout.blocks or (n,)
+    chunks = held_chunks(layout, n, tp.rank, tp.size)
+    pieces = piece_parts(x, layout, tp.rank, tp.size, ltorch)
     replicated = [i for i, r in enumerate(layout.block_replicas()) if r > 1]
     starts = [sum(blocks[:i]) for i in range(len(blocks))]
     offsets = {i: chunks[i][0] - starts[i] for i in replicated}  # where this rank's chunk sits in its block
-    _check_simulated_offsets(layout, sum(blocks), tp, replicated)
+    _check_simulated_offsets(layout, n, tp, replicated)
     padded = [_zero_padded(pieces[i], dim, offsets[i], blocks[i]) for i in replicated]
     summed = C.tp_copy_to_tp(ltorch.cat(padded, dim) if len(padded) > 1 else padded[0], tp.group)
     at = 0

@@ -29,6 +29,14 @@ from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
 from thunder_tp.styles import Style, check_distparallel_type, match_plan, styles_from_distparallel_type
+from thunder_tp.thunder_private import (
+    original_module,
+    set_parameter,
+    set_proxy_distparallel_type,
+    set_proxy_shape,
+    set_trace_device,
+    trace_device,
+)
 
 _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
 _UNPACK_PARAMETER = ("unpack_parameter", "unpack_buffer")
@@ -57,7 +65,7 @@ class TensorParallel(Transform):
     def transform_module(self, model) -> None:
         """Record every styled parameter's layout and replace it by this rank's shard."""
         check_composition(self, model)  # 2-D: TP before DDP/FSDP, on a group orthogonal to theirs
-        module = model._model
+        module = original_module(model)
         self._module = model
         _trace_meta_tensors_on(module, self.tp.group)
         styles = styles_from_distparallel_type(module) | match_plan(module, self.plan)
@@ -74,14 +82,15 @@ class TensorParallel(Transform):
         for name, layout in self._local_layouts(model).items():
             param = model.get_parameter(name)
             shard = local_piece(param.detach(), layout, self.tp.rank, self.tp.size, self.tp.group).clone()
-            model._overrides_parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
+            set_parameter(model, name, nn.Parameter(shard, requires_grad=param.requires_grad))
 
     def _local_layouts(self, model) -> dict[str, Layout]:
         """The parameters that get a local piece: the sharded ones; in a simulation, all (a LocalTensor each)."""
-        if is_simulating():
+        simulating = is_simulating()
+        if simulating:
             check_transforms(model, self.tp.group)
-            return {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in model._model.named_parameters()}
-        return {name: layout for name, layout in self.parameter_layouts.items() if isinstance(layout, Shard)}
+        layouts = {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in original_module(model).named_parameters()}
+        return {name: layout for name, layout in layouts.items() if simulating or isinstance(layout, Shard)}
 
     def transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
         """Shard full tensors of a submodule's state dict (keys relative to the submodule)."""
@@ -130,15 +139,15 @@ class TensorParallel(Transform):
             layouts[a.name] = layout
             kind = _thunder_parallel_type(layout, a.ndim)
             if kind is not None and a.distparallel_type not in _DATA_PARALLEL_TYPES:
-                a._distparallel_type = kind
+                set_proxy_distparallel_type(a, kind)
         return layouts
 
 
 def _trace_meta_tensors_on(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Meta-device tensors are traced as on the group's device (where ck.load or materialization puts them)."""
     for t in (*module.parameters(), *module.buffers()):
-        if t.is_meta and not hasattr(t, "_thunder_device"):
-            t._thunder_device = group_device(group)
+        if t.is_meta and trace_device(t) is None:
+            set_trace_device(t, group_device(group))
 
 
 def _check_materialized(model) -> None:
@@ -153,12 +162,14 @@ def _check_materialized(model) -> None:
             "checkpoint, or put thunder.transforms.MaterializationTransform(device, init=MaterializationTransform."
             "init_from_original_module_init()) after TensorParallel in transforms= for a fresh initialization"
         )
+
+
 def _thunder_parallel_type(layout: Layout, ndim: int) -> DistParallelType | None:
-    """Thunder's name for a layout where it has one: COLUMN_WISE = dim 0 (weights and their biases), ROW_WISE = dim 1
-    of a 2-D weight; other shards (e.g. a sharded activation-like parameter's dim 2) keep Thunder's NONE."""
+    """Thunder's name for a layout where it has one: COLUMN_WISE = dim 0 of a 2-D weight (and of its 1-D bias),
+    ROW_WISE = dim 1 of a 2-D weight; other shards (e.g. of a 3-D parameter) keep Thunder's NONE."""
     if not isinstance(layout, Shard):
         return None
-    if layout.dim == 0:
+    if layout.dim == 0 and ndim <= 2:
         return DistParallelType.COLUMN_WISE
     return DistParallelType.ROW_WISE if (layout.dim, ndim) == (1, 2) else None
 
@@ -181,7 +192,7 @@ def _localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[
     proxies = {id(p): p for p in (*prologue.output[0], *_flat_args(computation)) if isinstance(p, TensorProxy)}
     for proxy in proxies.values():
         if proxy.name in sharded:
-            proxy._shape = local_shape(proxy.shape, sharded[proxy.name], size)
+            set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size))
     for i, b in enumerate(prologue.bound_symbols):
         if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
             t, shape, *rest = b.args

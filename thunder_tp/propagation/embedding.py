@@ -5,9 +5,9 @@ from __future__ import annotations
 import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
+from thunder_tp.collectives import rank_offset
 from thunder_tp.layouts import PARTIAL, REPLICATE, Shard, TPGroup
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.collectives import rank_offset
 
 
 def _vocab_parallel_lookup(tp: TPGroup):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
-from thunder_tp.collectives import tp_all_reduce_max, tp_reduce_from_tp
+from thunder_tp.collectives import rank_offset, tp_all_reduce_max, tp_reduce_from_tp
 from thunder_tp.layouts import REPLICATE, Shard, TPGroup
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.collectives import rank_offset
 
 
 def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):

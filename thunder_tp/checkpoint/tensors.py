@@ -1,0 +1,142 @@
+"""The model's tensors (and optimizer state) as this rank holds them, described to DCP as plain or sharded tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
+
+from thunder_tp.collectives import gather_full
+from thunder_tp.layouts import REPLICATE, Layout, Shard, piece_parts, shard_chunks, shard_tensor
+from thunder_tp.thunder_private import applied_transforms, original_module
+
+Chunks = list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+@dataclass
+class HeldTensor:
+    """One tensor of the plain model (or its optimizer state) as this rank holds it."""
+
+    local: torch.Tensor  # this rank's piece (detached; a view of the model's tensor, or a new buffer on load)
+    global_shape: tuple[int, ...]
+    layout: Layout
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+    materialized: bool = False  # `local` is a new buffer that replaces a meta-device tensor once loaded
+
+    def chunks(self, rank: int | None = None) -> Chunks:
+        return shard_chunks(self.global_shape, self.layout, self.rank if rank is None else rank, self.size)
+
+    def slices(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+        """(global offsets, sizes, view of `local`) for each chunk this rank holds."""
+        parts = piece_parts(self.local, self.layout, self.rank, self.size)
+        return [(offsets, sizes, part) for (offsets, sizes), part in zip(self.chunks(), parts)]
+
+    def for_dcp(self) -> torch.Tensor:
+        """A plain tensor when this rank holds all of it, else a ShardedTensor of its slices.
+
+        A chunk that several ranks hold (replicated K/V heads) is described once, by its first holder: DCP then
+        writes it once and reads it once; copy_from hands it on to the other holders.
+        """
+        if self.chunks() == [((0,) * len(self.global_shape), self.global_shape)]:
+            return self.local
+        device = self.local.device
+        holders: dict[tuple, int] = {}
+        for r in range(self.size):
+            for chunk in self.chunks(r):
+                holders.setdefault(chunk, r)
+        placement = lambda r: f"rank:{dist.get_global_rank(self.group, r)}/{device}"  # noqa: E731
+        every = [ShardMetadata(list(o), list(s), placement(r)) for (o, s), r in holders.items()]
+        views = {(o, s): view for o, s, view in self.slices()}
+        shards = [LocalShard(views[(o, s)].contiguous(), md)
+                  for ((o, s), r), md in zip(holders.items(), every) if r == self.rank]
+        props = TensorProperties(dtype=self.local.dtype, requires_grad=False)
+        metadata = ShardedTensorMetadata(every, torch.Size(self.global_shape), props)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=self.group)
+
+    def copy_from(self, value: torch.Tensor) -> None:
+        """Write what DCP loaded into for_dcp()'s value into `local`, wherever DCP did not write in place
+        (collective for a layout with replicated chunks: their first holders pass them on)."""
+        if isinstance(value, ShardedTensor):
+            views = {(o, s): view for o, s, view in self.slices()}
+            pairs = [(views[(tuple(x.metadata.shard_offsets), tuple(x.metadata.shard_sizes))], x.tensor)
+                     for x in value.local_shards()]
+        else:
+            pairs = [(self.local, value)]
+        with torch.no_grad():
+            for view, source in pairs:
+                if view.data_ptr() != source.data_ptr():
+                    view.copy_(source)
+            if isinstance(self.layout, Shard) and self.layout.is_replicated:
+                full = gather_full(self.local, self.layout, self.group)
+                self.local.copy_(shard_tensor(full, self.layout, self.rank, self.size))
+
+
+@contextlib.contextmanager
+def sharded_tensor_without_deprecation_warnings():
+    """ShardedTensor warns that DTensor replaces it, but DTensor cannot hold several slices per rank (q|k|v blocks)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
+
+
+# --- the model's tensors ---------------------------------------------------------------------------------------
+
+
+def _tensor_parallel(model: nn.Module):
+    """The model's TensorParallel transform, if any (after refusing FSDP)."""
+    from thunder_tp.transform import TensorParallel
+
+    _check_data_parallel(model)
+    return next((t for t in applied_transforms(model) if isinstance(t, TensorParallel)), None)
+
+
+def _check_data_parallel(model: nn.Module) -> None:
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    if any(isinstance(t, FSDPTransform) for t in applied_transforms(model)):
+        raise NotImplementedError(
+            "thunder_tp.checkpoint: FSDPTransform keeps a padded dim-0 chunk of each TP shard per dp rank, and its "
+            "(offsets, sizes) in the global tensor are not exposed by Thunder's FSDPTransform, so they cannot be "
+            "described to torch.distributed.checkpoint; use DDPTransform for 2-D checkpoints, or gather with "
+            "original_state_dict()"
+        )
+
+
+def model_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The tensor the model computes with (a ThunderModule's override, i.e. the local shard)."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
+
+
+def model_tensors(model: nn.Module) -> dict[str, HeldTensor]:
+    """Every entry of the plain model's state dict, as this rank holds it."""
+    tp = _tensor_parallel(model)
+    rank, size, group = (tp.tp.rank, tp.tp.size, tp.tp.group) if tp is not None else (0, 1, None)
+    out = {}
+    for name, original in original_module(model).state_dict(keep_vars=True).items():
+        layout = tp.parameter_layouts.get(name, REPLICATE) if tp is not None else REPLICATE
+        out[name] = HeldTensor(model_tensor(model, name).detach(), tuple(original.shape), layout, rank, size, group)
+    return out
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id of each tensor the model computes with -> its plain parameter name."""
+    return {id(model_tensor(model, name)): name for name, _ in original_module(model).named_parameters()}
+
+
+def state_like(param: HeldTensor, value: torch.Tensor) -> HeldTensor:
+    """An optimizer state tensor: sharded like its parameter when it has the parameter's shape."""
+    if value.dim() and tuple(value.shape) == tuple(param.local.shape):
+        return HeldTensor(value.detach(), param.global_shape, param.layout, param.rank, param.size, param.group)
+    return HeldTensor(value.detach(), tuple(value.shape), REPLICATE, 0, 1, None)

@@ -1,0 +1,37 @@
+"""Collective symbols of the TP group, their conjugate grads and torch.distributed implementations.
+
+    symbols       the symbols of `comm_executor`, their result shapes and conjugate grads
+    distributed   their synchronous torch.distributed implementations; work handles whose failure names them
+    lowering      how `comm_executor` runs them: async torchex prims + wait, local ops the fusion executor claims
+    packing       blocked shards packed into / out of the dim-0 order of torch.distributed's collectives
+"""
+
+from thunder_tp.collectives import lowering  # noqa: F401  (importing it registers the symbols' executions)
+from thunder_tp.collectives.distributed import gather_full, gather_shards
+from thunder_tp.collectives.symbols import (
+    COLLECTIVE_KINDS,
+    comm_executor,
+    rank_offset,
+    tp_all_reduce_max,
+    tp_copy_to_tp,
+    tp_gather,
+    tp_gather_to_tp,
+    tp_reduce_from_tp,
+    tp_reduce_scatter,
+    tp_scatter,
+)
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "comm_executor",
+    "gather_full",
+    "gather_shards",
+    "rank_offset",
+    "tp_all_reduce_max",
+    "tp_copy_to_tp",
+    "tp_gather",
+    "tp_gather_to_tp",
+    "tp_reduce_from_tp",
+    "tp_reduce_scatter",
+    "tp_scatter",
+]

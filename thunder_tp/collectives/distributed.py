@@ -1,0 +1,75 @@
+"""Synchronous torch.distributed implementations of the TP collectives, and work handles whose failure names them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from thunder_tp.collectives.packing import Blocks, pack
+from thunder_tp.layouts import Shard, local_shape, unshard_tensor
+from thunder_tp.simulate import for_each_rank, local_piece
+
+
+def all_reduce(a: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """A reduced copy of `a` over `group`."""
+    out = a.contiguous().clone()
+    dist.all_reduce(out, op, group)
+    return out
+
+
+def gather_full(a: torch.Tensor, layout: Shard, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's piece of `layout` (synchronous; replicated chunks from their first holder)."""
+    size = group.size()
+    out = torch.empty((size * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
+    dist.all_gather_into_tensor(out, a.contiguous(), group)
+    return unshard_tensor(out.view(size, *a.shape).unbind(0), layout)
+
+
+def gather_shards(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's Shard(dim, blocks) piece (synchronous)."""
+    return gather_full(a, Shard(dim, blocks), group)
+
+
+def reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's Shard(dim, blocks) piece of the sum over ranks of `a`."""
+    size = group.size()
+    packed = pack(a, dim, blocks, size)
+    out = torch.empty((packed.shape[0] // size, *packed.shape[1:]), dtype=a.dtype, device=a.device)
+    dist.reduce_scatter_tensor(out, packed, dist.ReduceOp.SUM, group)
+    return out.view(local_shape(a.shape, Shard(dim), size))
+
+
+def local(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's Shard(dim, blocks) piece of the full `a` (every simulated rank's, in a simulation)."""
+    return local_piece(a, Shard(dim, blocks), dist.get_rank(group), group.size(), group)
+
+
+def rank_offset_tensor(like: torch.Tensor, step: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``rank * step`` as a 0-d tensor of each simulated rank."""
+    return for_each_rank(lambda r: torch.tensor(r * step, dtype=like.dtype, device=like.device), group)
+
+
+class NamedWork:
+    """A torch.distributed work handle whose failed ``wait`` says which collective of which group failed."""
+
+    def __init__(self, work, kind: str, a: torch.Tensor, group: dist.ProcessGroup):
+        self.work, self.kind, self.shape, self.dtype, self.group = work, kind, tuple(a.shape), a.dtype, group
+
+    def wait(self, timeout=None) -> bool:
+        """The wrapped handle's wait; a failure is re-raised naming the collective, its tensor and its group."""
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        except Exception as e:
+            raise RuntimeError(
+                f"thunder_tp: {self.kind} of a {self.shape} {self.dtype} tensor over the "
+                f"{dist.get_backend(self.group)} group of global ranks {dist.get_process_group_ranks(self.group)} "
+                f"failed: {type(e).__name__}: {e}\nA peer rank of this group probably died, raised before this "
+                "collective, or did not reach it within the process group's timeout (init_process_group(timeout=...)); "
+                "see that rank's output."
+            ) from e
+
+
+def name_work(future: tuple, kind: str, a: torch.Tensor, group: dist.ProcessGroup) -> tuple:
+    """Thunder's (work, result) future with its work handle named."""
+    work, result = future
+    return NamedWork(work, kind, a, group), result

@@ -1,0 +1,116 @@
+"""How `comm_executor` executes the TP symbols: collectives as async torch.distributed calls, the rest locally.
+
+One lowering for every torch.distributed backend: Thunder's async torchex prims plus a wait, which Thunder's wait
+sorting moves as late as data allows. Each issued collective's work handle is named (tp_name_work) so that a
+failed wait (a dead, hung or raising peer: torch.distributed's error or its process-group timeout) names the
+collective and the group. Purely local symbols lower to torch ops the fusion executor can claim.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import thunder.torch as ltorch
+import torch.distributed as dist
+from thunder.core.proxies import NumberProxy, TensorProxy
+from thunder.distributed.prims import DistributedReduceOps
+
+from thunder_tp.collectives.packing import Blocks, pack, unpack
+from thunder_tp.collectives.symbols import (
+    comm_executor,
+    tp_all_reduce_max,
+    tp_copy_to_tp,
+    tp_gather,
+    tp_gather_to_tp,
+    tp_name_work,
+    tp_pack,
+    tp_rank_offset,
+    tp_rank_piece,
+    tp_reduce_from_tp,
+    tp_reduce_scatter,
+    tp_scatter,
+    tp_unpack,
+)
+from thunder_tp.layouts import Shard, local_shape, shard_tensor
+from thunder_tp.simulate import is_simulating
+
+
+def _symbolic(a: TensorProxy) -> bool:
+    """Shapes of symbolic values (cache="symbolic values"): Thunder 0.2.6's wait sorting cannot order async
+    collectives on them (it reads their numel outside a trace), so those stay synchronous (the symbol's own fn)."""
+    return any(isinstance(d, NumberProxy) for d in a.shape)
+
+
+# --- collectives: Thunder's torchex prims + wait (sorted late by thunder's sort_waits) ---------------------
+
+
+def _async_all_reduce(op: str):
+    def lower(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+        from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
+
+        if _symbolic(a):
+            return (tp_reduce_from_tp if op == "sum" else tp_all_reduce_max)(a, group)
+
+        reduce_op = DistributedReduceOps.SUM if op == "sum" else DistributedReduceOps.MAX
+        future = all_reduce_prim_impl(a, reduce_op, group, True, False)
+        return wait_prim_impl(tp_name_work(future, "all_reduce", a, group))
+
+    return lower
+
+
+def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
+
+    if _symbolic(a):
+        return tp_gather(a, dim, blocks, group)
+
+    a = tp_pack(a, 0, None, 1)
+    gathered = wait_prim_impl(tp_name_work(all_gather_prim_impl(a, group, True, None), "all_gather", a, group))
+    if dim == 0 and blocks is None:
+        return gathered
+    return tp_unpack(gathered, dim, blocks, group.size(), tuple(a.shape))
+
+
+def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.executors.torchex import reduce_scatter_prim_impl, wait_prim_impl
+
+    if _symbolic(a):
+        return tp_reduce_scatter(a, dim, blocks, group)
+
+    packed = tp_pack(a, dim, blocks, group.size())
+    future = reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None)
+    out = wait_prim_impl(tp_name_work(future, "reduce_scatter", packed, group))
+    if dim == 0:
+        return out
+    return ltorch.reshape(out, local_shape(a.shape, Shard(dim), group.size()))
+
+
+comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce("sum"))
+comm_executor.register_implementation(tp_all_reduce_max, execution_transform=_async_all_reduce("max"))
+comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
+comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
+comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)
+comm_executor.register_implementation(tp_name_work, tp_name_work)
+
+
+# --- purely local symbols: torch ops the fusion executor can claim, so they do not split fusion regions -------
+
+
+def _scatter_ops(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    if is_simulating():  # one trace runs for every simulated rank: the slice is cut per rank, at run time
+        return tp_rank_piece(a, dim, blocks, group)
+    return shard_tensor(a, Shard(dim, blocks), dist.get_rank(group), group.size(), ltorch)
+
+
+def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.core.prims import shallow_copy
+
+    return shallow_copy(a)  # an alias under a new name (returning `a` itself leaves the output undefined)
+
+
+comm_executor.register_implementation(tp_copy_to_tp, execution_transform=_copy_to_tp_ops)
+comm_executor.register_implementation(tp_scatter, execution_transform=_scatter_ops)
+comm_executor.register_implementation(tp_pack, execution_transform=partial(pack, ops=ltorch))
+comm_executor.register_implementation(tp_unpack, execution_transform=partial(unpack, ops=ltorch))
+comm_executor.register_implementation(tp_rank_offset, tp_rank_offset)
+comm_executor.register_implementation(tp_rank_piece, tp_rank_piece)

@@ -1,0 +1,133 @@
+"""The TP collectives as Thunder symbols of `comm_executor`, with their result shapes and conjugate grads.
+
+Each symbol's `fn` is its synchronous torch.distributed implementation (used when the executor is not listed); its
+grad is the conjugate collective (Megatron's f/g operator pairs).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from thunder.core.prims import get_grad, put_grad
+from thunder.core.proxies import FutureTensorProxy, TensorProxy
+from thunder.core.transforms import register_grad
+from thunder.extend import OperatorExecutor, register_executor
+
+from thunder_tp.collectives import distributed as D
+from thunder_tp.collectives.packing import Blocks, pack, unpack
+from thunder_tp.layouts import Shard, local_shape
+from thunder_tp.simulate import is_simulating
+
+comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
+register_executor(comm_executor)
+
+
+# --- shapes of the results --------------------------------------------------------------------
+
+
+def _like(a: TensorProxy, *_args) -> TensorProxy:
+    return TensorProxy(like=a)
+
+
+def _gathered_meta(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    shape = list(a.shape)
+    shape[dim] *= group.size()
+    return TensorProxy(like=a, shape=tuple(shape))
+
+
+def _scattered_meta(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+    return TensorProxy(like=a, shape=local_shape(a.shape, Shard(dim), group.size()))
+
+
+def _packed_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int) -> TensorProxy:
+    piece = local_shape(a.shape, Shard(dim), size)
+    return TensorProxy(like=a, shape=(size * piece[0], *piece[1:]))
+
+
+def _unpacked_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int, piece: tuple[int, ...]) -> TensorProxy:
+    shape = list(piece)
+    shape[dim] *= size
+    return TensorProxy(like=a, shape=tuple(shape))
+
+
+def _rank_offset_meta(like: TensorProxy, step: int, group: dist.ProcessGroup) -> TensorProxy:
+    return TensorProxy(like=like, shape=(), dtype=like.dtype)
+
+
+# --- the TP collectives ---------------------------------------------------------------------------
+
+tp_copy_to_tp = comm_executor.register_operator("tp_copy_to_tp", meta=_like, fn=lambda a, group: a)
+tp_reduce_from_tp = comm_executor.register_operator("tp_reduce_from_tp", meta=_like, fn=D.all_reduce)
+tp_gather = comm_executor.register_operator("tp_gather", meta=_gathered_meta, fn=D.gather_shards)
+tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathered_meta, fn=D.gather_shards)
+tp_scatter = comm_executor.register_operator("tp_scatter", meta=_scattered_meta, fn=D.local)
+tp_reduce_scatter = comm_executor.register_operator("tp_reduce_scatter", meta=_scattered_meta, fn=D.reduce_scatter)
+tp_all_reduce_max = comm_executor.register_operator(
+    "tp_all_reduce_max", meta=_like, fn=lambda a, group: D.all_reduce(a, group, dist.ReduceOp.MAX)
+)
+
+#: symbol name -> the kind of collective it issues
+COLLECTIVE_KINDS: dict[str, str] = {
+    "tp_reduce_from_tp": "all_reduce",
+    "tp_all_reduce_max": "all_reduce",
+    "tp_gather": "all_gather",
+    "tp_gather_to_tp": "all_gather",
+    "tp_reduce_scatter": "reduce_scatter",
+}
+
+# --- helpers of the lowering: packing for dim-0 collectives, named work handles ------------------------------
+
+tp_pack = comm_executor.register_operator("tp_pack", meta=_packed_meta, fn=pack)
+tp_unpack = comm_executor.register_operator("tp_unpack", meta=_unpacked_meta, fn=unpack)
+tp_name_work = comm_executor.register_operator(
+    "tp_name_work", meta=lambda future, kind, a, group: FutureTensorProxy(like=future), fn=D.name_work
+)
+
+# --- the rank inside traced programs ------------------------------------------------------------------------
+
+tp_rank_offset = comm_executor.register_operator("tp_rank_offset", meta=_rank_offset_meta, fn=D.rank_offset_tensor)
+tp_rank_piece = comm_executor.register_operator("tp_rank_piece", meta=_scattered_meta, fn=D.local)  # simulated tp_scatter
+
+
+def rank_offset(tp, step: int, like: TensorProxy) -> int | TensorProxy:
+    """``rank * step`` for a traced program: a constant on a real rank; in a simulation a per-rank tensor
+    (``tp_rank_offset``, a 0-d tensor of ``like``'s dtype), since one trace runs for every simulated rank."""
+    if not is_simulating():
+        return tp.rank * step
+    return tp_rank_offset(like, step, tp.group)
+
+
+# --- conjugate grads ----------------------------------------------------------------------------
+
+
+def _copy_to_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    out = tp_copy_to_tp(a, group)
+    put_grad(a, tp_reduce_from_tp(get_grad(out), group))
+    return out
+
+
+def _reduce_from_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    out = tp_reduce_from_tp(a, group)
+    put_grad(a, get_grad(out))
+    return out
+
+
+def _all_reduce_max_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    return tp_all_reduce_max(a, group)  # used only as a shift constant: no gradient flows through it
+
+
+def _conjugate(forward, backward):
+    def grad(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+        out = forward(a, dim, blocks, group)
+        put_grad(a, backward(get_grad(out), dim, blocks, group))
+        return out
+
+    return grad
+
+
+register_grad(tp_copy_to_tp, _copy_to_tp_grad)
+register_grad(tp_reduce_from_tp, _reduce_from_tp_grad)
+register_grad(tp_all_reduce_max, _all_reduce_max_grad)
+register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
+register_grad(tp_gather_to_tp, _conjugate(tp_gather_to_tp, tp_reduce_scatter))
+register_grad(tp_scatter, _conjugate(tp_scatter, tp_gather))
+register_grad(tp_reduce_scatter, _conjugate(tp_reduce_scatter, tp_gather))

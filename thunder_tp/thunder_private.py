@@ -1,0 +1,50 @@
+"""Where thunder_tp reaches into Lightning Thunder's objects: every private attribute it writes or reads, one
+function each with the reason Thunder 0.2.6 has no public route, so that a Thunder upgrade has one place to look.
+Where a public route exists it is used (``ThunderModule.set_buffer``, ``Executor.implmap``, and the two below).
+"""
+
+from __future__ import annotations
+
+import thunder
+import torch
+from thunder.core.module import ThunderModule
+from thunder.core.proxies import DistParallelType, TensorProxy
+
+
+def set_parameter(tm: ThunderModule, name: str, value: torch.nn.Parameter) -> None:
+    """Make `tm` compute with `value` as parameter `name` (0.2.6 has ``set_buffer`` but no ``set_parameter``)."""
+    tm._overrides_parameters[name] = value
+
+
+def trace_device(t: torch.Tensor) -> torch.device | None:
+    """The device Thunder traces a meta-device tensor on, if one was set (Thunder reads ``_thunder_device``)."""
+    return getattr(t, "_thunder_device", None)
+
+
+def set_trace_device(t: torch.Tensor, device: torch.device) -> None:
+    """Trace `t` as on `device` (``_thunder_device``, which Thunder's Materialization/FSDP transforms set; no setter)."""
+    t._thunder_device = device
+
+
+def set_proxy_shape(proxy: TensorProxy, shape: tuple[int, ...]) -> None:
+    """Change a trace input's shape in place, as Thunder's FSDPTransform does (``replace`` makes a new proxy, but the
+    prologue and the computation share this one)."""
+    proxy._shape = tuple(shape)
+
+
+def set_proxy_distparallel_type(proxy: TensorProxy, kind: DistParallelType) -> None:
+    """Set a trace input's ``distparallel_type`` in place (a read-only property; ``replace`` makes a new proxy)."""
+    proxy._distparallel_type = kind
+
+
+# --- public routes, named here so that the callers read alike ----------------------------------------------------
+
+
+def original_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ThunderModule was jitted from (``thunder.compile_data(tm).fn``); a plain module itself."""
+    return thunder.compile_data(model).fn if isinstance(model, ThunderModule) else model
+
+
+def applied_transforms(model: torch.nn.Module) -> list:
+    """The transforms already applied to a ThunderModule, in order (``thunder.list_transforms``); none for a plain one."""
+    return list(thunder.list_transforms(model)) if isinstance(model, ThunderModule) else []
