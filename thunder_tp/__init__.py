@@ -9,6 +9,7 @@ from thunder_tp.mesh import Mesh, init_mesh, parallelize
 from thunder_tp.simulate import per_rank, simulate
 from thunder_tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
+from thunder_tp import untraced  # noqa: F401  (registers lookasides: modules built in a jitted forward)
 
 __all__ = [
     "ColwiseParallel",
