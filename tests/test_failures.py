@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dist import free_port
+import torch
+import torch.distributed as dist
+
+from tests.dist import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -94,3 +97,51 @@ def test_peer_killed_mid_step_is_an_error_within_seconds():
 
 def test_peer_raising_before_a_collective_does_not_hang():
     _check_survivor("raise", "all_reduce")  # the forward all_reduce of the next step
+
+
+# --- a compile error on one rank only: every rank raises, and the pair of processes goes on to the next model ----
+
+
+class _FailsTracingOnRank(torch.nn.Module):
+    """The TP MLP whose forward raises while Thunder traces it, on `failing_rank` only."""
+
+    def __init__(self, failing_rank: int):
+        super().__init__()
+        from tests.test_core_mlp import MLP
+
+        self.mlp, self.failing = MLP(), dist.get_rank() == failing_rank
+
+    def forward(self, x):
+        if self.failing:
+            raise ValueError("a rank-local tracing error")
+        return self.mlp(x)
+
+
+def _compile_fails_on_one_rank(failing_rank: int) -> list[str]:
+    """Two jitted modules in a row in this process pair: the first fails to compile on one rank; the second runs."""
+    import thunder
+
+    import thunder_tp
+    from tests.test_core_mlp import MLP, PLAN, _mlp_input
+    from tests.tp_checks import FAST_EXECUTORS
+
+    (x,) = _mlp_input()
+    plan = {f"mlp.{name}": style for name, style in PLAN.items()}
+    broken = thunder.jit(_FailsTracingOnRank(failing_rank), transforms=[thunder_tp.TensorParallel(plan)], executors=FAST_EXECUTORS)
+    try:
+        broken(x)
+        outcome = "compiled"
+    except (ValueError, RuntimeError) as error:
+        outcome = f"{type(error).__name__}: {error} {getattr(error, '__notes__', '')}"
+    torch.manual_seed(0)
+    working = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=FAST_EXECUTORS)
+    working(x).sum().backward()  # the pair is still in step: the next model's collectives match
+    return [outcome]
+
+
+def test_compile_error_on_one_rank_is_an_error_on_every_rank():
+    outcomes = run_ranks(_compile_fails_on_one_rank, 2, 1, timeout=120)
+    peer, failing = outcomes[0][0], outcomes[1][0]
+    assert failing.startswith("ValueError: a rank-local tracing error"), failing
+    assert "other ranks of the TP group were told" in failing, failing
+    assert peer.startswith("RuntimeError: thunder_tp: rank(s) [1] of the TP group of global ranks [0, 1] failed to compile"), peer

@@ -16,6 +16,12 @@ def set_parameter(tm: ThunderModule, name: str, value: torch.nn.Parameter) -> No
     tm._overrides_parameters[name] = value
 
 
+def wrap_module_call(tm: ThunderModule, wrapper) -> None:
+    """Route `tm`'s calls through ``wrapper(call)`` (``ThunderModule.forward`` calls ``_forward_fn``, the jitted
+    function that compiles on a cache miss and runs; 0.2.6 has no hook around a whole compile)."""
+    tm._forward_fn = wrapper(tm._forward_fn)
+
+
 def trace_device(t: torch.Tensor) -> torch.device | None:
     """The device Thunder traces a meta-device tensor on, if one was set (Thunder reads ``_thunder_device``)."""
     return getattr(t, "_thunder_device", None)

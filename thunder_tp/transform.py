@@ -24,6 +24,7 @@ from thunder_tp.layouts import (
     group_device,
     local_shape,
 )
+from thunder_tp.agreement import CompileAgreement
 from thunder_tp.composition import check_composition
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
@@ -52,6 +53,7 @@ class TensorParallel(Transform):
         self.weight_styles: dict[str, Style] = {}
         self._tp: TPGroup | None = None
         self._module = None
+        self._agreement: CompileAgreement | None = None
 
     @property
     def tp(self) -> TPGroup:
@@ -83,6 +85,9 @@ class TensorParallel(Transform):
             param = model.get_parameter(name)
             shard = local_piece(param.detach(), layout, self.tp.rank, self.tp.size, self.tp.group).clone()
             set_parameter(model, name, nn.Parameter(shard, requires_grad=param.requires_grad))
+        if self.tp.size > 1 and not is_simulating():
+            self._agreement = CompileAgreement(self.tp.group)
+            self._agreement.install(model)
 
     def _local_layouts(self, model) -> dict[str, Layout]:
         """The parameters that get a local piece: the sharded ones; in a simulation, all (a LocalTensor each)."""
@@ -131,6 +136,12 @@ class TensorParallel(Transform):
         sharded = {name: layout for name, layout in layouts.items() if isinstance(layout, Shard)}
         _localize_prologue(prologue, computation, sharded, self.tp.size)
         return prologue, rewrite(logical, steps, propagation.layouts, self.tp), epilogue
+
+    def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
+        """The end of a compile: every rank of the TP group compiled, or every rank raises (thunder_tp.agreement)."""
+        if self._agreement is not None:
+            self._agreement.compiled(self._module)
+        return computation
 
     def _initial_layouts(self, computation: TraceCtx, param_names: dict[str, str]) -> dict[str, Layout]:
         layouts: dict[str, Layout] = {}

@@ -1,0 +1,78 @@
+"""Every rank of a TP group finishes compiling a jitted module, or every rank raises.
+
+A compile error can be rank-local (the interpreter, a transform or an executor pass failing on one rank only);
+the ranks that compiled would then wait in the module's first collective until the process group's timeout.
+So each compile ends with one agreement: the ranks all-gather a flag (compiled / failed) after the last trace
+pass; a rank whose compile raised contributes "failed" from its error path, and every rank raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import thunder
+import torch
+import torch.distributed as dist
+
+from thunder_tp.thunder_private import wrap_module_call
+
+
+class CompileAgreement:
+    """The agreement of one jitted module's compiles over one process group."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._agreed_compile = 0  # the jitted module's cache-miss count at the last agreement
+
+    def install(self, model) -> None:
+        """Make a compile error of `model` (a ThunderModule) tell the group before it propagates."""
+        stats = thunder.compile_stats(model)
+        wrap_module_call(model, lambda forward: self._reporting_failures(forward, stats))
+
+    def _reporting_failures(self, forward: Callable, stats) -> Callable:
+        @functools.wraps(forward)
+        def forward_agreeing(*args, **kwargs) -> Any:
+            compiles = stats.cache_misses
+            try:
+                return forward(*args, **kwargs)
+            except Exception as error:
+                if stats.cache_misses != compiles and self._agreed_compile != stats.cache_misses:
+                    self._agreed_compile = stats.cache_misses
+                    _tell_peers_of(error, self.group)
+                raise
+
+        return forward_agreeing
+
+    def compiled(self, model) -> None:
+        """Called after this rank's last trace pass of a compile: raise if a peer's compile failed."""
+        stats = thunder.compile_stats(model)
+        if self._agreed_compile == stats.cache_misses:
+            return
+        self._agreed_compile = stats.cache_misses
+        failed = _failed_ranks(False, self.group)
+        if failed:
+            raise RuntimeError(
+                f"thunder_tp: rank(s) {failed} of the TP group of global ranks {dist.get_process_group_ranks(self.group)} "
+                "failed to compile this module (their output has the error); every rank of the group stops here "
+                "instead of waiting for them in a collective."
+            )
+
+
+def _failed_ranks(failed: bool, group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of `group` whose flag says failed (one all_gather of a flag per rank)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    flags = torch.zeros(group.size(), dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(flags, torch.tensor([int(failed)], dtype=torch.int32, device=device), group)
+    ranks = dist.get_process_group_ranks(group)
+    return [ranks[i] for i in flags.nonzero().flatten().tolist()]
+
+
+def _tell_peers_of(error: Exception, group: dist.ProcessGroup) -> None:
+    """This rank's compile failed: take part in the agreement as failed (best effort: the error stays the error)."""
+    try:
+        _failed_ranks(True, group)
+    except Exception as agreement_error:  # a peer died too: the original error is what the user needs
+        error.add_note(f"thunder_tp could not tell the other ranks of the TP group: {agreement_error}")
+    else:
+        error.add_note("thunder_tp: the other ranks of the TP group were told that this rank's compile failed.")
