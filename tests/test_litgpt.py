@@ -59,10 +59,10 @@ def _expected_counts(name, mode):
     if mode == "tp_lp":  # the loss reduces max, sum-exp and target logit over the vocabulary instead
         return {"all_reduce": 2 * n_layer + 1 + 3}, {"all_reduce": 2 * n_layer + 1}
     # SP: block 2 all_gather + 2 reduce_scatter each way; embedding reduce_scatter; head input and logits gather;
-    # replicated norm weights/biases (and neox's row-parallel biases) used on sequence shards get grad all_reduces
-    replicated_params = {"llama": 2 * n_layer + 1, "neox": 6 * n_layer + 2}[name]
+    # the grads of the replicated norm weights/biases (and neox's row-parallel biases) used on sequence shards are
+    # summed over the ranks in one all_reduce at the end of the backward
     forward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 2}
-    backward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 1, "all_reduce": replicated_params}
+    backward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 1, "all_reduce": 1}
     return forward, backward
 
 

@@ -57,16 +57,12 @@ def _check(name: str, mode: str) -> dict:
 
 def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
     """Megatron's minimum: 2 activation all_reduces per block each way (TP+SP: 2 all_gather + 2 reduce_scatter),
-    the embedding's and the head's, plus one grad all_reduce per replicated parameter used on sharded values
-    (norms under SP, row-parallel biases under SP, per-head q/k norm weights, replicated K/V weight and bias, an
-    MoE layer's router weight) and OLMo-2's q/k norm statistics (b*s numbers, each way)."""
+    the embedding's and the head's, plus OLMo-2's q/k norm statistics (b*s numbers, each way) and the grads of
+    the replicated parameters used on sharded values summed together, one all_reduce per dtype (_replicated_grads)."""
     layers = config.n_layer
     blocks = 2 * layers + 1
     olmo2 = 2 * layers if config.norm_qk and config.norm_qk_type == "olmo2" else 0
-    per_head_norms = 2 * layers if config.norm_qk and config.norm_qk_type == "default" else 0
-    kv_replicas = layers * (1 + bool(config.bias or config.attn_bias)) if config.n_query_groups < size else 0
-    moe = layers if config.mlp_class_name == "LLaMAMoE" else 0  # the router weight's grad (n_expert x C) is reduced
-    grads = olmo2 + per_head_norms + kv_replicas + moe
+    grads = olmo2 + _replicated_grads(config, mode, size)
     # a norm output shared by attention and MLP (parallel residual) enters the TP region once for both
     gathers = blocks - layers * config.shared_attention_norm
     if mode == "tp":
@@ -75,25 +71,22 @@ def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
         forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": gathers + grads}
     else:
         forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
-        replicated = _sequence_parallel_params(config) + grads
-        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": replicated}
+        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": grads}
     return _nonzero(forward), _nonzero(backward)
 
 
-def _sequence_parallel_params(config) -> int:
-    """Replicated parameters applied to sequence shards under SP: norm weights/biases and row-parallel biases."""
-    from litgpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(config)
-    plan = thunder_tp.plans.litgpt(model, sequence_parallel=True)
-    styled = thunder_tp.styles.match_plan(model, plan)
-    owners = [(name, styled.get(name.rpartition(".")[0])) for name, _ in model.named_parameters()]
-    return sum(
-        isinstance(style, thunder_tp.SequenceParallel)
-        or (name.endswith(".bias") and isinstance(style, thunder_tp.RowwiseParallel))
-        for name, style in owners
-    )
+def _replicated_grads(config, mode: str, size: int) -> int:
+    """All_reduces of the grads of replicated parameters used on sharded values, one per dtype: under SP the norms
+    and row-parallel biases, per-head q/k norm weights, replicated K/V blocks and MoE routers. The models are float64,
+    but litgpt's RMSNorm casts its weight to float32 first."""
+    rms = config.norm_class_name == "RMSNorm"
+    sp = mode == "tp_sp"
+    per_head_norms = config.norm_qk and config.norm_qk_type == "default"
+    kv_replicas = config.n_query_groups < size
+    moe = config.mlp_class_name == "LLaMAMoE"
+    float32 = rms and (sp or per_head_norms)
+    float64 = (sp and (not rms or config.bias)) or (per_head_norms and not rms) or kv_replicas or moe
+    return float32 + float64
 
 
 def _nonzero(counts: dict) -> dict:

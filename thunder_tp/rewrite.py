@@ -63,6 +63,49 @@ def fuse_gather_into_tp_region(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
     return result
 
 
+def coalesce_replicated_copies(bsyms: list[BoundSymbol], inputs: set[str], tp: TPGroup) -> list[BoundSymbol]:
+    """copy_to_tp of values computed from the trace's inputs alone (replicated parameters used by sharded compute:
+    norm weights and row biases under SP, per-head q/k norm weights, routers, replicated K/V blocks, each maybe
+    cast or offset first) -> one copy_all_to_tp per dtype, after the inputs and those computations (moved up):
+    their grads are all-reduced together in one collective at the end of the backward (as Megatron-LM does)."""
+    producers: dict[str, BoundSymbol] = {}
+    for b in bsyms:
+        tensors = _tensors(b)
+        local = b.sym.name not in C.COLLECTIVE_KINDS and b.sym.id != C.tp_copy_to_tp.id
+        if local and tensors and all(t.name in inputs or t.name in producers for t in tensors):
+            producers.update((o.name, b) for o in _outputs(b))
+    groups: dict[Any, list[BoundSymbol]] = {}
+    for b in bsyms:
+        if b.sym.id == C.tp_copy_to_tp.id and (b.args[0].name in inputs or b.args[0].name in producers):
+            groups.setdefault(b.args[0].dtype, []).append(b)
+    groups = {dtype: copies for dtype, copies in groups.items() if len(copies) > 1}
+    if not groups:
+        return bsyms
+    moved = _ancestors([c.args[0] for copies in groups.values() for c in copies], producers)
+    merged = [C.tp_copy_all_to_tp.bind([c.args[0] for c in copies], tp.group, output=tuple(c.output for c in copies))
+              for copies in groups.values()]
+    dropped = moved | {id(c) for copies in groups.values() for c in copies}
+    first = next(i for i, b in enumerate(bsyms) if b.sym.id != prims.PrimIDs.UNPACK_TRIVIAL)
+    rest = [b for b in bsyms[first:] if id(b) not in dropped]
+    return bsyms[:first] + [b for b in bsyms if id(b) in moved] + merged + rest
+
+
+def _ancestors(values: list[TensorProxy], producers: dict[str, BoundSymbol]) -> set[int]:
+    """ids of the bound symbols that compute `values` from the inputs."""
+    seen: set[int] = set()
+    pending = [producers[v.name] for v in values if v.name in producers]
+    while pending:
+        b = pending.pop()
+        if id(b) not in seen:
+            seen.add(id(b))
+            pending.extend(producers[t.name] for t in _tensors(b) if t.name in producers)
+    return seen
+
+
+def _outputs(bsym) -> list[TensorProxy]:
+    return [x for x in tree_flatten(bsym.output)[0] if isinstance(x, TensorProxy)]
+
+
 def _tensors(bsym) -> list[TensorProxy]:
     return [x for x in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(x, TensorProxy)]
 
@@ -88,6 +131,7 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
         outputs = tree_map(lambda x: _returned(x, local, unpacked), ret.args)
         prims.python_return(*outputs)
     new.bound_symbols = fuse_gather_into_tp_region(new.bound_symbols)
+    new.bound_symbols = coalesce_replicated_copies(new.bound_symbols, set(unpacked), tp)
     new.set_provenance(TraceProvenance("thunder_tp: tensor-parallel rewrite"))
     return new
 

@@ -19,6 +19,7 @@ from thunder_tp.collectives.packing import Blocks, pack, unpack
 from thunder_tp.collectives.symbols import (
     comm_executor,
     tp_all_reduce_max,
+    tp_copy_all_to_tp,
     tp_copy_to_tp,
     tp_gather,
     tp_gather_to_tp,
@@ -108,7 +109,12 @@ def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     return shallow_copy(a)  # an alias under a new name (returning `a` itself leaves the output undefined)
 
 
+def _copy_all_to_tp_ops(tensors: list[TensorProxy], group: dist.ProcessGroup) -> tuple[TensorProxy, ...]:
+    return tuple(_copy_to_tp_ops(t, group) for t in tensors)
+
+
 comm_executor.register_implementation(tp_copy_to_tp, execution_transform=_copy_to_tp_ops)
+comm_executor.register_implementation(tp_copy_all_to_tp, execution_transform=_copy_all_to_tp_ops)
 comm_executor.register_implementation(tp_scatter, execution_transform=_scatter_ops)
 comm_executor.register_implementation(tp_pack, execution_transform=partial(pack, ops=ltorch))
 comm_executor.register_implementation(tp_unpack, execution_transform=partial(unpack, ops=ltorch))

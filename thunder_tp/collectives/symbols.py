@@ -6,6 +6,7 @@ grad is the conjugate collective (Megatron's f/g operator pairs).
 
 from __future__ import annotations
 
+import thunder.torch as ltorch
 import torch.distributed as dist
 from thunder.core.prims import get_grad, put_grad
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
@@ -49,6 +50,10 @@ def _unpacked_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int, piece: t
     return TensorProxy(like=a, shape=tuple(shape))
 
 
+def _all_like(tensors: list[TensorProxy], group: dist.ProcessGroup) -> tuple[TensorProxy, ...]:
+    return tuple(TensorProxy(like=t) for t in tensors)
+
+
 def _rank_offset_meta(like: TensorProxy, step: int, group: dist.ProcessGroup) -> TensorProxy:
     return TensorProxy(like=like, shape=(), dtype=like.dtype)
 
@@ -56,6 +61,10 @@ def _rank_offset_meta(like: TensorProxy, step: int, group: dist.ProcessGroup) ->
 # --- the TP collectives ---------------------------------------------------------------------------
 
 tp_copy_to_tp = comm_executor.register_operator("tp_copy_to_tp", meta=_like, fn=lambda a, group: a)
+#: tp_copy_to_tp of several tensors of one dtype whose grads are all-reduced together: one collective, not one each
+tp_copy_all_to_tp = comm_executor.register_operator(
+    "tp_copy_all_to_tp", meta=_all_like, fn=lambda tensors, group: tuple(tensors)
+)
 tp_reduce_from_tp = comm_executor.register_operator("tp_reduce_from_tp", meta=_like, fn=D.all_reduce)
 tp_gather = comm_executor.register_operator("tp_gather", meta=_gathered_meta, fn=D.gather_shards)
 tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathered_meta, fn=D.gather_shards)
@@ -105,6 +114,16 @@ def _copy_to_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     return out
 
 
+def _copy_all_to_tp_grad(tensors: list[TensorProxy], group: dist.ProcessGroup) -> tuple[TensorProxy, ...]:
+    outs = tp_copy_all_to_tp(tensors, group)
+    flat = ltorch.cat([ltorch.reshape(get_grad(out), (-1,)) for out in outs], 0)
+    summed, at = tp_reduce_from_tp(flat, group), 0
+    for t in tensors:
+        put_grad(t, ltorch.reshape(summed[at : at + t.numel], t.shape))
+        at += t.numel
+    return outs
+
+
 def _reduce_from_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     out = tp_reduce_from_tp(a, group)
     put_grad(a, get_grad(out))
@@ -125,6 +144,7 @@ def _conjugate(forward, backward):
 
 
 register_grad(tp_copy_to_tp, _copy_to_tp_grad)
+register_grad(tp_copy_all_to_tp, _copy_all_to_tp_grad)
 register_grad(tp_reduce_from_tp, _reduce_from_tp_grad)
 register_grad(tp_all_reduce_max, _all_reduce_max_grad)
 register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
