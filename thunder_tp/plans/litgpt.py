@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from thunder_tp.layouts import REPLICATE, Shard
+from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
 
 _MLP_PLANS = {
@@ -75,17 +75,20 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
     }
     mlp_plan = _moe_plan(config) if config.mlp_class_name == "LLaMAMoE" else _MLP_PLANS[config.mlp_class_name]
-    for name, kind in mlp_plan.items():
-        plan[f"{block}mlp.{name}"] = ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
+    plan |= {f"{block}mlp.{name}": _mlp_style(kind, reduced) for name, kind in mlp_plan.items()}
     for i in range(config.first_k_dense_replace or 0):  # MoE models whose first blocks have a dense LLaMAMLP
-        plan |= {f"transformer.h.{i}.mlp.{name}": ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
-                 for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
+        plan |= {f"transformer.h.{i}.mlp.{name}": _mlp_style(kind, reduced) for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them
         plan.update({f"{block}attn.norm_q": FeatureShardedNorm(), f"{block}attn.norm_k": FeatureShardedNorm()})
     if sequence_parallel:
         plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in _block_norms(config)})
         plan["transformer.ln_f"] = SequenceParallel(SEQUENCE_DIM)
     return {prefix + key: style for key, style in plan.items()}
+
+
+def _mlp_style(kind: str, reduced: Layout) -> Style:
+    """An MLP linear's style: "col" column-parallel, "row" row-parallel with its output in `reduced`."""
+    return ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
 
 
 def _qkv_style(config) -> ColwiseParallel:
