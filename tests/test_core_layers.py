@@ -132,6 +132,37 @@ def test_partial_plus_number_adds_it_once(cache):
     run_ranks(_partial_plus_number, 2, cache)
 
 
+def _rows_to_columns_fn(x, weights):
+    rows = annotate(x * 2, Shard(0))
+    return (annotate(rows + 1, Shard(1)) * weights).sum(0)
+
+
+def _rows_to_columns():
+    """Shard(0) -> Shard(1): one all_to_all each way; values and grads exact (float64) vs eager."""
+    from tests.tp_checks import collective_counts
+
+    torch.manual_seed(0)
+    x, weights = torch.randn(8, 12, dtype=torch.float64, requires_grad=True), torch.randn(8, 12, dtype=torch.float64)
+    jf = thunder.jit(_rows_to_columns_fn, transforms=[TensorParallel()], executors=FAST_EXECUTORS)
+    out = jf(x, weights)
+    (out * torch.arange(12.0, dtype=torch.float64)).sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    expected = _rows_to_columns_fn(reference, weights)
+    (expected * torch.arange(12.0, dtype=torch.float64)).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, reference.grad, rtol=1e-12, atol=1e-12)
+    return {"forward": collective_counts(thunder.last_traces(jf)[-1]),
+            "backward": collective_counts(thunder.last_backward_traces(jf)[-1])}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_to_another_dim_is_one_all_to_all(world):
+    counts = run_ranks(_rows_to_columns, world)[0]
+    # forward: the all_to_all, then the (12,) column sums gathered for the caller; backward: the conjugates, and
+    # the all_gather of x's row-sliced grad (x enters replicated)
+    assert counts == {"forward": {"all_to_all": 1, "all_gather": 1}, "backward": {"all_to_all": 1, "all_gather": 1}}, counts
+
+
 class MLPWithUnknownOp(MLP):
     def forward(self, x):
         h = torch.nn.functional.gelu(self.fc1(x))

@@ -64,6 +64,8 @@ def test_costs_prefer_no_communication_and_never_choose_partial():
     reduce_cost = redistribute_cost(Partial(), Replicate(), t, 2)
     scatter_cost = redistribute_cost(Partial(), Shard(0), t, 2)
     assert redistribute_cost(Shard(0), Shard(0), t, 2) == 0 < slice_cost < gather_cost < reduce_cost
+    assert redistribute_cost(Shard(0), Shard(1), t, 2) < gather_cost  # one all_to_all, not gather + slice
+    assert redistribute_cost(Shard(1, blocks=(512, 512)), Shard(0), t, 2) > gather_cost  # blocked: gather, then slice
     assert scatter_cost < reduce_cost
     assert redistribute_cost(Replicate(), Partial(), t, 2) == float("inf")
     assert redistribute_cost(Shard(0), Replicate(), t, 2, is_parameter=True) > 100 * gather_cost

@@ -37,7 +37,7 @@ from thunder_tp.simulate import is_simulating
 
 __all__ = ["collective_calls", "collective_kind", "collectives_table", "dump_traces", "format_table", "totals"]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 #: top-level symbol name -> collective kind: torchex implementations, Thunder's distributed prims, thunder_tp
 _SYMBOL_KINDS: dict[str, str] = {

@@ -9,6 +9,7 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
 from thunder_tp.layouts import Layout, Partial, Replicate, Shard
+from thunder_tp.simulate import is_simulating
 
 #: latency of one collective, in bytes-equivalent (alpha / beta)
 ALPHA_BYTES = 64 * 1024
@@ -39,11 +40,19 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
             cost = ALPHA_BYTES + 2 * moved
         case Partial(), Shard():
             cost = ALPHA_BYTES + moved
+        case Shard(), Shard() if _all_to_all_applies(src, dst):  # each rank keeps 1/size of its piece
+            cost = ALPHA_BYTES + moved / size
         case Shard(), Shard():  # gather, then slice
             cost = ALPHA_BYTES + moved + SLICE_COST
         case _:  # -> Partial is never chosen
             return math.inf
     return cost * (PARAMETER_PENALTY if is_parameter else 1.0)
+
+
+def _all_to_all_applies(src: Shard, dst: Shard) -> bool:
+    """Shard(i) -> Shard(j), i != j, of plain (unblocked) shards on real ranks: one all_to_all, as DTensor's
+    shard_dim_alltoall (a simulation gathers and slices: one trace runs for every simulated rank)."""
+    return src.dim != dst.dim and src.blocks is None and dst.blocks is None and not is_simulating()
 
 
 def _replicated_shard(*layouts: Layout) -> bool:
@@ -68,6 +77,8 @@ def redistribute(x: TensorProxy, src: Layout, dst: Layout, group: dist.ProcessGr
             return C.tp_gather(x, src.dim, src.blocks, group)
         case Replicate(), Shard():
             return C.tp_scatter(x, dst.dim, dst.blocks, group)
+        case Shard(), Shard() if _all_to_all_applies(src, dst):
+            return C.tp_all_to_all(x, src.dim, dst.dim, group)
         case Shard(), Shard():
             return C.tp_scatter(C.tp_gather(x, src.dim, src.blocks, group), dst.dim, dst.blocks, group)
     raise NotImplementedError(f"thunder_tp cannot redistribute {src} to {dst}")

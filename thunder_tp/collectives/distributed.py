@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from thunder_tp.collectives.packing import Blocks, pack
+from thunder_tp.collectives.packing import Blocks, pack, unpack
 from thunder_tp.layouts import Shard, local_shape, unshard_tensor
 from thunder_tp.simulate import for_each_rank, local_piece
 
@@ -37,6 +37,22 @@ def reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.Proces
     out = torch.empty((packed.shape[0] // size, *packed.shape[1:]), dtype=a.dtype, device=a.device)
     dist.reduce_scatter_tensor(out, packed, dist.ReduceOp.SUM, group)
     return out.view(local_shape(a.shape, Shard(dim), size))
+
+
+def all_to_all(a: torch.Tensor, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's Shard(dst_dim) piece of the tensor whose Shard(src_dim) pieces the ranks hold (synchronous)."""
+    size = group.size()
+    packed = pack(a, dst_dim, None, size)  # the chunk for rank r at dim-0 position r
+    received = torch.empty_like(packed)
+    dist.all_to_all_single(received, packed, group=group)
+    return unpack(received, src_dim, None, size, local_shape(a.shape, Shard(dst_dim), size))
+
+
+def all_to_all_start(packed: torch.Tensor, group: dist.ProcessGroup) -> tuple:
+    """Issue the all_to_all of a packed tensor (chunk r for rank r along dim 0): Thunder's (work, result) future."""
+    received = torch.empty_like(packed)
+    work = dist.all_to_all_single(received, packed.contiguous(), group=group, async_op=True)
+    return name_work((work, received), "all_to_all", packed, group)
 
 
 def local(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:

@@ -19,6 +19,8 @@ from thunder_tp.collectives.packing import Blocks, pack, unpack
 from thunder_tp.collectives.symbols import (
     comm_executor,
     tp_all_reduce_max,
+    tp_all_to_all,
+    tp_all_to_all_start,
     tp_copy_all_to_tp,
     tp_copy_to_tp,
     tp_gather,
@@ -86,11 +88,24 @@ def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.
     return ltorch.reshape(out, local_shape(a.shape, Shard(dim), group.size()))
 
 
+def _async_all_to_all(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.executors.torchex import wait_prim_impl
+
+    if _symbolic(a):
+        return tp_all_to_all(a, src_dim, dst_dim, group)
+
+    size = group.size()
+    received = wait_prim_impl(tp_all_to_all_start(tp_pack(a, dst_dim, None, size), group))
+    return tp_unpack(received, src_dim, None, size, local_shape(a.shape, Shard(dst_dim), size))
+
+
 comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce("sum"))
 comm_executor.register_implementation(tp_all_reduce_max, execution_transform=_async_all_reduce("max"))
 comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)
+comm_executor.register_implementation(tp_all_to_all, execution_transform=_async_all_to_all)
+comm_executor.register_implementation(tp_all_to_all_start, tp_all_to_all_start)
 comm_executor.register_implementation(tp_name_work, tp_name_work)
 
 

@@ -39,6 +39,12 @@ def _scattered_meta(a: TensorProxy, dim: int, blocks: Blocks, group: dist.Proces
     return TensorProxy(like=a, shape=local_shape(a.shape, Shard(dim), group.size()))
 
 
+def _all_to_all_meta(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:
+    shape = list(local_shape(a.shape, Shard(dst_dim), group.size()))
+    shape[src_dim] *= group.size()
+    return TensorProxy(like=a, shape=tuple(shape))
+
+
 def _packed_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int) -> TensorProxy:
     piece = local_shape(a.shape, Shard(dim), size)
     return TensorProxy(like=a, shape=(size * piece[0], *piece[1:]))
@@ -70,6 +76,7 @@ tp_gather = comm_executor.register_operator("tp_gather", meta=_gathered_meta, fn
 tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathered_meta, fn=D.gather_shards)
 tp_scatter = comm_executor.register_operator("tp_scatter", meta=_scattered_meta, fn=D.local)
 tp_reduce_scatter = comm_executor.register_operator("tp_reduce_scatter", meta=_scattered_meta, fn=D.reduce_scatter)
+tp_all_to_all = comm_executor.register_operator("tp_all_to_all", meta=_all_to_all_meta, fn=D.all_to_all)
 tp_all_reduce_max = comm_executor.register_operator(
     "tp_all_reduce_max", meta=_like, fn=lambda a, group: D.all_reduce(a, group, dist.ReduceOp.MAX)
 )
@@ -81,12 +88,17 @@ COLLECTIVE_KINDS: dict[str, str] = {
     "tp_gather": "all_gather",
     "tp_gather_to_tp": "all_gather",
     "tp_reduce_scatter": "reduce_scatter",
+    "tp_all_to_all": "all_to_all",
+    "tp_all_to_all_start": "all_to_all",
 }
 
 # --- helpers of the lowering: packing for dim-0 collectives, named work handles ------------------------------
 
 tp_pack = comm_executor.register_operator("tp_pack", meta=_packed_meta, fn=pack)
 tp_unpack = comm_executor.register_operator("tp_unpack", meta=_unpacked_meta, fn=unpack)
+tp_all_to_all_start = comm_executor.register_operator(
+    "tp_all_to_all_start", meta=lambda packed, group: FutureTensorProxy(like=packed), fn=D.all_to_all_start
+)
 tp_name_work = comm_executor.register_operator(
     "tp_name_work", meta=lambda future, kind, a, group: FutureTensorProxy(like=future), fn=D.name_work
 )
@@ -130,6 +142,12 @@ def _reduce_from_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProx
     return out
 
 
+def _all_to_all_grad(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:
+    out = tp_all_to_all(a, src_dim, dst_dim, group)
+    put_grad(a, tp_all_to_all(get_grad(out), dst_dim, src_dim, group))
+    return out
+
+
 def _all_reduce_max_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     return tp_all_reduce_max(a, group)  # used only as a shift constant: no gradient flows through it
 
@@ -147,6 +165,7 @@ register_grad(tp_copy_to_tp, _copy_to_tp_grad)
 register_grad(tp_copy_all_to_tp, _copy_all_to_tp_grad)
 register_grad(tp_reduce_from_tp, _reduce_from_tp_grad)
 register_grad(tp_all_reduce_max, _all_reduce_max_grad)
+register_grad(tp_all_to_all, _all_to_all_grad)
 register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
 register_grad(tp_gather_to_tp, _conjugate(tp_gather_to_tp, tp_reduce_scatter))
 register_grad(tp_scatter, _conjugate(tp_scatter, tp_gather))
