@@ -1,0 +1,50 @@
+"""What one collective costs on this host's transport: all_reduce of 8 KiB and of one b*s*h activation (2 MiB),
+synchronous and async + wait, and the 16 -> 32 MiB logits all_gather of benchmarks/compare.py's Llama.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_gloo.py          # each rank pinned to its own core
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _median_ms(step, repeats: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    small, activation = torch.randn(2048), torch.randn(4 * 256 * 512)
+    logits = torch.randn(4 * 256 * 4096)
+    gathered = torch.empty(dist.get_world_size() * logits.numel())
+    rows = {
+        "all_reduce 8 KiB": lambda: dist.all_reduce(small),
+        "all_reduce 2 MiB": lambda: dist.all_reduce(activation),
+        "all_reduce 2 MiB, async + wait": lambda: dist.all_reduce(activation, async_op=True).wait(),
+        "all_gather 16 MiB per rank": lambda: dist.all_gather_into_tensor(gathered, logits),
+    }
+    for name, step in rows.items():
+        ms = _median_ms(step, 20)
+        if rank == 0:
+            print(f"{name}: {ms:.2f} ms (median of 20)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
