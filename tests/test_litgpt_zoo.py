@@ -76,17 +76,34 @@ def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
 
 
 def _replicated_grads(config, mode: str, size: int) -> int:
-    """All_reduces of the grads of replicated parameters used on sharded values, one per dtype: under SP the norms
-    and row-parallel biases, per-head q/k norm weights, replicated K/V blocks and MoE routers. The models are float64,
-    but litgpt's RMSNorm casts its weight to float32 first."""
-    rms = config.norm_class_name == "RMSNorm"
-    sp = mode == "tp_sp"
-    per_head_norms = config.norm_qk and config.norm_qk_type == "default"
-    kv_replicas = config.n_query_groups < size
-    moe = config.mlp_class_name == "LLaMAMoE"
-    float32 = rms and (sp or per_head_norms)
-    float64 = (sp and (not rms or config.bias)) or (per_head_norms and not rms) or kv_replicas or moe
-    return float32 + float64
+    """All_reduces of the grads of replicated parameters used on sharded values, one per dtype: replicated K/V
+    blocks, MoE routers, per-head q/k norm weights and, under SP, the norms and row-parallel biases. The models are
+    float64, but litgpt's RMSNorm casts its weight to float32 first."""
+    norm_dtype = "float32" if config.norm_class_name == "RMSNorm" else "float64"
+    dtypes = {"float64"} if config.n_query_groups < size or config.mlp_class_name == "LLaMAMoE" else set()
+    if config.norm_qk and config.norm_qk_type == "default":
+        dtypes.add(norm_dtype)
+    if mode == "tp_sp":
+        dtypes |= _sequence_parallel_dtypes(config, norm_dtype)
+    return len(dtypes)
+
+
+def _sequence_parallel_dtypes(config, norm_dtype: str) -> set[str]:
+    """The dtypes of the replicated parameters applied to sequence shards under SP: norm weights and biases (none
+    for OLMo's parameter-free LayerNorm), row-parallel biases."""
+    from litgpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    styled = thunder_tp.styles.match_plan(model, thunder_tp.plans.litgpt(model, sequence_parallel=True))
+    dtypes = set()
+    for name, _ in model.named_parameters():
+        style = styled.get(name.rpartition(".")[0])
+        if isinstance(style, thunder_tp.SequenceParallel):
+            dtypes.add(norm_dtype)
+        elif name.endswith(".bias") and isinstance(style, thunder_tp.RowwiseParallel):
+            dtypes.add("float64")
+    return dtypes
 
 
 def _nonzero(counts: dict) -> dict:
