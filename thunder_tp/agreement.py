@@ -9,6 +9,7 @@ pass; a rank whose compile raised contributes "failed" from its error path, and 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import thunder
@@ -27,18 +28,19 @@ class CompileAgreement:
 
     def install(self, model) -> None:
         """Make a compile error of `model` (a ThunderModule) tell the group before it propagates."""
-        stats = thunder.compile_stats(model)
+        stats = weakref.ref(thunder.compile_stats(model))  # as Thunder's own call: no cycle through the module
         wrap_module_call(model, lambda forward: self._reporting_failures(forward, stats))
 
-    def _reporting_failures(self, forward: Callable, stats) -> Callable:
+    def _reporting_failures(self, forward: Callable, stats: weakref.ref) -> Callable:
         @functools.wraps(forward)
         def forward_agreeing(*args, **kwargs) -> Any:
-            compiles = stats.cache_misses
+            compiles = stats().cache_misses
             try:
                 return forward(*args, **kwargs)
             except Exception as error:
-                if stats.cache_misses != compiles and self._agreed_compile != stats.cache_misses:
-                    self._agreed_compile = stats.cache_misses
+                misses = stats().cache_misses
+                if misses != compiles and self._agreed_compile != misses:
+                    self._agreed_compile = misses
                     _tell_peers_of(error, self.group)
                 raise
 
