@@ -16,6 +16,7 @@ import thunder
 import torch
 import torch.distributed as dist
 
+from thunder_tp.layouts import group_device
 from thunder_tp.thunder_private import wrap_module_call
 
 
@@ -63,7 +64,7 @@ class CompileAgreement:
 
 def _failed_ranks(failed: bool, group: dist.ProcessGroup) -> list[int]:
     """The global ranks of `group` whose flag says failed (one all_gather of a flag per rank)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = group_device(group)
     flags = torch.zeros(group.size(), dtype=torch.int32, device=device)
     dist.all_gather_into_tensor(flags, torch.tensor([int(failed)], dtype=torch.int32, device=device), group)
     ranks = dist.get_process_group_ranks(group)

@@ -42,9 +42,8 @@ def reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.Proces
 def all_to_all(a: torch.Tensor, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's Shard(dst_dim) piece of the tensor whose Shard(src_dim) pieces the ranks hold (synchronous)."""
     size = group.size()
-    packed = pack(a, dst_dim, None, size)  # the chunk for rank r at dim-0 position r
-    received = torch.empty_like(packed)
-    dist.all_to_all_single(received, packed, group=group)
+    work, received = all_to_all_start(pack(a, dst_dim, None, size), group)  # chunk r for rank r at dim-0 position r
+    work.wait()
     return unpack(received, src_dim, None, size, local_shape(a.shape, Shard(dst_dim), size))
 
 
