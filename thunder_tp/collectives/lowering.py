@@ -115,7 +115,9 @@ comm_executor.register_implementation(tp_name_work, tp_name_work)
 def _scatter_ops(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     if is_simulating():  # one trace runs for every simulated rank: the slice is cut per rank, at run time
         return tp_rank_piece(a, dim, blocks, group)
-    return shard_tensor(a, Shard(dim, blocks), dist.get_rank(group), group.size(), ltorch)
+    # dense, not a strided view: a fusion computes just this piece, and a matmul on it (the grad of gathered
+    # logits is the lm_head's weight grad) runs at full speed instead of on a view that keeps the whole alive
+    return ltorch.contiguous(shard_tensor(a, Shard(dim, blocks), dist.get_rank(group), group.size(), ltorch))
 
 
 def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
