@@ -29,6 +29,7 @@ from thunder_tp.composition import check_composition
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
+from thunder_tp.saved_values import recompute_matmul_inputs
 from thunder_tp.styles import Style, check_distparallel_type, match_plan, styles_from_distparallel_type
 from thunder_tp.thunder_private import (
     original_module,
@@ -135,7 +136,8 @@ class TensorParallel(Transform):
         steps = propagation.run(body)
         sharded = {name: layout for name, layout in layouts.items() if isinstance(layout, Shard)}
         _localize_prologue(prologue, computation, sharded, self.tp.size)
-        return prologue, rewrite(logical, steps, propagation.layouts, self.tp), epilogue
+        local = rewrite(logical, steps, propagation.layouts, self.tp)
+        return prologue, recompute_matmul_inputs(local), epilogue
 
     def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
         """The end of a compile: every rank of the TP group compiled, or every rank raises (thunder_tp.agreement)."""

@@ -1,0 +1,60 @@
+"""What a TP backward keeps: a SwiGLU MLP saves its two projections, not the activation and product between them."""
+
+import pytest
+import thunder
+import torch
+import torch.nn as nn
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
+
+import thunder_tp
+from tests.dist import run_ranks
+from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device
+
+TOKENS, HIDDEN, FFN = 64, 64, 256
+
+
+class SwiGLU(nn.Module):
+    """litgpt's LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x))."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_1 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.fc_2 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.proj = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.proj(torch.nn.functional.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+PLAN = {"fc_1": thunder_tp.ColwiseParallel(), "fc_2": thunder_tp.ColwiseParallel(), "proj": thunder_tp.RowwiseParallel()}
+
+
+def _input():
+    torch.manual_seed(3)
+    return (torch.randn(2, TOKENS // 2, HIDDEN, requires_grad=True),)
+
+
+def _saved_shapes(forward_trace) -> list[tuple[int, ...]]:
+    ret = next(b for b in reversed(forward_trace.bound_symbols) if b.sym.id == prims.PrimIDs.RETURN)
+    saved = {p.name: p for p in tree_flatten(ret.args[1][0])[0] if isinstance(p, TensorProxy)}
+    return [tuple(p.shape) for p in saved.values()]
+
+
+def _swiglu_saved(fused: bool):
+    executors = thunder_tp.executors() if fused else FAST_EXECUTORS
+    tp = thunder_tp.TensorParallel(PLAN)
+    compare_with_single_device(SwiGLU, _input, tp, executors=executors)  # output, input grad, every weight grad
+    torch.manual_seed(0)
+    jm = thunder.jit(SwiGLU(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=executors)
+    jm(*_input()).sum().backward()
+    return _saved_shapes(thunder.last_traces(jm)[-1])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["thunder_tp.executors", "thunder defaults"])
+def test_swiglu_saves_its_projections_not_what_is_computed_from_them(fused):
+    shapes = run_ranks(_swiglu_saved, 2, fused)[0]
+    # a = fc_1(x) and b = fc_2(x), which the backward of silu(a) * b needs; silu(a) and the product (proj's
+    # input, for its weight grad) are recomputed from them (before: all four were saved)
+    assert shapes.count((2, TOKENS // 2, FFN // 2)) == 2, shapes
