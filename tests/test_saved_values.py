@@ -58,3 +58,35 @@ def test_swiglu_saves_its_projections_not_what_is_computed_from_them(fused):
     # a = fc_1(x) and b = fc_2(x), which the backward of silu(a) * b needs; silu(a) and the product (proj's
     # input, for its weight grad) are recomputed from them (before: all four were saved)
     assert shapes.count((2, TOKENS // 2, FFN // 2)) == 2, shapes
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([SwiGLU(), SwiGLU()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _recomputed_before_first_wait() -> list[str]:
+    """The recomputed activations (Thunder names them bw_*) that the backward computes before its first wait."""
+    plan = {f"blocks.*.{name}": style for name, style in PLAN.items()}
+    torch.manual_seed(0)
+    jm = thunder.jit(_Stack(), transforms=[thunder_tp.TensorParallel(plan)], executors=thunder_tp.executors())
+    jm(*_input()).sum().backward()
+    names = set()
+    for bsym in thunder.last_backward_traces(jm)[-1].bound_symbols:
+        if bsym.sym.name == "torch_wait_prim_impl":
+            break
+        names.update(s.output.name for s in bsym.subsymbols if s.sym.name in ("silu", "mul") and s.output.name.startswith("bw_"))
+    return sorted(names)
+
+
+def test_backward_recomputes_a_block_activation_next_to_its_use():
+    # up to the wait for the last block's input grad, only that block's silu(a) and product are recomputed; the
+    # first block's, which read only saved values, are not pulled there (where they would live through the block)
+    recomputed = run_ranks(_recomputed_before_first_wait, 2)[0]
+    assert len(recomputed) == 2, recomputed

@@ -126,7 +126,8 @@ def schedule_communication(trace: TraceCtx) -> TraceCtx:
 
     Compute that feeds a collective goes first, the collective reachable in fewest steps first (so DDP's
     all_reduce of the last layer's grads is issued before the earlier layers' grads are computed); other
-    compute comes next and waits only when nothing else is ready. Forward stays before backward.
+    compute comes next and waits only when nothing else is ready. Forward stays before backward, and backward
+    compute that reads no grad (recomputations) runs just before its first use.
     Backends fuse consecutive compute only, so this order is also where regions break.
     """
     bsyms = trace.bound_symbols
@@ -139,7 +140,8 @@ def schedule_communication(trace: TraceCtx) -> TraceCtx:
         return min(range(len(eligible)), key=lambda k: key_of[id(eligible[k].bsym)])
 
     scheduled = from_trace(trace)
-    scheduled.bound_symbols = toposort_bsym_dag(bsym_list_to_dag(bsyms)[0], TOPOSORT_ORDER.TOP_DOWN, selector=select)
+    ordered = toposort_bsym_dag(bsym_list_to_dag(bsyms)[0], TOPOSORT_ORDER.TOP_DOWN, selector=select)
+    scheduled.bound_symbols = _sink_saved_value_compute(ordered)
     scheduled.set_provenance(TraceProvenance("thunder_tp: schedule communication"))
     return scheduled
 
@@ -164,6 +166,47 @@ def _schedule_keys(bsyms: list[BoundSymbol]) -> list[tuple]:
         kind = 0 if issues[i] else 2 if _is_wait(bsym) else 1
         keys.append((0, BoundSymbolTag.BACKWARD in bsym.tags, kind, due[i], i))
     return keys
+
+
+def _sink_saved_value_compute(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
+    """Backward compute that reads no grad (Thunder's recomputations, reshapes of saved values) moves down to just
+    before its first use: it then fuses with that use and its value lives only from there. (Reading saved values
+    only, it is ready at once, and the priorities above would run all of it at the start of the backward.)"""
+    movable = _reading_no_grad(bsyms)
+    held: dict[str, BoundSymbol] = {}
+    order: list[BoundSymbol] = []
+
+    def release(bsym: BoundSymbol) -> None:
+        for name in [a.name for a in bsym.flat_proxy_args]:
+            producer = held.get(name)
+            if producer is not None:
+                for out in producer.flat_proxy_outs:
+                    held.pop(out.name, None)
+                release(producer)
+                order.append(producer)
+
+    for bsym in bsyms:
+        if id(bsym) in movable:
+            held.update((out.name, bsym) for out in bsym.flat_proxy_outs)
+            continue
+        if bsym.sym.id in (prims.PrimIDs.RETURN, prims.python_return.id):  # unused ones stay, in their order
+            order.extend({id(b): b for b in held.values()}.values())
+            held.clear()
+        release(bsym)
+        order.append(bsym)
+    return order
+
+
+def _reading_no_grad(bsyms: list[BoundSymbol]) -> set[int]:
+    """ids of the backward's compute symbols that no grad flows into."""
+    from_grads: set[str] = set()
+    movable = set()
+    for bsym in bsyms:
+        if bsym.sym.id == prims.get_grad.id or any(a.name in from_grads for a in bsym.flat_proxy_args):
+            from_grads.update(out.name for out in bsym.flat_proxy_outs)
+        elif BoundSymbolTag.BACKWARD in bsym.tags and not is_communication(bsym) and bsym.flat_proxy_outs:
+            movable.add(id(bsym))
+    return movable
 
 
 def _check_no_fused_communication(trace: TraceCtx) -> None:
