@@ -176,25 +176,24 @@ def param_bytes(module: nn.Module) -> int:
 
 
 def saved_for_backward(forward_trace) -> dict | None:
-    """Tensors a Thunder forward trace returns for the backward (``return output, (saved_tensors, other)``).
+    """Tensors a Thunder forward trace returns for the backward (``thunder_tp.debug.saved_for_backward``).
 
     ``bytes``/``count``: all of them; ``activation_bytes``: without the forward's own inputs (parameters, batch),
     which are held anyway. ``None`` when the trace saves nothing (no backward).
     """
-    from thunder.core import prims
     from thunder.core.proxies import TensorProxy
     from thunder.core.pytree import tree_flatten
 
-    ret = next((b for b in reversed(forward_trace.bound_symbols) if b.sym.id == prims.PrimIDs.RETURN), None)
-    if ret is None or len(ret.args) != 2 or not isinstance(ret.args[1], (tuple, list)) or not ret.args[1]:
+    from thunder_tp.debug import saved_for_backward as saved_tensors
+
+    tensors = saved_tensors(forward_trace)
+    if tensors is None:
         return None
-    saved = ret.args[1][0]
-    tensors = {p.name: p for p in tree_flatten(saved)[0] if isinstance(p, TensorProxy)}
     inputs = {p.name for p in tree_flatten((forward_trace.args, forward_trace.kwargs))[0] if isinstance(p, TensorProxy)}
     return {
         "count": len(tensors),
-        "bytes": sum(tensor_bytes(p) for p in tensors.values()),
-        "activation_bytes": sum(tensor_bytes(p) for n, p in tensors.items() if n not in inputs),
+        "bytes": sum(tensor_bytes(p) for p in tensors),
+        "activation_bytes": sum(tensor_bytes(p) for p in tensors if p.name not in inputs),
     }
 
 

@@ -4,13 +4,11 @@ import pytest
 import thunder
 import torch
 import torch.nn as nn
-from thunder.core import prims
-from thunder.core.proxies import TensorProxy
-from thunder.core.pytree import tree_flatten
 
 import thunder_tp
 from tests.dist import run_ranks
 from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device
+from thunder_tp.debug import saved_for_backward
 
 TOKENS, HIDDEN, FFN = 64, 64, 256
 
@@ -36,20 +34,16 @@ def _input():
     return (torch.randn(2, TOKENS // 2, HIDDEN, requires_grad=True),)
 
 
-def _saved_shapes(forward_trace) -> list[tuple[int, ...]]:
-    ret = next(b for b in reversed(forward_trace.bound_symbols) if b.sym.id == prims.PrimIDs.RETURN)
-    saved = {p.name: p for p in tree_flatten(ret.args[1][0])[0] if isinstance(p, TensorProxy)}
-    return [tuple(p.shape) for p in saved.values()]
+def _saved_shapes(jm) -> list[tuple[int, ...]]:
+    return [tuple(p.shape) for p in saved_for_backward(thunder.last_traces(jm)[-1])]
 
 
 def _swiglu_saved(fused: bool):
     executors = thunder_tp.executors() if fused else FAST_EXECUTORS
-    tp = thunder_tp.TensorParallel(PLAN)
-    compare_with_single_device(SwiGLU, _input, tp, executors=executors)  # output, input grad, every weight grad
-    torch.manual_seed(0)
-    jm = thunder.jit(SwiGLU(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=executors)
-    jm(*_input()).sum().backward()
-    return _saved_shapes(thunder.last_traces(jm)[-1])
+    # output, input grad and every weight grad vs one device; then what the forward saved
+    info = compare_with_single_device(SwiGLU, _input, thunder_tp.TensorParallel(PLAN), executors=executors,
+                                      inspect=_saved_shapes)
+    return info["inspected"]
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["thunder_tp.executors", "thunder defaults"])

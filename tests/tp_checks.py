@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import thunder
 import torch
@@ -49,8 +50,10 @@ def compare_with_single_device(
     rtol: float = 1e-5,
     atol: float = 1e-5,
     executors=None,
+    inspect: Callable[[torch.nn.Module], Any] | None = None,
 ) -> dict:
-    """Check output, input grads and every parameter grad (shards vs chunks of full grads); return traces info."""
+    """Check output, input grads and every parameter grad (shards vs chunks of full grads); return traces info
+    (and, under "inspected", what ``inspect`` returns for the jitted module after its backward)."""
     rank, size = rank_and_size(transform.process_group)
     torch.manual_seed(0)
     reference = make_model()
@@ -81,4 +84,6 @@ def compare_with_single_device(
         got = jm.get_parameter(name).grad
         assert got is not None, f"no grad for {name}"
         assert_close_scaled(got, want, rtol=rtol, atol=atol, what=f"grad of {name}")
+    if inspect is not None:
+        info["inspected"] = inspect(jm)
     return info

@@ -1,4 +1,4 @@
-"""Inspecting what a TP-jitted program runs: its final traces and the collectives they issue.
+"""Inspecting what a TP-jitted program runs: its final traces, the collectives they issue, what they save.
 
     jm = thunder.jit(model, transforms=[TensorParallel(plan)], executors=thunder_tp.executors())
     loss = jm(x); loss.backward()
@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from thunder.core import prims
 from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
@@ -188,6 +190,15 @@ def _header(trace: TraceCtx, text: str, pass_name: str, rank: int, world: int) -
         lines.append("# process groups:")
         lines.extend(f"#   {name}: {_describe_group(g)}" for name, g in sorted(groups.items()))
     return "\n".join(lines) + "\n\n"
+
+
+def saved_for_backward(forward_trace: TraceCtx) -> list[TensorProxy] | None:
+    """The distinct tensors a forward trace returns for the backward (``return output, (saved, other)``);
+    None when it saves nothing (no backward)."""
+    ret = next((b for b in reversed(forward_trace.bound_symbols) if b.sym.id == prims.PrimIDs.RETURN), None)
+    if ret is None or len(ret.args) != 2 or not isinstance(ret.args[1], (tuple, list)) or not ret.args[1]:
+        return None
+    return list({p.name: p for p in tree_flatten(ret.args[1][0])[0] if isinstance(p, TensorProxy)}.values())
 
 
 def _last(traces) -> TraceCtx | None:

@@ -160,12 +160,16 @@ def _schedule_keys(bsyms: list[BoundSymbol]) -> list[tuple]:
         due[i] = min([depth[i] if issues[i] else math.inf, *(due[j] for j in children)])
     keys = []
     for i, bsym in enumerate(bsyms):
-        if bsym.sym.id in (prims.PrimIDs.RETURN, prims.python_return.id):
+        if _is_return(bsym):
             keys.append((1,))
             continue
         kind = 0 if issues[i] else 2 if _is_wait(bsym) else 1
         keys.append((0, BoundSymbolTag.BACKWARD in bsym.tags, kind, due[i], i))
     return keys
+
+
+def _is_return(bsym: BoundSymbol) -> bool:
+    return bsym.sym.id in (prims.PrimIDs.RETURN, prims.python_return.id)
 
 
 def _sink_saved_value_compute(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
@@ -189,7 +193,7 @@ def _sink_saved_value_compute(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
         if id(bsym) in movable:
             held.update((out.name, bsym) for out in bsym.flat_proxy_outs)
             continue
-        if bsym.sym.id in (prims.PrimIDs.RETURN, prims.python_return.id):  # unused ones stay, in their order
+        if _is_return(bsym):  # unused ones stay, in their order
             order.extend({id(b): b for b in held.values()}.values())
             held.clear()
         release(bsym)
