@@ -84,3 +84,49 @@ def test_backward_recomputes_a_block_activation_next_to_its_use():
     # first block's, which read only saved values, are not pulled there (where they would live through the block)
     recomputed = run_ranks(_recomputed_before_first_wait, 2)[0]
     assert len(recomputed) == 2, recomputed
+
+
+# --- values computed from parameters and buffers alone ------------------------------------------------------------
+
+
+def _saved_from_parameters_alone(jm) -> list[str]:
+    """The tensors the forward saves that it computed without reading the data (token ids, targets)."""
+    trace = thunder.last_traces(jm)[-1]
+    producer = {}
+
+    def index(bsyms):
+        for bsym in bsyms:
+            if bsym.sym.is_fusion:
+                index(bsym.subsymbols)
+            else:
+                producer.update((out.name, bsym) for out in bsym.flat_proxy_outs)
+
+    index(trace.bound_symbols)
+    data = {a.name for a in trace.args[:2]}  # idx, targets
+
+    def reads_data(name: str, seen: set) -> bool:
+        seen.add(name)
+        bsym = producer.get(name)
+        return name in data or (bsym is not None and any(
+            reads_data(a.name, seen) for a in bsym.flat_proxy_args if a.name not in seen))
+
+    arguments = {a.name for a in trace.args}
+    return [p.name for p in saved_for_backward(trace) if p.name not in arguments and not reads_data(p.name, set())]
+
+
+def _litgpt_saved_from_parameters_alone():
+    from tests.litgpt_models import GPTWithLoss, batch, make_config
+
+    config = make_config("llama")
+    make_model = lambda: GPTWithLoss(config)  # noqa: E731
+    transform = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(make_model()))
+    info = compare_with_single_device(make_model, batch, transform, executors=thunder_tp.executors(),
+                                      inspect=_saved_from_parameters_alone)
+    return info["inspected"]
+
+
+def test_values_computed_from_parameters_alone_are_recomputed_not_saved():
+    # norm weights broadcast to the activations' shape, RoPE tables, the causal mask: each was an activation-sized
+    # tensor that a fusion region wrote out for the backward; the backward now computes them again where it uses
+    # them (loss and every grad still match one device)
+    assert run_ranks(_litgpt_saved_from_parameters_alone, 2)[0] == []

@@ -83,3 +83,53 @@ def test_grad_of_a_gathered_output_reaches_its_matmuls_dense():
     # (on the benchmark Llama's lm_head that view made the weight-grad matmul up to 2x slower and kept 32 MB alive)
     dense = run_ranks(_gathered_linear_matmuls, 2)[0]
     assert len(dense) == 2 and all(dense), dense
+
+
+def _all_reduces_in_place(model_cls, make_input, plan):
+    """Whether each all_reduce of the final forward and backward traces runs in place (skip_clone), vs one device."""
+    from tests.tp_checks import compare_with_single_device
+
+    def in_place(jm):
+        traces = (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
+        return [[b.args[4] for b in t.bound_symbols if b.sym.name == _COLLECTIVE] for t in traces]
+
+    info = compare_with_single_device(model_cls, make_input, thunder_tp.TensorParallel(plan),
+                                      executors=thunder_tp.executors(), inspect=in_place)
+    return info["inspected"]
+
+
+def test_all_reduce_of_a_value_nothing_else_reads_runs_in_place():
+    # fc2's output (forward) and the input grad (backward) are fresh fusion outputs that only the all_reduce reads:
+    # no copy of them is made before reducing
+    forward, backward = run_ranks(_all_reduces_in_place, 2, MLP, _mlp_input, PLAN)[0]
+    assert forward == [True] and backward == [True], (forward, backward)
+
+
+def _in_place_with_another_reader():
+    """reduce_in_place on the TP MLP's final forward trace (its all_reduce reset to copying), as it is and with one
+    more reader of the reduced value inserted after the all_reduce."""
+    from thunder.core import prims
+    from thunder.core.trace import from_trace, tracectx
+    from thunder_tp.collectives.lowering import reduce_in_place
+
+    torch.manual_seed(0)
+    jm = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=thunder_tp.executors())
+    jm(*_mlp_input())
+    trace = thunder.last_traces(jm)[-1]
+    i = next(i for i, b in enumerate(trace.bound_symbols) if b.sym.name == _COLLECTIVE)
+    reduce = trace.bound_symbols[i]
+    copying = from_trace(trace)
+    copying.bound_symbols = [*trace.bound_symbols[:i], reduce.from_bsym(args=(*reduce.args[:4], False)),
+                             *trace.bound_symbols[i + 1 :]]
+    read_again = from_trace(copying)
+    with tracectx(read_again):
+        reader = prims.neg.bind(reduce.args[0], output=thunder.core.proxies.TensorProxy(like=reduce.args[0]))
+    read_again.bound_symbols = [*copying.bound_symbols[: i + 1], reader, *copying.bound_symbols[i + 1 :]]
+    return [[b.args[4] for b in reduce_in_place(t).bound_symbols if b.sym.name == _COLLECTIVE]
+            for t in (copying, read_again)]
+
+
+def test_all_reduce_of_a_value_read_elsewhere_copies_it():
+    # in place, a reader of the all_reduce's input that runs after it is issued would see the sum, not its summand
+    alone, read_again = run_ranks(_in_place_with_another_reader, 2)[0]
+    assert alone == [True] and read_again == [False], (alone, read_again)

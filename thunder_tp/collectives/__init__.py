@@ -1,6 +1,6 @@
 """Collective symbols of the TP group, their conjugate grads and torch.distributed implementations.
 
-    symbols       the symbols of `comm_executor`, their result shapes and conjugate grads
+    symbols       the symbols of `comm_executor`, their result shapes and conjugate grads; what is communication
     distributed   their synchronous torch.distributed implementations; work handles whose failure names them
     lowering      how `comm_executor` runs them: async torchex prims + wait, local ops the fusion executor claims
     packing       blocked shards packed into / out of the dim-0 order of torch.distributed's collectives
@@ -10,7 +10,10 @@ from thunder_tp.collectives import lowering  # noqa: F401  (importing it registe
 from thunder_tp.collectives.distributed import gather_full, gather_shards
 from thunder_tp.collectives.symbols import (
     COLLECTIVE_KINDS,
+    COMM_IDS,
     comm_executor,
+    is_communication,
+    is_wait,
     rank_offset,
     tp_all_reduce_max,
     tp_all_to_all,
@@ -25,7 +28,10 @@ from thunder_tp.collectives.symbols import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "COMM_IDS",
     "comm_executor",
+    "is_communication",
+    "is_wait",
     "gather_full",
     "gather_shards",
     "rank_offset",

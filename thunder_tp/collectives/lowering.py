@@ -3,17 +3,23 @@
 One lowering for every torch.distributed backend: Thunder's async torchex prims plus a wait, which Thunder's wait
 sorting moves as late as data allows. Each issued collective's work handle is named (tp_name_work) so that a
 failed wait (a dead, hung or raising peer: torch.distributed's error or its process-group timeout) names the
-collective and the group. Purely local symbols lower to torch ops the fusion executor can claim.
+collective and the group. Purely local symbols lower to torch ops the fusion executor can claim. After fusion, an all_reduce whose input
+nothing else reads runs in place (``reduce_in_place``).
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import thunder.distributed.prims as dist_prims
 import thunder.torch as ltorch
 import torch.distributed as dist
+from thunder.core import prims, utils
 from thunder.core.proxies import NumberProxy, TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, from_trace
 from thunder.distributed.prims import DistributedReduceOps
+from thunder.executors.torchex import ex as pytorch_ex
 
 from thunder_tp.collectives.packing import Blocks, pack, unpack
 from thunder_tp.collectives.symbols import (
@@ -137,3 +143,55 @@ comm_executor.register_implementation(tp_pack, execution_transform=partial(pack,
 comm_executor.register_implementation(tp_unpack, execution_transform=partial(unpack, ops=ltorch))
 comm_executor.register_implementation(tp_rank_offset, tp_rank_offset)
 comm_executor.register_implementation(tp_rank_piece, tp_rank_piece)
+
+
+# --- after fusion: all_reduces that need no copy of their input ---------------------------------------------
+
+_ALL_REDUCE_IMPL_ID = pytorch_ex.implmap[dist_prims.PrimIDs.ALL_REDUCE].symbol.id
+
+
+def reduce_in_place(trace: TraceCtx) -> TraceCtx:
+    """``trace`` (fused) with each all_reduce of a value that a fusion region computed and nothing else reads
+    issued in place: torchex's all_reduce otherwise copies its input first, one activation-sized copy per call."""
+    producers, consumers = utils.producers(trace), utils.consumers(trace)
+    reduced = from_trace(trace)
+    reduced.bound_symbols = [
+        bsym.from_bsym(args=(*bsym.args[:4], True)) if _reducible_in_place(bsym, producers, consumers) else bsym
+        for bsym in trace.bound_symbols
+    ]
+    return reduced
+
+
+def _reducible_in_place(bsym: BoundSymbol, producers, consumers) -> bool:
+    if bsym.sym.id != _ALL_REDUCE_IMPL_ID or len(bsym.args) < 5 or bsym.args[4]:
+        return False
+    a = bsym.args[0]
+    readers = [c for c in consumers.get(a, ()) if c is not bsym]
+    # tp_name_work reads only the shape and dtype, for its error message; a del reads nothing
+    if any(c.sym.id not in (tp_name_work.id, prims.python_del.id) for c in readers):
+        return False
+    producer = producers.get(a, None)
+    return producer is not None and producer.sym.is_fusion and _computed_fresh(producer, a)
+
+
+def _computed_fresh(region: BoundSymbol, a: TensorProxy) -> bool:
+    """True if the fusion ``region`` computes ``a`` into memory of its own that no other output of it shares."""
+    root = _root(region.subsymbols, a.name)
+    others = [out.name for out in region.flat_proxy_outs if out.name != a.name]
+    return root[0] and all(_root(region.subsymbols, name) != root for name in others)
+
+
+def _root(bsyms: list[BoundSymbol], name: str) -> tuple[bool, str]:
+    """Whose memory ``name`` is, following views back through ``bsyms``: (True, a value they compute) or
+    (False, one of their inputs)."""
+    i = next((i for i in reversed(range(len(bsyms))) if any(o.name == name for o in bsyms[i].flat_proxy_outs)), None)
+    if i is None:
+        return False, name
+    producer = bsyms[i]
+    if prims.OpTags.SHAPE_OP in (producer.sym.tags or ()):  # views and shallow copies
+        source = next((t for t in producer.flat_proxy_args if isinstance(t, TensorProxy)), None)
+        return (True, name) if source is None else _root(bsyms[:i], source.name)
+    if producer.subsymbols:
+        computed, root = _root(producer.subsymbols, name)
+        return (True, root) if computed else _root(bsyms[:i], root)
+    return True, name

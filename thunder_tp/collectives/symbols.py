@@ -6,11 +6,14 @@ grad is the conjugate collective (Megatron's f/g operator pairs).
 
 from __future__ import annotations
 
+import thunder.distributed.prims as dist_prims
 import thunder.torch as ltorch
 import torch.distributed as dist
 from thunder.core.prims import get_grad, put_grad
 from thunder.core.proxies import FutureTensorProxy, TensorProxy
+from thunder.core.symbol import BoundSymbol
 from thunder.core.transforms import register_grad
+from thunder.executors.torchex import ex as pytorch_ex
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_tp.collectives import distributed as D
@@ -170,3 +173,27 @@ register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
 register_grad(tp_gather_to_tp, _conjugate(tp_gather_to_tp, tp_reduce_scatter))
 register_grad(tp_scatter, _conjugate(tp_scatter, tp_gather))
 register_grad(tp_reduce_scatter, _conjugate(tp_reduce_scatter, tp_gather))
+
+
+# --- what counts as communication (never fused, never recomputed) -------------------------------------
+
+# Thunder's distributed prims, and the ids of torchex's implementations of them (torch_all_reduce_prim_impl, ...)
+_DIST_PRIM_IDS: frozenset = frozenset(dist_prims.PrimIDs)
+_TORCHEX_COMM_IDS: frozenset = frozenset(
+    info.symbol.id for op, info in pytorch_ex.implmap.items() if op in _DIST_PRIM_IDS and info.symbol is not None
+)
+COMM_IDS: frozenset = _DIST_PRIM_IDS | _TORCHEX_COMM_IDS
+_WAIT_IDS: frozenset = frozenset({dist_prims.PrimIDs.WAIT, pytorch_ex.implmap[dist_prims.PrimIDs.WAIT].symbol.id})
+
+
+def is_communication(bsym: BoundSymbol) -> bool:
+    """True if ``bsym`` is a collective, a wait or a DDP/FSDP prim, or contains one among its subsymbols."""
+    sym = bsym.sym
+    if sym.executor is comm_executor or sym.name.startswith("tp_") or sym.id in COMM_IDS:
+        return True
+    return any(is_communication(sub) for sub in bsym.subsymbols)
+
+
+def is_wait(bsym: BoundSymbol) -> bool:
+    """True if ``bsym`` waits for an async collective."""
+    return bsym.sym.id in _WAIT_IDS
