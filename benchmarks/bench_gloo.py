@@ -1,5 +1,6 @@
 """What one collective costs on this host's transport: all_reduce of 8 KiB and of one b*s*h activation (2 MiB),
-synchronous and async + wait, and the 16 -> 32 MiB logits all_gather of benchmarks/compare.py's Llama.
+synchronous and async + wait, and the 16 -> 32 MiB logits all_gather of benchmarks/compare.py's Llama; wall time
+and the CPU time of the whole process (gloo's threads included, which run on the rank's own core).
 
     torchrun --nproc-per-node 2 benchmarks/bench_gloo.py          # each rank pinned to its own core
 """
@@ -13,16 +14,18 @@ import torch
 import torch.distributed as dist
 
 
-def _median_ms(step, repeats: int) -> float:
+def _median_ms(step, repeats: int) -> tuple[float, float]:
+    """Median wall and process CPU milliseconds of ``step``."""
     for _ in range(3):
         step()
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return sorted(walls)[repeats // 2] * 1e3, sorted(cpus)[repeats // 2] * 1e3
 
 
 def main() -> None:
@@ -40,9 +43,9 @@ def main() -> None:
         "all_gather 16 MiB per rank": lambda: dist.all_gather_into_tensor(gathered, logits),
     }
     for name, step in rows.items():
-        ms = _median_ms(step, 20)
+        wall, cpu = _median_ms(step, 20)
         if rank == 0:
-            print(f"{name}: {ms:.2f} ms (median of 20)", flush=True)
+            print(f"{name}: {wall:.2f} ms, CPU {cpu:.2f} ms (medians of 20)", flush=True)
     dist.destroy_process_group()
 
 

@@ -36,7 +36,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile sid
 import argparse
 import gc
 import math
+import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -165,7 +167,7 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     """Build, check every gradient and the first two losses, warm up; returns this rank's result and (jm, opt, params)."""
     distributed = mode.ranks != 1
     result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
-                    "runtime": mode.runtime, "times_s": []}
+                    "runtime": mode.runtime, "times_s": [], "minor_faults": []}
     if distributed:
         dist.barrier()
     t0 = time.perf_counter()
@@ -197,20 +199,24 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     return result, (jm, opt, list(jm.parameters()))
 
 
-def time_steps(mode: Mode, jm, opt, idx, targets, steps: int) -> list[float]:
-    """Wall time of ``steps`` training steps; a distributed step lasts until its slowest rank is done."""
-    times = []
+def time_steps(mode: Mode, jm, opt, idx, targets, steps: int) -> tuple[list[float], list[float]]:
+    """Wall time and minor page faults of ``steps`` training steps; a distributed step lasts until its slowest rank
+    is done (and counts the faults of the rank that had most)."""
+    times, faults = [], []
     for _ in range(steps):
         if mode.ranks != 1:
             dist.barrier()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         times.append(timed(lambda: train_step(jm, opt, idx, targets))[1])
-    return slowest_rank(times) if mode.ranks != 1 else times
+        faults.append(float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+    return (slowest_rank(times), slowest_rank(faults)) if mode.ranks != 1 else (times, faults)
 
 
 def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps, then peak memory, saved-for-backward bytes and collectives of one more step."""
     jm, opt, params = state
     result.update(time_stats(result["times_s"]))
+    result["minor_faults_per_step"] = statistics.median(result["minor_faults"])
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.profile_dir and mode.name in args.profile:  # every rank steps (collectives), rank 0 writes
         profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if dist.get_rank() == 0 else None)
@@ -374,7 +380,9 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
         for mode in timed_modes if r % 2 == 0 else timed_modes[::-1]:
             def run(mode=mode):
                 jm, opt, _ = states[mode.name]
-                results[mode.name]["times_s"] += time_steps(mode, jm, opt, idx, targets, steps)
+                times, faults = time_steps(mode, jm, opt, idx, targets, steps)
+                results[mode.name]["times_s"] += times
+                results[mode.name]["minor_faults"] += faults
 
             on_ranks(mode, run)
     return timed_modes

@@ -57,14 +57,14 @@ def markdown_table(results: dict) -> str:
     lines = [
         "| mode | ranks | step median (ms) | min–max (ms) | tokens/s | × DTensor TP | speed-up vs 1 rank "
         "| parallel eff. | first iter (s) | params/rank (MB) | saved for bwd (MB) | peak step mem (MB) "
-        "| fusion regions fwd / bwd | collectives fwd / bwd | comm/step (MB) | loss ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| page faults/step | fusion regions fwd / bwd | collectives fwd / bwd | comm/step (MB) | loss ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for name, r in results.items():
         first = _fmt(r.get("first_iter_s"), ".1f")
         if "median_s" not in r:
             reason = r.get("error") or r.get("skipped") or "not run"
-            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – | {reason} |")
+            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – | – | {reason} |")
             continue
         base = results.get(baseline_for(name), {}).get("median_s")
         speedup = base / r["median_s"] if base else None
@@ -72,7 +72,8 @@ def markdown_table(results: dict) -> str:
             name, str(r["ranks"]), f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
             f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(speedup, ".2f"),
             _fmt(speedup / r["ranks"] if speedup else None, ".2f"), first, _mb(r.get("param_bytes")), _saved_cell(r),
-            _mb(r.get("peak_step_bytes")), " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
+            _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
+            " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
             _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -123,7 +124,8 @@ def summary_line(r: dict) -> str:
     if "median_s" not in r:
         return r.get("error") or r.get("skipped") or "not run"
     return (f"median {r['median_s'] * 1e3:.0f} ms (min {r['min_s'] * 1e3:.0f}, max {r['max_s'] * 1e3:.0f}), "
-            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cell(r)}")
+            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cell(r)}, "
+            f"{r.get('minor_faults_per_step', 0):.0f} page faults/step")
 
 
 def targets_summary(results: dict, scaling: dict, world: int) -> dict:
