@@ -1,7 +1,12 @@
 """thunder_tp's executors under TP: fusions exist, hold no communication, and collectives overlap compute."""
 
+from types import SimpleNamespace
+
+import pytest
 import thunder
 import torch
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy
 
 import thunder_tp
 from thunder_tp.executor import is_communication
@@ -133,3 +138,28 @@ def test_all_reduce_of_a_value_read_elsewhere_copies_it():
     # in place, a reader of the all_reduce's input that runs after it is issued would see the sum, not its summand
     alone, read_again = run_ranks(_in_place_with_another_reader, 2)[0]
     assert alone == [True] and read_again == [False], (alone, read_again)
+
+
+def _region(build):
+    """A stand-in fusion region: the bound symbols ``build(x)`` records on a (4, 8) input, and its outputs."""
+    from thunder.core.trace import TraceCtx, tracectx
+
+    trace = TraceCtx()
+    with tracectx(trace):
+        x = TensorProxy(shape=(4, 8), device=thunder.devices.cpu, dtype=thunder.dtypes.float32, requires_grad=False)
+        outputs = build(x)
+    return SimpleNamespace(subsymbols=trace.bound_symbols, flat_proxy_outs=list(outputs)), outputs
+
+
+@pytest.mark.parametrize("build, fresh", [
+    (lambda x: (prims.neg(x),), [True]),  # computed
+    (lambda x: (prims.reshape(prims.neg(x), (32,)),), [True]),  # a view of what the region computed
+    (lambda x: (prims.reshape(x, (32,)),), [False]),  # a view of the region's input
+    (lambda x: (lambda y: (y, prims.reshape(y, (32,))))(prims.neg(x)), [False, False]),  # two outputs, one memory
+    (lambda x: (prims.copy_(prims.neg(x), x, grad_enabled=False),), [False]),  # written into the input
+], ids=["computed", "view-of-computed", "view-of-input", "shared-by-outputs", "copied-into-input"])
+def test_which_region_outputs_an_all_reduce_may_overwrite(build, fresh):
+    from thunder_tp.collectives.lowering import _computed_fresh
+
+    region, outputs = _region(build)
+    assert [_computed_fresh(region, out) for out in outputs] == fresh

@@ -188,6 +188,8 @@ def _root(bsyms: list[BoundSymbol], name: str) -> tuple[bool, str]:
     if i is None:
         return False, name
     producer = bsyms[i]
+    if producer.sym.id == prims.PrimIDs.COPY_:  # copy_(source, destination) returns the destination
+        return _root(bsyms[:i], producer.args[1].name)
     if prims.OpTags.SHAPE_OP in (producer.sym.tags or ()):  # views and shallow copies
         source = next((t for t in producer.flat_proxy_args if isinstance(t, TensorProxy)), None)
         return (True, name) if source is None else _root(bsyms[:i], source.name)
