@@ -163,7 +163,7 @@ def _schedule_keys(bsyms: list[BoundSymbol]) -> list[tuple]:
             keys.append((1,))
             continue
         kind = 0 if issues[i] else 2 if is_wait(bsym) else 1
-        keys.append((0, BoundSymbolTag.BACKWARD in bsym.tags, kind, due[i], i))
+        keys.append((0, _in_backward(bsym), kind, due[i], i))
     return keys
 
 
@@ -208,6 +208,6 @@ def _ready_any_time(bsyms: list[BoundSymbol]) -> set[int]:
     for bsym in bsyms:
         if bsym.sym.id == prims.get_grad.id or any(a.name in from_grads for a in bsym.flat_proxy_args):
             from_grads.update(out.name for out in bsym.flat_proxy_outs)
-        elif BoundSymbolTag.BACKWARD in bsym.tags and not is_communication(bsym) and bsym.flat_proxy_outs:
+        elif _in_backward(bsym) and not is_communication(bsym) and bsym.flat_proxy_outs:
             movable.add(id(bsym))
     return movable

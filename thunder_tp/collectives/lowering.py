@@ -3,8 +3,8 @@
 One lowering for every torch.distributed backend: Thunder's async torchex prims plus a wait, which Thunder's wait
 sorting moves as late as data allows. Each issued collective's work handle is named (tp_name_work) so that a
 failed wait (a dead, hung or raising peer: torch.distributed's error or its process-group timeout) names the
-collective and the group. Purely local symbols lower to torch ops the fusion executor can claim. After fusion, an all_reduce whose input
-nothing else reads runs in place (``reduce_in_place``).
+collective and the group. Purely local symbols lower to torch ops the fusion executor can claim. After fusion, an
+all_reduce whose input nothing else reads runs in place (``reduce_in_place``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from thunder.core import prims, utils
 from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, from_trace
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.distributed.prims import DistributedReduceOps
 from thunder.executors.torchex import ex as pytorch_ex
 
@@ -159,6 +159,7 @@ def reduce_in_place(trace: TraceCtx) -> TraceCtx:
         bsym.from_bsym(args=(*bsym.args[:4], True)) if _reducible_in_place(bsym, producers, consumers) else bsym
         for bsym in trace.bound_symbols
     ]
+    reduced.set_provenance(TraceProvenance("thunder_tp: all_reduces in place"))
     return reduced
 
 
