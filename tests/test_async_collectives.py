@@ -22,7 +22,7 @@ def _collectives(cases):
     import torch.distributed as dist
 
     import thunder_tp
-    from thunder_tp.collectives import tp_all_reduce_max, tp_gather, tp_reduce_from_tp, tp_reduce_scatter
+    from thunder_tp.collectives import tp_gather, tp_reduce_from_tp, tp_reduce_scatter
     from thunder_tp.layouts import Shard, shard_tensor
 
     group = dist.new_group(list(range(dist.get_world_size())))
@@ -32,7 +32,7 @@ def _collectives(cases):
         outs = []
         for (shard, summand), (_, dim, blocks) in zip(zip(tensors[::2], tensors[1::2]), cases):
             outs += [tp_gather(shard, dim, blocks, group), tp_reduce_scatter(summand, dim, blocks, group),
-                     tp_reduce_from_tp(summand, group), tp_all_reduce_max(summand, group)]
+                     tp_reduce_from_tp(summand, group)]
         return outs
 
     inputs, expected = [], []
@@ -43,7 +43,7 @@ def _collectives(cases):
         summands = [torch.randn(shape, dtype=torch.float64) for _ in range(size)]  # rank r holds summands[r]
         total = sum(summands[1:], summands[0].clone())
         inputs += [shard_tensor(full, layout, rank, size), summands[rank]]
-        expected += [full, shard_tensor(total, layout, rank, size), total, torch.stack(summands).amax(0)]
+        expected += [full, shard_tensor(total, layout, rank, size), total]
     jitted = thunder.jit(program, executors=thunder_tp.executors())
     for got, want in zip(jitted(*inputs), expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -57,5 +57,5 @@ def _collectives(cases):
 def test_async_collectives_exact_and_all_in_flight(world):
     cases = [c for c in CASES if c[0][c[1]] % world == 0 and not (c[2] and any(b % world for b in c[2]))]
     for issues, waits, named, all_issued_first in run_ranks(_collectives, world, cases):
-        assert issues == waits == named == 4 * len(cases), (issues, waits, named)
+        assert issues == waits == named == 3 * len(cases), (issues, waits, named)
         assert all_issued_first  # every collective is in flight before the first wait

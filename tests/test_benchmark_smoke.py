@@ -139,12 +139,14 @@ def test_tp_sp_loss_parallel(tmp_path):
     assert res["loss_parallel"] is True
     # SP: into each TP region (qkv, fc after their sequence-sharded norms; lm_head after ln_f) an all_gather of the
     # (1, 32, 128) activations, out of each (embedding, attn.proj, mlp.proj) a reduce_scatter; the backward swaps them.
-    # Loss parallel: the logits stay vocab-sharded, 3 all_reduces of per-token statistics (fp32, 32 tokens each).
+    # Loss parallel: the logits stay vocab-sharded; one all_gather of each rank's log-sum-exp and target logit per
+    # token (fp32, 2 x 32 numbers from each of the 2 ranks).
     # Backward: the grads of the replicated parameters used on sequence-sharded activations (the three LayerNorms'
     # weight and bias, attn.proj's and mlp.proj's bias: 8 of n_embd fp32) are summed over the ranks in one all_reduce
     per_iter = res["collectives"]["per_iteration"]
     sp = {"all_gather": {"count": 3, "bytes": 3 * ACTIVATION}, "reduce_scatter": {"count": 3, "bytes": 3 * ACTIVATION}}
-    assert per_iter["forward"]["by_kind"] == {**sp, "all_reduce": {"count": 3, "bytes": 3 * TOKENS * 4}}, per_iter
+    stats = {"count": 4, "bytes": 3 * ACTIVATION + 2 * 2 * TOKENS * 4}
+    assert per_iter["forward"]["by_kind"] == {**sp, "all_gather": stats}, per_iter
     assert per_iter["backward"]["by_kind"] == {**sp, "all_reduce": {"count": 1, "bytes": 8 * 128 * 4}}, per_iter
 
 
@@ -161,10 +163,11 @@ def test_simulate_dry_run(tmp_path, capsys):
     per_rank = list(res["param_bytes_per_rank"].values())
     full, tp_rank = _pythia_param_bytes(2)
     assert per_rank == [tp_rank, tp_rank] and res["param_bytes_full_model"] == full, res
-    # loss parallel, one block: 2 activation all_reduces + the embedding's + the loss's 3 per-token statistics, no
-    # logits gather; backward: the input grads of qkv, fc and lm_head
+    # loss parallel, one block: 2 activation all_reduces + the embedding's, and the loss's gather of 2 per-token
+    # statistics from each rank, no logits gather; backward: the input grads of qkv, fc and lm_head
     per_iter = res["collectives"]["per_iteration"]
-    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 6, "bytes": 3 * ACTIVATION + 3 * TOKENS * 4}}, per_iter
+    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION},
+                                              "all_gather": {"count": 1, "bytes": 2 * 2 * TOKENS * 4}}, per_iter
     assert per_iter["backward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION}}, per_iter
     assert "rank 1: loss" in output and "Collectives per rank and iteration, backward" in output
 

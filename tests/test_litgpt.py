@@ -56,8 +56,8 @@ def _expected_counts(name, mode):
     n_layer = make_config(name).n_layer
     if mode == "tp":  # embedding partials reduced; logits gathered for the loss; head input grad reduced
         return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
-    if mode == "tp_lp":  # the loss reduces max, sum-exp and target logit over the vocabulary instead
-        return {"all_reduce": 2 * n_layer + 1 + 3}, {"all_reduce": 2 * n_layer + 1}
+    if mode == "tp_lp":  # instead, the loss gathers each rank's log-sum-exp and target logit per token
+        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
     # SP: block 2 all_gather + 2 reduce_scatter each way; embedding reduce_scatter; head input and logits gather;
     # the grads of the replicated norm weights/biases (and neox's row-parallel biases) used on sequence shards are
     # summed over the ranks in one all_reduce at the end of the backward

@@ -67,8 +67,8 @@ def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
     gathers = blocks - layers * config.shared_attention_norm
     if mode == "tp":
         forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": gathers + grads}
-    elif mode == "tp_lp":  # max, sum-exp and target logit reduced over the vocabulary instead of gathering logits
-        forward, backward = {"all_reduce": blocks + 3 + olmo2}, {"all_reduce": gathers + grads}
+    elif mode == "tp_lp":  # each rank's log-sum-exp and target logit per token gathered instead of the logits
+        forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": gathers + grads}
     else:
         forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
         backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": grads}

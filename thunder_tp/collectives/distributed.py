@@ -10,10 +10,10 @@ from thunder_tp.layouts import Shard, local_shape, unshard_tensor
 from thunder_tp.simulate import for_each_rank, local_piece
 
 
-def all_reduce(a: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """A reduced copy of `a` over `group`."""
+def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A summed copy of `a` over `group`."""
     out = a.contiguous().clone()
-    dist.all_reduce(out, op, group)
+    dist.all_reduce(out, group=group)
     return out
 
 

@@ -24,7 +24,6 @@ from thunder.executors.torchex import ex as pytorch_ex
 from thunder_tp.collectives.packing import Blocks, pack, unpack
 from thunder_tp.collectives.symbols import (
     comm_executor,
-    tp_all_reduce_max,
     tp_all_to_all,
     tp_all_to_all_start,
     tp_copy_all_to_tp,
@@ -53,18 +52,14 @@ def _symbolic(a: TensorProxy) -> bool:
 # --- collectives: Thunder's torchex prims + wait (sorted late by thunder's sort_waits) ---------------------
 
 
-def _async_all_reduce(op: str):
-    def lower(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
-        from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
+def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
 
-        if _symbolic(a):
-            return (tp_reduce_from_tp if op == "sum" else tp_all_reduce_max)(a, group)
+    if _symbolic(a):
+        return tp_reduce_from_tp(a, group)
 
-        reduce_op = DistributedReduceOps.SUM if op == "sum" else DistributedReduceOps.MAX
-        future = all_reduce_prim_impl(a, reduce_op, group, True, False)
-        return wait_prim_impl(tp_name_work(future, "all_reduce", a, group))
-
-    return lower
+    future = all_reduce_prim_impl(a, DistributedReduceOps.SUM, group, True, False)
+    return wait_prim_impl(tp_name_work(future, "all_reduce", a, group))
 
 
 def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
@@ -105,8 +100,7 @@ def _async_all_to_all(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.Pr
     return tp_unpack(received, src_dim, None, size, local_shape(a.shape, Shard(dst_dim), size))
 
 
-comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce("sum"))
-comm_executor.register_implementation(tp_all_reduce_max, execution_transform=_async_all_reduce("max"))
+comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce)
 comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)

@@ -80,14 +80,10 @@ tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathe
 tp_scatter = comm_executor.register_operator("tp_scatter", meta=_scattered_meta, fn=D.local)
 tp_reduce_scatter = comm_executor.register_operator("tp_reduce_scatter", meta=_scattered_meta, fn=D.reduce_scatter)
 tp_all_to_all = comm_executor.register_operator("tp_all_to_all", meta=_all_to_all_meta, fn=D.all_to_all)
-tp_all_reduce_max = comm_executor.register_operator(
-    "tp_all_reduce_max", meta=_like, fn=lambda a, group: D.all_reduce(a, group, dist.ReduceOp.MAX)
-)
 
 #: symbol name -> the kind of collective it issues
 COLLECTIVE_KINDS: dict[str, str] = {
     "tp_reduce_from_tp": "all_reduce",
-    "tp_all_reduce_max": "all_reduce",
     "tp_gather": "all_gather",
     "tp_gather_to_tp": "all_gather",
     "tp_reduce_scatter": "reduce_scatter",
@@ -151,10 +147,6 @@ def _all_to_all_grad(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.Pro
     return out
 
 
-def _all_reduce_max_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
-    return tp_all_reduce_max(a, group)  # used only as a shift constant: no gradient flows through it
-
-
 def _conjugate(forward, backward):
     def grad(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
         out = forward(a, dim, blocks, group)
@@ -167,7 +159,6 @@ def _conjugate(forward, backward):
 register_grad(tp_copy_to_tp, _copy_to_tp_grad)
 register_grad(tp_copy_all_to_tp, _copy_all_to_tp_grad)
 register_grad(tp_reduce_from_tp, _reduce_from_tp_grad)
-register_grad(tp_all_reduce_max, _all_reduce_max_grad)
 register_grad(tp_all_to_all, _all_to_all_grad)
 register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
 register_grad(tp_gather_to_tp, _conjugate(tp_gather_to_tp, tp_reduce_scatter))

@@ -2,27 +2,60 @@
 
 from __future__ import annotations
 
-import thunder.torch as ltorch
-from thunder.core.proxies import TensorProxy
+import sys
 
-from thunder_tp.collectives import rank_offset, tp_all_reduce_max, tp_reduce_from_tp
+import thunder.torch as ltorch
+from thunder.core.langctxs import Languages, langctx
+from thunder.core.prims import get_grad, put_grad
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import Symbol
+from thunder.core.transforms import register_grad
+
+from thunder_tp.collectives import rank_offset, tp_gather
 from thunder_tp.layouts import REPLICATE, Shard, TPGroup
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 
+def _finite(a: TensorProxy) -> TensorProxy:
+    return ltorch.where(ltorch.isinf(a), 0.0, a)
+
+
+def _logsumexp(a: TensorProxy, dim: int) -> TensorProxy:
+    shift = _finite(ltorch.amax(a, dim, True))  # a slice of -inf only (a masked vocabulary shard) gives -inf, not nan
+    summed = ltorch.sum(ltorch.exp(ltorch.sub(a, shift)), dim)
+    return ltorch.add(ltorch.log(summed), ltorch.squeeze(shift, dim))
+
+
+#: logsumexp whose grad is the softmax itself (zero on a slice of -inf only): no gradient through the shift, whose
+#: contributions cancel exactly
+softmax_logsumexp = Symbol(
+    name="softmax_logsumexp", meta=langctx(Languages.TORCH)(_logsumexp), id="thunder_tp.softmax_logsumexp",
+    _module=sys.modules[__name__],
+)
+
+
+def _softmax_logsumexp_grad(a: TensorProxy, dim: int) -> TensorProxy:
+    out = _logsumexp(a, dim)
+    softmax = ltorch.exp(ltorch.sub(a, _finite(ltorch.unsqueeze(out, dim))))
+    put_grad(a, ltorch.mul(softmax, ltorch.unsqueeze(get_grad(out), dim)))
+    return out
+
+
+register_grad(softmax_logsumexp, _softmax_logsumexp_grad)
+
+
 def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):
-    """Cross-entropy of (N, C) logits sharded on C: only (N,)-sized statistics cross ranks."""
+    """Cross-entropy of (N, C) logits sharded on C: each rank's (log-sum-exp, target logit) per token, gathered in
+    one collective of 2N numbers, is all the other ranks need."""
 
     def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
-        n_local, group = logits.shape[1], tp.group
-        shift = tp_all_reduce_max(ltorch.amax(logits, 1, True), group)
-        sum_exp = tp_reduce_from_tp(ltorch.sum(ltorch.exp(ltorch.sub(logits, shift)), 1), group)
-        log_sum_exp = ltorch.add(ltorch.log(sum_exp), ltorch.squeeze(shift, 1))
+        n_local, world = logits.shape[1], tp.size
         local_target = ltorch.sub(target, rank_offset(tp, n_local, target))
-        inside = ltorch.logical_and(ltorch.ge(local_target, 0), ltorch.lt(local_target, n_local))
-        index = ltorch.unsqueeze(ltorch.where(inside, local_target, 0), 1)
-        picked = ltorch.squeeze(ltorch.take_along_dim(logits, index, 1), 1)
-        target_logit = tp_reduce_from_tp(ltorch.where(inside, picked, 0.0), group)
+        hit = ltorch.eq(ltorch.unsqueeze(local_target, 1), ltorch.arange(n_local, device=logits.device))
+        local_stats = ltorch.stack((softmax_logsumexp(logits, 1), ltorch.sum(ltorch.where(hit, logits, 0.0), 1)))
+        stats = ltorch.reshape(tp_gather(local_stats, 0, None, tp.group), (world, 2, -1))
+        log_sum_exp = softmax_logsumexp(stats[:, 0], 0)
+        target_logit = ltorch.sum(stats[:, 1], 0)
         valid = ltorch.ne(target, ignore_index)
         losses = ltorch.where(valid, ltorch.sub(log_sum_exp, target_logit), 0.0)
         if reduction == "none":

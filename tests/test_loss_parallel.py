@@ -1,0 +1,69 @@
+"""Loss parallel: cross-entropy over vocabulary-sharded logits, against one device (float64), and its log-sum-exp."""
+
+import pytest
+import thunder
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from thunder_tp import ColwiseParallel, TensorParallel
+from tests.dist import run_ranks
+from tests.tp_checks import compare_with_single_device
+
+TOKENS, DIM, VOCAB, MASKED_ROWS = 6, 16, 64, 3
+
+
+class Head(nn.Module):
+    """lm_head and cross-entropy; the last half of the vocabulary is masked to -inf for the first rows, so at TP 2
+    and 4 some ranks hold nothing but -inf for them."""
+
+    def __init__(self, reduction: str):
+        super().__init__()
+        self.proj = nn.Linear(DIM, VOCAB, bias=False, dtype=torch.float64)
+        mask = torch.zeros(TOKENS, VOCAB, dtype=torch.float64)
+        mask[:MASKED_ROWS, VOCAB // 2:] = float("-inf")
+        self.register_buffer("mask", mask)
+        self.reduction = reduction
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.proj(x) + self.mask, targets, reduction=self.reduction)
+
+
+def _inputs():
+    torch.manual_seed(2)
+    targets = torch.randint(0, VOCAB, (TOKENS,))
+    targets[:MASKED_ROWS] = torch.randint(0, VOCAB // 2, (MASKED_ROWS,))  # inside the unmasked half
+    targets[-1] = -100  # ignored
+    return torch.randn(TOKENS, DIM, dtype=torch.float64, requires_grad=True), targets
+
+
+def _masked_head(reduction):
+    return compare_with_single_device(lambda: Head(reduction), _inputs, TensorParallel({"proj": ColwiseParallel()}),
+                                      rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_parallel_loss_matches_single_device_with_masked_shards(reduction, world):
+    """Loss and grads exact in float64; the forward's one collective gathers 2 numbers per token from each rank (no
+    logits gathered), the backward's only one sums the input's grad."""
+    info = run_ranks(_masked_head, world, reduction)[0]
+    assert info["forward"] == {"all_gather": 1} and info["backward"] == {"all_reduce": 1}, info
+
+
+def test_softmax_logsumexp_value_and_grad():
+    """torch.logsumexp's value; its grad is the softmax, and zero (not nan) over a slice of -inf only."""
+    from thunder_tp.propagation.losses import softmax_logsumexp
+
+    torch.manual_seed(0)
+    a = torch.randn(4, 7, dtype=torch.float64) * 30
+    a[1, 2:] = float("-inf")
+    a[3] = float("-inf")
+    a.requires_grad_()
+    out = thunder.jit(lambda t: softmax_logsumexp(t, 1))(a)
+    torch.testing.assert_close(out, torch.logsumexp(a.detach(), 1), rtol=1e-15, atol=0)
+    weights = torch.randn(4, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, a, weights)
+    softmax = torch.softmax(a.detach()[:3], 1) * weights[:3, None]
+    torch.testing.assert_close(grad[:3], softmax, rtol=1e-14, atol=1e-300)
+    assert torch.equal(grad[3], torch.zeros(7, dtype=torch.float64))
