@@ -37,9 +37,9 @@ def _inputs():
     return torch.randn(TOKENS, DIM, dtype=torch.float64, requires_grad=True), targets
 
 
-def _masked_head(reduction):
+def _masked_head(reduction, grad=True):
     return compare_with_single_device(lambda: Head(reduction), _inputs, TensorParallel({"proj": ColwiseParallel()}),
-                                      rtol=1e-12, atol=1e-12)
+                                      grad=grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -49,6 +49,12 @@ def test_vocab_parallel_loss_matches_single_device_with_masked_shards(reduction,
     logits gathered), the backward's only one sums the input's grad."""
     info = run_ranks(_masked_head, world, reduction)[0]
     assert info["forward"] == {"all_gather": 1} and info["backward"] == {"all_reduce": 1}, info
+
+
+def test_vocab_parallel_loss_without_grad():
+    """Under no_grad the log-sum-exp symbol runs through its decomposition."""
+    info = run_ranks(_masked_head, 2, "mean", False)[0]
+    assert info["forward"] == {"all_gather": 1}, info
 
 
 def test_softmax_logsumexp_value_and_grad():
