@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from thunder_tp import ColwiseParallel, TensorParallel
+from thunder_tp import ColwiseParallel, Replicate, TensorParallel
 from tests.dist import run_ranks
 from tests.tp_checks import compare_with_single_device
 
@@ -37,8 +37,9 @@ def _inputs():
     return torch.randn(TOKENS, DIM, dtype=torch.float64, requires_grad=True), targets
 
 
-def _masked_head(reduction, grad=True):
-    return compare_with_single_device(lambda: Head(reduction), _inputs, TensorParallel({"proj": ColwiseParallel()}),
+def _masked_head(reduction, grad=True, gathered=False):
+    style = ColwiseParallel(output_layout=Replicate()) if gathered else ColwiseParallel()
+    return compare_with_single_device(lambda: Head(reduction), _inputs, TensorParallel({"proj": style}),
                                       grad=grad, rtol=1e-12, atol=1e-12)
 
 
@@ -48,6 +49,14 @@ def test_vocab_parallel_loss_matches_single_device_with_masked_shards(reduction,
     """Loss and grads exact in float64; the forward's one collective gathers 2 numbers per token from each rank (no
     logits gathered), the backward's only one sums the input's grad."""
     info = run_ranks(_masked_head, world, reduction)[0]
+    assert info["forward"] == {"all_gather": 1} and info["backward"] == {"all_reduce": 1}, info
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_of_gathered_logits_matches_single_device_with_masked_rows(reduction):
+    """Logits gathered by the plan (Replicate output): the loss runs as log-sum-exp minus target logit on every
+    rank, exact in float64; the logits' grad is the rank's columns (no collective but the input grad's)."""
+    info = run_ranks(_masked_head, 2, reduction, True, True)[0]
     assert info["forward"] == {"all_gather": 1} and info["backward"] == {"all_reduce": 1}, info
 
 

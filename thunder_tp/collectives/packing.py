@@ -24,4 +24,9 @@ def pack(a: torch.Tensor, dim: int, blocks: Blocks, size: int, ops=torch) -> tor
 
 def unpack(a: torch.Tensor, dim: int, blocks: Blocks, size: int, piece: tuple[int, ...], ops=torch) -> torch.Tensor:
     """Inverse of the dim-0 concatenation made by all_gather_into_tensor."""
-    return unshard_tensor(ops.unbind(ops.reshape(a, (size, *piece)), 0), Shard(dim, blocks), ops)
+    pieces = ops.reshape(a, (size, *piece))
+    if blocks is None:  # rank order is the order of the chunks: a permuted view, which fusions read in place
+        full = list(piece)
+        full[dim] *= size
+        return ops.reshape(ops.movedim(pieces, 0, dim), full)
+    return unshard_tensor(ops.unbind(pieces, 0), Shard(dim, blocks), ops)

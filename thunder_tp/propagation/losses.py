@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import thunder.torch as ltorch
 from thunder.core.langctxs import Languages, langctx
@@ -44,31 +45,52 @@ def _softmax_logsumexp_grad(a: TensorProxy, dim: int) -> TensorProxy:
 register_grad(softmax_logsumexp, _softmax_logsumexp_grad)
 
 
+def _target_logit(logits: TensorProxy, local_target: TensorProxy) -> TensorProxy:
+    """Each row's logit at its target column (0 where the target is not a column of ``logits``): a one-hot mask,
+    which fuses with the log-sum-exp's reduction (a gather would scatter into a logits-sized zeros in the backward)."""
+    hit = ltorch.eq(ltorch.unsqueeze(local_target, 1), ltorch.arange(logits.shape[1], device=logits.device))
+    return ltorch.sum(ltorch.where(hit, logits, 0.0), 1)
+
+
+def _reduce_losses(log_sum_exp: TensorProxy, target_logit: TensorProxy, target: TensorProxy, ignore_index: int,
+                   reduction: str) -> TensorProxy:
+    valid = ltorch.ne(target, ignore_index)
+    losses = ltorch.where(valid, ltorch.sub(log_sum_exp, target_logit), 0.0)
+    if reduction == "none":
+        return losses
+    total = ltorch.sum(losses)
+    return total if reduction == "sum" else ltorch.true_divide(total, ltorch.sum(valid))
+
+
+def _replicated_cross_entropy(ignore_index: int, reduction: str):
+    """Cross-entropy of replicated (N, C) logits as log-sum-exp minus target logit: nothing logits-sized is
+    written but the grad, which a gather's grad (the rank's columns) slices inside the same fusion."""
+
+    def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
+        target_logit = _target_logit(logits, target)
+        return _reduce_losses(softmax_logsumexp(logits, 1), target_logit, target, ignore_index, reduction)
+
+    return loss
+
+
 def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):
     """Cross-entropy of (N, C) logits sharded on C: each rank's (log-sum-exp, target logit) per token, gathered in
     one collective of 2N numbers, is all the other ranks need."""
 
     def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
-        n_local, world = logits.shape[1], tp.size
-        local_target = ltorch.sub(target, rank_offset(tp, n_local, target))
-        hit = ltorch.eq(ltorch.unsqueeze(local_target, 1), ltorch.arange(n_local, device=logits.device))
-        local_stats = ltorch.stack((softmax_logsumexp(logits, 1), ltorch.sum(ltorch.where(hit, logits, 0.0), 1)))
-        stats = ltorch.reshape(tp_gather(local_stats, 0, None, tp.group), (world, 2, -1))
+        local_target = ltorch.sub(target, rank_offset(tp, logits.shape[1], target))
+        local_stats = ltorch.stack((softmax_logsumexp(logits, 1), _target_logit(logits, local_target)))
+        stats = ltorch.reshape(tp_gather(local_stats, 0, None, tp.group), (tp.size, 2, -1))
         log_sum_exp = softmax_logsumexp(stats[:, 0], 0)
-        target_logit = ltorch.sum(stats[:, 1], 0)
-        valid = ltorch.ne(target, ignore_index)
-        losses = ltorch.where(valid, ltorch.sub(log_sum_exp, target_logit), 0.0)
-        if reduction == "none":
-            return losses
-        total = ltorch.sum(losses)
-        return total if reduction == "sum" else ltorch.true_divide(total, ltorch.sum(valid))
+        return _reduce_losses(log_sum_exp, ltorch.sum(stats[:, 1], 0), target, ignore_index, reduction)
 
     return loss
 
 
 @register_rule(ltorch.cross_entropy)
 def cross_entropy(op: Op) -> list[Strategy]:
-    """Logits (N, C) sharded on C -> replicated loss, without gathering the logits."""
+    """Logits (N, C) sharded on C -> replicated loss, without gathering the logits; replicated logits -> the same
+    formula on every rank."""
     logits = op.tensors[0]
     supported = (
         logits.ndim == 2
@@ -80,5 +102,7 @@ def cross_entropy(op: Op) -> list[Strategy]:
     )
     if not supported:
         return [op.replicated()]
-    local = _vocab_parallel_cross_entropy(op.tp, op.arg("ignore_index"), op.arg("reduction"))
-    return [Strategy((Shard(1), REPLICATE), (REPLICATE,), local), op.replicated()]
+    ignore_index, reduction = op.arg("ignore_index"), op.arg("reduction")
+    vocab_parallel = _vocab_parallel_cross_entropy(op.tp, ignore_index, reduction)
+    replicated = _replicated_cross_entropy(ignore_index, reduction)
+    return [Strategy((Shard(1), REPLICATE), (REPLICATE,), vocab_parallel), replace(op.replicated(), local=replicated)]
