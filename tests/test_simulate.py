@@ -182,3 +182,15 @@ def test_what_cannot_be_simulated_is_a_clear_error():
             thunder_tp.parallelize(model, plan, mesh, "ddp")
     with pytest.raises(RuntimeError, match="needs an active simulation"):
         thunder_tp.per_rank(torch.ones(2))
+
+
+def test_sliding_window_mask_built_inside_forward():
+    """litgpt builds the sliding-window mask inside forward, through torch ops Thunder has no symbol for
+    (``Tensor.bool``): Thunder's fake tensors for those stay fake under the simulation's LocalTensorMode, and the
+    simulated program matches one device (loss, every grad) and issues what real ranks issue."""
+    from tests.test_litgpt_zoo import _expected_counts, _simulated_check, zoo_config
+
+    name = "Mathstral-7B-v0.1"  # GQA with 8 K/V groups and a sliding window
+    assert zoo_config(name).sliding_window_size is not None
+    forward, backward = _expected_counts(zoo_config(name), "tp", 4)
+    assert _simulated_check(name, "tp", 4) == {"forward": forward, "backward": backward}

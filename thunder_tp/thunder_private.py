@@ -5,7 +5,11 @@ Where a public route exists it is used (``ThunderModule.set_buffer``, ``Executor
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import thunder
+import thunder.torch as ltorch
 import torch
 from thunder.core.module import ThunderModule
 from thunder.core.proxies import DistParallelType, TensorProxy
@@ -41,6 +45,19 @@ def set_proxy_shape(proxy: TensorProxy, shape: tuple[int, ...]) -> None:
 def set_proxy_distparallel_type(proxy: TensorProxy, kind: DistParallelType) -> None:
     """Set a trace input's ``distparallel_type`` in place (a read-only property; ``replace`` makes a new proxy)."""
     proxy._distparallel_type = kind
+
+
+@contextlib.contextmanager
+def fake_args_built_by(wrapper: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Build the fake tensors of Thunder's fallback for torch ops it has no symbol for (``meta_adaptor`` runs the op
+    on ``_get_fake_arg``'s tensors under FakeTensorMode; a mode pushed before it, such as LocalTensorMode, would
+    otherwise make them its own) through ``wrapper``; 0.2.6 has no hook there."""
+    original = ltorch._get_fake_arg
+    ltorch._get_fake_arg = wrapper(original)
+    try:
+        yield
+    finally:
+        ltorch._get_fake_arg = original
 
 
 # --- public routes, named here so that the callers read alike ----------------------------------------------------
