@@ -21,7 +21,6 @@ Leaving the context destroys the fake group and restores the RNG and executors; 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.layouts import Layout, shard_tensor
-from thunder_tp.thunder_private import fake_args_built_by
+from thunder_tp.thunder_private import fake_args_built_under
 
 __all__ = ["check_transforms", "for_each_rank", "is_simulating", "local_piece", "per_rank", "simulate"]
 
@@ -73,7 +72,9 @@ def simulate(world_size: int) -> Iterator[None]:
         )
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        with LocalTensorMode(world_size) as mode, fake_args_built_by(functools.partial(_outside, mode)):
+        # Thunder's fake tensors for tracing a torch op it has no symbol for (e.g. Tensor.bool in litgpt's
+        # sliding-window mask) must stay fake tensors, not become LocalTensors
+        with LocalTensorMode(world_size) as mode, fake_args_built_under(mode.disable):
             _current = _Simulation(world_size, mode)
             try:
                 yield
@@ -81,17 +82,6 @@ def simulate(world_size: int) -> Iterator[None]:
                 _current = None
     finally:
         dist.destroy_process_group()
-
-
-def _outside(mode, fn: Callable) -> Callable:
-    """``fn`` run with LocalTensorMode off (Thunder's fake tensors for tracing a torch op it has no symbol for, e.g.
-    ``Tensor.bool`` in litgpt's sliding-window mask, must stay fake tensors, not become LocalTensors)."""
-
-    def outside(*args, **kwargs):
-        with mode.disable():
-            return fn(*args, **kwargs)
-
-    return outside
 
 
 # --- values of every simulated rank ---------------------------------------------------------------------

@@ -48,12 +48,17 @@ def set_proxy_distparallel_type(proxy: TensorProxy, kind: DistParallelType) -> N
 
 
 @contextlib.contextmanager
-def fake_args_built_by(wrapper: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Build the fake tensors of Thunder's fallback for torch ops it has no symbol for (``meta_adaptor`` runs the op
-    on ``_get_fake_arg``'s tensors under FakeTensorMode; a mode pushed before it, such as LocalTensorMode, would
-    otherwise make them its own) through ``wrapper``; 0.2.6 has no hook there."""
+def fake_args_built_under(context: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Build the fake tensors of Thunder's fallback for torch ops it has no symbol for inside ``context()``
+    (``meta_adaptor`` runs the op on ``_get_fake_arg``'s tensors under FakeTensorMode; a mode pushed before it, such
+    as LocalTensorMode, would otherwise make them its own); 0.2.6 has no hook there."""
     original = ltorch._get_fake_arg
-    ltorch._get_fake_arg = wrapper(original)
+
+    def built_under_context(inp):
+        with context():
+            return original(inp)
+
+    ltorch._get_fake_arg = built_under_context
     try:
         yield
     finally:

@@ -47,7 +47,7 @@ register_grad(softmax_logsumexp, _softmax_logsumexp_grad)
 
 def _target_logit(logits: TensorProxy, local_target: TensorProxy) -> TensorProxy:
     """Each row's logit at its target column (0 where the target is not a column of ``logits``): a one-hot mask,
-    which fuses with the log-sum-exp's reduction (a gather would scatter into a logits-sized zeros in the backward)."""
+    which fuses with the log-sum-exp's reduction (a gather would scatter into logits-sized zeros in the backward)."""
     hit = ltorch.eq(ltorch.unsqueeze(local_target, 1), ltorch.arange(logits.shape[1], device=logits.device))
     return ltorch.sum(ltorch.where(hit, logits, 0.0), 1)
 
