@@ -1,4 +1,6 @@
-"""A rank that dies or raises makes its TP peer raise quickly, with an error naming the collective and the group.
+"""A rank that dies, raises or hangs makes its TP peer raise, with an error naming the collective and the group:
+quickly when the peer's process is gone (gloo sees the connection reset), within the process group's timeout when it
+is alive but never joins the collective.
 
 Ranks are two plain processes (started as a batch scheduler starts them: no torchrun agent, no test worker pool);
 the parent only watches them.
@@ -19,10 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 FAILING_STEP = 2
 SURVIVOR_LIMIT_S = 60.0
+#: process-group timeout of the pair in which rank 1 hangs (alive, never joining the next collective)
+HANG_TIMEOUT_S = 5.0
 
 
 def _rank_main(mode: str, rank: int, port: int) -> None:
-    """One rank training the TP=2 MLP; rank 1 fails at FAILING_STEP as ``mode`` says."""
+    """One rank training the TP=2 MLP; rank 1 fails at FAILING_STEP as ``mode`` says (die, raise or hang)."""
+    import datetime
+
     import thunder
     import torch
     import torch.distributed as dist
@@ -32,7 +38,8 @@ def _rank_main(mode: str, rank: int, port: int) -> None:
     from tests.tp_checks import FAST_EXECUTORS
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    timeout = datetime.timedelta(seconds=HANG_TIMEOUT_S) if mode == "hang" else None
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
     torch.manual_seed(0)
     jm = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=FAST_EXECUTORS)
     (x,) = _mlp_input()
@@ -43,6 +50,8 @@ def _rank_main(mode: str, rank: int, port: int) -> None:
                 print(f"failing at {time.monotonic()}", flush=True)  # CLOCK_MONOTONIC: one clock for the host
             if failing and mode == "raise":
                 raise ValueError("rank 1 fails before its next collective")
+            if failing and mode == "hang":
+                time.sleep(10 * SURVIVOR_LIMIT_S)  # alive, but never reaches the forward all_reduce
             loss = jm(x).square().mean()
             if failing and mode == "die":
                 os._exit(3)  # mid step: after the forward all_reduce, before the backward one
@@ -68,10 +77,16 @@ def _run_pair(mode: str) -> tuple[subprocess.CompletedProcess, float, float]:
         for r in range(2)
     ]
     try:
-        failed, _ = procs[1].communicate(timeout=300)
-        died = time.monotonic()
-        out, err = procs[0].communicate(timeout=SURVIVOR_LIMIT_S + 30)
-        after = time.monotonic() - died
+        if mode == "hang":  # rank 1 stays alive: rank 0 has to give up on its own
+            out, err = procs[0].communicate(timeout=300)
+            procs[1].kill()
+            failed, _ = procs[1].communicate(timeout=30)
+            after = float("nan")
+        else:
+            failed, _ = procs[1].communicate(timeout=300)
+            died = time.monotonic()
+            out, err = procs[0].communicate(timeout=SURVIVOR_LIMIT_S + 30)
+            after = time.monotonic() - died
     finally:
         for p in procs:
             if p.poll() is None:
@@ -81,14 +96,18 @@ def _run_pair(mode: str) -> tuple[subprocess.CompletedProcess, float, float]:
     return subprocess.CompletedProcess(procs[0].args, procs[0].returncode, out, err), raised, after
 
 
-def _check_survivor(mode: str, kind: str) -> None:
+def _check_survivor(mode: str, kind: str) -> float:
+    """Rank 0's error after rank 1 failed as ``mode`` says; how long after rank 1's failure rank 0 raised."""
     survivor, raised, after = _run_pair(mode)
-    print(f"{mode}: rank 0 raised {raised:.1f} s after rank 1 failed; exited {after:.1f} s after rank 1 (rc {survivor.returncode})")
+    exited = "" if mode == "hang" else f"; exited {after:.1f} s after rank 1"
+    print(f"{mode}: rank 0 raised {raised:.1f} s after rank 1 failed{exited} (rc {survivor.returncode})")
     assert survivor.returncode != 0, survivor.stdout + survivor.stderr
     assert "finished every step" not in survivor.stdout
     message = f"thunder_tp: {kind} of a (32, 4, 128) torch.float32 tensor over the gloo group of global ranks [0, 1] failed"
     assert message in survivor.stderr, survivor.stderr[-3000:]
-    assert after < SURVIVOR_LIMIT_S, after
+    if mode != "hang":
+        assert after < SURVIVOR_LIMIT_S, after
+    return raised
 
 
 def test_peer_killed_mid_step_is_an_error_within_seconds():
@@ -97,6 +116,12 @@ def test_peer_killed_mid_step_is_an_error_within_seconds():
 
 def test_peer_raising_before_a_collective_does_not_hang():
     _check_survivor("raise", "all_reduce")  # the forward all_reduce of the next step
+
+
+def test_hung_peer_is_an_error_after_the_process_group_timeout():
+    raised = _check_survivor("hang", "all_reduce")  # the forward all_reduce rank 1 never joins
+    # gloo's timeout, which thunder_tp neither shortens nor disables: not before it, and not much after it
+    assert HANG_TIMEOUT_S - 1 <= raised < HANG_TIMEOUT_S + 30, raised
 
 
 # --- a compile error on one rank only: every rank raises, and the pair of processes goes on to the next model ----
