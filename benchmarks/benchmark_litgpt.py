@@ -48,8 +48,8 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harness import (
-    EXECUTORS, collectives_lines, collectives_per_iteration, fmt_bytes, init_distributed, log, param_bytes,
-    peak_memory_bytes, saved_for_backward, slowest_rank, timed, train_step, write_json,
+    EXECUTORS, collectives_lines, collectives_per_iteration, exit_without_teardown, fmt_bytes, init_distributed, log,
+    param_bytes, peak_memory_bytes, saved_for_backward, slowest_rank, timed, train_step, write_json,
 )
 from litgpt_setup import (
     DTYPES, FP8_MODES, MODES, Groups, accumulation_steps, make_batch, make_config, make_model, resolve_groups,
@@ -361,4 +361,4 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

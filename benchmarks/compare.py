@@ -51,12 +51,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from breakdown import step_breakdown
 from compare_modes import Mode, all_modes, make_model, select_modes
 from compare_report import report, summary_line
 from gate import GradientMismatch, check_gradients, full_grads
 from harness import (
-    init_distributed, param_bytes, peak_step_bytes, random_batch, saved_for_backward, slowest_rank, step_context,
-    sync, tensor_bytes, time_stats, timed, train_step,
+    exit_without_teardown, init_distributed, param_bytes, peak_step_bytes, random_batch, saved_for_backward,
+    slowest_rank, step_context, sync, tensor_bytes, time_stats, timed, train_step,
 )
 from llama import LlamaConfig, transform_scaling
 
@@ -220,6 +221,8 @@ def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.profile_dir and mode.name in args.profile:  # every rank steps (collectives), rank 0 writes
         profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if dist.get_rank() == 0 else None)
+    if args.breakdown and mode.runtime == "thunder":
+        result["breakdown"] = step_breakdown(jm, lambda: train_step(jm, opt, idx, targets), args.breakdown, mode.ranks != 1)
     if args.dump_traces and mode.runtime == "thunder":
         import thunder_tp
 
@@ -312,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png_path", default="")
     p.add_argument("--profile", default="", help="comma-separated modes to profile (torch.profiler, rank 0)")
     p.add_argument("--profile_dir", default="")
+    p.add_argument("--breakdown", type=int, default=0,
+                   help="steps of each thunder mode whose regions and collectives are timed call by call (breakdown.py)")
     p.add_argument("--dump_traces", default="", help="directory for each thunder mode's final traces (every rank)")
     args = p.parse_args(argv)
     args.profile = [m for m in args.profile.split(",") if m]
@@ -427,4 +432,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

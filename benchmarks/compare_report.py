@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import torch
 
+from breakdown import BREAKDOWN_HEADER, breakdown_row
 from harness import write_json
 
 def _mb(b) -> str:
@@ -169,6 +170,14 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
         for d in sorted(scaling):
             s = scaling[d]
             print(f"| {d} | {s['transform_s'] * 1e3:.0f} | {s['transform_s'] * 1e3 / d:.1f} | {s['trace_bsyms']} |")
+    broken_down = {name: r["breakdown"] for name, r in results.items() if "breakdown" in r}
+    if broken_down:
+        print()
+        print(f"Where a step goes (rank 0, ms per step over {args.breakdown} more steps: step wall and CPU medians, "
+              "calls means; collectives lined up over the ranks; benchmarks/breakdown.py):")
+        print(BREAKDOWN_HEADER)
+        for name, b in broken_down.items():
+            print(breakdown_row(name, b))
     summary = targets_summary(results, scaling, world)
     print()
     print(json.dumps(summary, indent=1))

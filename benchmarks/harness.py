@@ -6,6 +6,7 @@ Used by ``benchmark_litgpt.py`` and ``compare.py`` (imported as a sibling module
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import gc
@@ -18,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,20 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Exit with ``code`` after flushing output and running the exit handlers, skipping the interpreter's teardown.
+
+    Thunder's compiled programs keep a gloo process group alive past ``destroy_process_group``, and its worker
+    threads may still be releasing the last collectives' tensors, which takes the GIL: a thread that takes it while
+    the interpreter finalizes ends in std::terminate ("terminate called without an active exception", exit code -6;
+    torch 2.10, 1 run in 3 of compare.py's smoke test), after every result was written.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 def log(rank: int, *msg: Any) -> None:

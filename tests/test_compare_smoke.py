@@ -87,7 +87,8 @@ def test_compare_runs_every_mode(tmp_path):
     no Inductor compile at all; the report and the plot."""
     png_path = tmp_path / "compare.png"
     report, stdout = _compare(tmp_path, "--executors", "thunder_default", "--skip", "dtensor_tp_compile",
-                              "--scaling_layers", "1,2", "--scaling_repeats", "1", "--png_path", str(png_path))
+                              "--scaling_layers", "1,2", "--scaling_repeats", "1", "--png_path", str(png_path),
+                              "--breakdown", "2")
     modes = report["modes"]
     assert set(modes) == EVERY_MODE - {"dtensor_tp_compile"}, sorted(modes)
     _check_modes(modes)
@@ -107,6 +108,28 @@ def test_compare_runs_every_mode(tmp_path):
     assert set(report["transform_scaling"]) == {"1", "2"} and "transform_s_per_layer" in report["targets"]
     assert png_path.stat().st_size > 0
     assert "| thunder_tp_tp |" in stdout and "| dtensor_sp |" in stdout
+    _check_breakdowns(modes, stdout)
+
+
+def _check_breakdowns(modes: dict, stdout: str) -> None:
+    """Every thunder mode's step broken down: one timed call per collective issue and wait of its traces, the
+    collectives lined up over the ranks; the single device's step has none."""
+    thunder_modes = {n for n, r in modes.items() if r.get("runtime") == "thunder"}
+    assert thunder_modes == {n for n, r in modes.items() if "breakdown" in r}, sorted(thunder_modes)
+    table = stdout.split("Where a step goes")[1]
+    for name in thunder_modes:
+        b, ranks = modes[name]["breakdown"], modes[name]["ranks"]
+        # medians of separate samples: the main thread's CPU time may exceed the process's by the clocks' resolution
+        assert 0 < b["main_thread_cpu_s"] <= b["process_cpu_s"] + 1e-3 and b["idle_s"] >= 0, (name, b)
+        for phase in ("forward", "backward"):
+            expected = modes[name][f"comm_{phase}_trace"]["total"] if ranks > 1 else 0
+            for kind in ("issue", "wait"):
+                assert b["calls"].get(f"{phase} {kind}", {"count": 0})["count"] == expected, (name, phase, kind, b)
+            if ranks > 1:
+                lined = b["collectives"][phase]
+                assert lined["issue_spread_s"] >= 0 and lined["last_issue_to_done_s"] > 0, (name, lined)
+        assert ("collectives" in b) == (ranks > 1), (name, b)
+        assert f"| {name} | " in table, name
 
 
 @pytest.mark.slow

@@ -1,0 +1,197 @@
+"""Where a thunder step's time goes: every fusion region and collective call of a jitted module, timed.
+
+``step_breakdown(jm, step, steps, distributed)`` wraps the callables that Thunder's compiled forward and backward
+call (the cache entry of the last call): fusion regions, collective issues (the torch.distributed calls) and waits,
+told apart by the final traces' bound symbols. It runs ``steps`` steps, puts the callables back and reports per step:
+
+- medians of the wall time, of the process's CPU time and of its main thread's (the difference is other threads':
+  gloo's workers, which run on the rank's own core when ranks are pinned); idle = wall - process CPU (no thread of
+  the process ran: waiting for a peer, or for the host to run this virtual CPU again);
+- per phase (forward, backward) and kind (region, issue, wait): mean wall and main-thread CPU time, and calls;
+- with ``distributed``: when each rank issued each collective and when its wait returned, lined up across the ranks
+  of this host (one clock, CLOCK_MONOTONIC): medians of how far apart the ranks issued it and of how long after the
+  last issue every rank was past its wait. In the forward, where each wait follows its issue, that is what the
+  collective took, whatever the ranks' skew; in the backward it also spans the compute scheduled in between.
+
+On CUDA every wrapped call synchronizes the device before and after, so region times are kernel times and
+communication no longer overlaps compute: use it to see where time goes, not to time the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("region", "issue", "wait")
+
+
+def _call_kinds(trace) -> dict[str, str]:
+    """Name of each callable ``trace`` calls that is a fusion region, a collective's issue or a wait -> that kind
+    (thunder_tp's naming of a work handle, a few microseconds, is left out)."""
+    from thunder_tp.collectives import is_communication, is_wait
+    from thunder_tp.collectives.symbols import tp_name_work
+
+    kinds = {}
+    for bsym in trace.bound_symbols:
+        if bsym.sym.is_fusion:
+            kinds[bsym.sym.name] = "region"
+        elif is_wait(bsym):
+            kinds[bsym.sym.name] = "wait"
+        elif is_communication(bsym) and bsym.sym.id != tp_name_work.id:
+            kinds[bsym.sym.name] = "issue"
+    return kinds
+
+
+def _compiled(jm) -> list[tuple[str, Callable, Any]]:
+    """(phase, compiled function, its final trace) of the cache entry Thunder ran last."""
+    import thunder
+
+    last = thunder.last_traces(jm)[-1]
+    entry = next(e for e in thunder.compile_stats(jm).interpreter_cache if e.computation_traces[-1] is last)
+    phases = [("forward", entry.computation_fn, last)]
+    if entry.backward_fn is not None:
+        phases.append(("backward", entry.backward_fn, entry.backward_traces[-1]))
+    return phases
+
+
+def _handle(future) -> int | None:
+    """Identity of the torch.distributed work behind a (work, tensor) future, named by thunder_tp or not; None for
+    anything else (a synchronous collective's result, DDP's bucket packing)."""
+    if not isinstance(future, tuple):
+        return None
+    return id(getattr(future[0], "work", future[0]))
+
+
+class _Recorder:
+    """Sums of wall / main-thread CPU time and calls per (phase, kind); each collective's issue start and wait end."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync = sync
+        self.wall: dict[tuple[str, str], float] = defaultdict(float)
+        self.cpu: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.collectives: list[list] = []  # [phase, issued, done] in the order issued
+        self._pending: dict[int, int] = {}  # work identity -> its index in collectives
+
+    def wrap(self, phase: str, kind: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self.sync()
+            start, cpu = time.perf_counter(), time.thread_time()
+            out = fn(*args, **kwargs)
+            self.sync()
+            end = time.perf_counter()
+            self.wall[phase, kind] += end - start
+            self.cpu[phase, kind] += time.thread_time() - cpu
+            self.calls[phase, kind] += 1
+            if kind == "issue" and _handle(out) is not None:
+                self._pending[_handle(out)] = len(self.collectives)
+                self.collectives.append([phase, start, None])
+            elif kind == "wait" and _handle(args[0]) in self._pending:
+                self.collectives[self._pending.pop(_handle(args[0]))][2] = end
+            return out
+
+        return timed
+
+
+@contextlib.contextmanager
+def _recording(jm, recorder: _Recorder) -> Iterator[None]:
+    """The compiled functions of ``jm`` call ``recorder``'s wrappers of their regions and collectives while inside."""
+    patched: list[tuple[dict, str, Callable]] = []
+    try:
+        for phase, fn, trace in _compiled(jm):
+            fn = _unwrapped(fn)
+            for name, kind in _call_kinds(trace).items():
+                if name in fn.__globals__:
+                    original = fn.__globals__[name]
+                    patched.append((fn.__globals__, name, original))
+                    fn.__globals__[name] = recorder.wrap(phase, kind, original)
+        yield
+    finally:
+        for namespace, name, original in reversed(patched):
+            namespace[name] = original
+
+
+def _unwrapped(fn: Callable) -> Callable:
+    """The function Thunder generated from a trace, under its decorators (``functools.wraps`` chains)."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _device_sync(jm) -> Callable[[], None]:
+    device = next((p.device for p in jm.parameters()), torch.device("cpu"))
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def step_breakdown(jm, step: Callable[[], Any], steps: int, distributed: bool) -> dict:
+    """``steps`` calls of ``step`` (a training step of ``jm``), per step, split as the module docstring says."""
+    recorder = _Recorder(_device_sync(jm))
+    walls, process_cpu, main_cpu = [], [], []
+    with _recording(jm, recorder):
+        for _ in range(steps):
+            if distributed:
+                dist.barrier()
+            wall, cpu, thread = time.perf_counter(), time.process_time(), time.thread_time()
+            step()
+            walls.append(time.perf_counter() - wall)
+            process_cpu.append(time.process_time() - cpu)
+            main_cpu.append(time.thread_time() - thread)
+    wall, process, main = (statistics.median(x) for x in (walls, process_cpu, main_cpu))
+    out: dict = {"steps": steps, "wall_s": wall, "process_cpu_s": process, "main_thread_cpu_s": main,
+                 "other_threads_cpu_s": max(process - main, 0.0), "idle_s": max(wall - process, 0.0), "calls": {}}
+    for (phase, kind), total in sorted(recorder.wall.items()):
+        out["calls"][f"{phase} {kind}"] = {"wall_s": total / steps, "cpu_s": recorder.cpu[phase, kind] / steps,
+                                           "count": recorder.calls[phase, kind] // steps}
+    if distributed:
+        out["collectives"] = _line_up(recorder.collectives)
+    return out
+
+
+def _line_up(collectives: list[list]) -> dict | None:
+    """Per phase, over every collective of every step (the k-th issued on each rank is the same one): medians of how
+    far apart the ranks issued it and of how long after the last rank issued it every rank's wait had returned.
+    None if the ranks are on several hosts (no common clock)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (socket.gethostname(), collectives))
+    if len({host for host, _ in everyone}) != 1:
+        return None
+    out = {}
+    for phase in ("forward", "backward"):
+        per_rank = [[(issued, done) for p, issued, done in calls if p == phase and done is not None]
+                    for _, calls in everyone]
+        lined = [(min(i for i, _ in same), max(i for i, _ in same), max(d for _, d in same))
+                 for same in zip(*per_rank)]
+        if lined:
+            out[phase] = {"issue_spread_s": statistics.median(b - a for a, b, _ in lined),
+                          "last_issue_to_done_s": statistics.median(d - b for _, b, d in lined)}
+    return out
+
+
+def breakdown_row(name: str, b: dict) -> str:
+    """The markdown table row of one mode's breakdown (ms per step)."""
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    cells = [name, ms(b["wall_s"]), ms(b["main_thread_cpu_s"]), ms(b["other_threads_cpu_s"]), ms(b["idle_s"])]
+    for phase in ("forward", "backward"):
+        for kind in KINDS:
+            c = b["calls"].get(f"{phase} {kind}")
+            cells.append("–" if c is None else f"{ms(c['wall_s'])} ({c['count']})")
+    lined = b.get("collectives") or {}
+    for phase in ("forward", "backward"):
+        c = lined.get(phase)
+        cells.append("–" if c is None else f"{ms(c['issue_spread_s'])} / {ms(c['last_issue_to_done_s'])}")
+    return "| " + " | ".join(cells) + " |"
+
+
+BREAKDOWN_HEADER = (
+    "| mode | step wall | main thread CPU | other threads CPU | idle | fwd regions (calls) | fwd issues | fwd waits "
+    "| bwd regions | bwd issues | bwd waits | fwd collective: issue spread / last issue -> done | bwd: same |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
