@@ -132,7 +132,8 @@ def _device_sync(jm) -> Callable[[], None]:
 
 
 def step_breakdown(jm, step: Callable[[], Any], steps: int, distributed: bool) -> dict:
-    """``steps`` calls of ``step`` (a training step of ``jm``), per step, split as the module docstring says."""
+    """``steps`` calls of ``step`` (a training step of ``jm``), per step, split as the module docstring says: this
+    rank's figures, and with ``distributed`` every rank's (``per_rank``) and the collectives lined up over them."""
     recorder = _Recorder(_device_sync(jm))
     walls, process_cpu, main_cpu = [], [], []
     with _recording(jm, recorder):
@@ -151,16 +152,17 @@ def step_breakdown(jm, step: Callable[[], Any], steps: int, distributed: bool) -
         out["calls"][f"{phase} {kind}"] = {"wall_s": total / steps, "cpu_s": recorder.cpu[phase, kind] / steps,
                                            "count": recorder.calls[phase, kind] // steps}
     if distributed:
-        out["collectives"] = _line_up(recorder.collectives)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (socket.gethostname(), recorder.collectives, out))
+        out = {**out, "per_rank": [summary for _, _, summary in everyone],
+               "collectives": _line_up([(host, calls) for host, calls, _ in everyone])}
     return out
 
 
-def _line_up(collectives: list[list]) -> dict | None:
+def _line_up(everyone: list[tuple[str, list]]) -> dict | None:
     """Per phase, over every collective of every step (the k-th issued on each rank is the same one): medians of how
     far apart the ranks issued it and of how long after the last rank issued it every rank's wait had returned.
-    None if the ranks are on several hosts (no common clock)."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (socket.gethostname(), collectives))
+    ``everyone``: each rank's (host, collectives); None if the ranks are on several hosts (no common clock)."""
     if len({host for host, _ in everyone}) != 1:
         return None
     out = {}
@@ -175,19 +177,23 @@ def _line_up(collectives: list[list]) -> dict | None:
     return out
 
 
-def breakdown_row(name: str, b: dict) -> str:
-    """The markdown table row of one mode's breakdown (ms per step)."""
+def breakdown_rows(name: str, b: dict) -> list[str]:
+    """The markdown table rows of one mode's breakdown (ms per step), one per rank."""
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
-    cells = [name, ms(b["wall_s"]), ms(b["main_thread_cpu_s"]), ms(b["other_threads_cpu_s"]), ms(b["idle_s"])]
-    for phase in ("forward", "backward"):
-        for kind in KINDS:
-            c = b["calls"].get(f"{phase} {kind}")
-            cells.append("–" if c is None else f"{ms(c['wall_s'])} ({c['count']})")
     lined = b.get("collectives") or {}
-    for phase in ("forward", "backward"):
-        c = lined.get(phase)
-        cells.append("–" if c is None else f"{ms(c['issue_spread_s'])} / {ms(c['last_issue_to_done_s'])}")
-    return "| " + " | ".join(cells) + " |"
+    rows = []
+    for rank, r in enumerate(b.get("per_rank", [b])):
+        cells = [name if "per_rank" not in b else f"{name}, rank {rank}", ms(r["wall_s"]), ms(r["main_thread_cpu_s"]),
+                 ms(r["other_threads_cpu_s"]), ms(r["idle_s"])]
+        for phase in ("forward", "backward"):
+            for kind in KINDS:
+                c = r["calls"].get(f"{phase} {kind}")
+                cells.append("–" if c is None else f"{ms(c['wall_s'])} ({c['count']})")
+        for phase in ("forward", "backward"):
+            c = lined.get(phase)
+            cells.append("–" if c is None else f"{ms(c['issue_spread_s'])} / {ms(c['last_issue_to_done_s'])}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
 
 
 BREAKDOWN_HEADER = (

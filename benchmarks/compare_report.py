@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from breakdown import BREAKDOWN_HEADER, breakdown_row
+from breakdown import BREAKDOWN_HEADER, breakdown_rows
 from harness import write_json
 
 def _mb(b) -> str:
@@ -173,11 +173,11 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
     broken_down = {name: r["breakdown"] for name, r in results.items() if "breakdown" in r}
     if broken_down:
         print()
-        print(f"Where a step goes (rank 0, ms per step over {args.breakdown} more steps: step wall and CPU medians, "
-              "calls means; collectives lined up over the ranks; benchmarks/breakdown.py):")
+        print(f"Where a step goes (ms per step over {args.breakdown} more steps: step wall and CPU medians, calls "
+              "means; collectives lined up over the ranks; benchmarks/breakdown.py):")
         print(BREAKDOWN_HEADER)
         for name, b in broken_down.items():
-            print(breakdown_row(name, b))
+            print("\n".join(breakdown_rows(name, b)))
     summary = targets_summary(results, scaling, world)
     print()
     print(json.dumps(summary, indent=1))

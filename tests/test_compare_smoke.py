@@ -128,8 +128,10 @@ def _check_breakdowns(modes: dict, stdout: str) -> None:
             if ranks > 1:
                 lined = b["collectives"][phase]
                 assert lined["issue_spread_s"] >= 0 and lined["last_issue_to_done_s"] > 0, (name, lined)
-        assert ("collectives" in b) == (ranks > 1), (name, b)
-        assert f"| {name} | " in table, name
+        assert ("collectives" in b) == (ranks > 1) == ("per_rank" in b), (name, b)
+        assert len(b.get("per_rank", [b])) == ranks and b.get("per_rank", [b])[0]["calls"] == b["calls"], (name, b)
+        labels = [f"| {name}, rank {r} | " for r in range(ranks)] if ranks > 1 else [f"| {name} | "]
+        assert all(label in table for label in labels), name
 
 
 @pytest.mark.slow
