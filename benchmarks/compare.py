@@ -168,7 +168,7 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     """Build, check every gradient and the first two losses, warm up; returns this rank's result and (jm, opt, params)."""
     distributed = mode.ranks != 1
     result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
-                    "runtime": mode.runtime, "times_s": [], "minor_faults": []}
+                    "runtime": mode.runtime, "times_s": [], "round_medians_s": [], "minor_faults": []}
     if distributed:
         dist.barrier()
     t0 = time.perf_counter()
@@ -387,6 +387,7 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
                 jm, opt, _ = states[mode.name]
                 times, faults = time_steps(mode, jm, opt, idx, targets, steps)
                 results[mode.name]["times_s"] += times
+                results[mode.name]["round_medians_s"].append(statistics.median(times))
                 results[mode.name]["minor_faults"] += faults
 
             on_ranks(mode, run)

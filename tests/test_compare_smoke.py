@@ -213,3 +213,16 @@ def test_gradient_gate_fails_on_one_wrong_shard():
         for name, r in rank.items():
             assert r["error"] <= 1e-5, (name, r)
             assert r["message"] is not None and r["message"].startswith(f"{name}: gradient of {WRONG!r}"), (name, r)
+
+
+def test_targets_pair_the_modes_round_by_round():
+    """A slow round (the host busy) slows every mode of it: the paired ratio is the ratio within rounds, whatever the
+    drift between them; the ratio of medians over all steps mixes rounds."""
+    report = _benchmark_module("compare_report")
+    tp = {"median_s": 1.0, "round_medians_s": [0.8, 1.6, 0.8]}  # round 2: the host twice as slow for every mode
+    dtensor = {"median_s": 1.0, "round_medians_s": [1.0, 2.0, 1.0]}
+    single = {"median_s": 1.6, "round_medians_s": [1.44, 2.88, 1.44]}
+    targets = report.targets_summary({"thunder_tp_tp": tp, "dtensor_tp": dtensor, "single_thunder": single}, {}, 2)
+    assert targets["tp_vs_dtensor"]["ratio_paired_by_round"] == pytest.approx(0.8)
+    assert targets["parallel_efficiency"]["value_paired_by_round"] == pytest.approx(0.9)
+    assert targets["parallel_efficiency"]["value"] == pytest.approx(0.8)
