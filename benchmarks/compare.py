@@ -222,7 +222,8 @@ def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
     if args.profile_dir and mode.name in args.profile:  # every rank steps (collectives), rank 0 writes
         profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if dist.get_rank() == 0 else None)
     if args.breakdown and mode.runtime == "thunder":
-        result["breakdown"] = step_breakdown(jm, lambda: train_step(jm, opt, idx, targets), args.breakdown, mode.ranks != 1)
+        step = lambda: train_step(jm, opt, idx, targets)  # noqa: E731
+        result["breakdown"] = step_breakdown(jm, step, args.breakdown, distributed=mode.ranks != 1)
     if args.dump_traces and mode.runtime == "thunder":
         import thunder_tp
 
@@ -316,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default="", help="comma-separated modes to profile (torch.profiler, rank 0)")
     p.add_argument("--profile_dir", default="")
     p.add_argument("--breakdown", type=int, default=0,
-                   help="steps of each thunder mode whose regions and collectives are timed call by call (breakdown.py)")
+                   help="steps of each thunder mode timed region by region and collective by collective (breakdown.py)")
     p.add_argument("--dump_traces", default="", help="directory for each thunder mode's final traces (every rank)")
     args = p.parse_args(argv)
     args.profile = [m for m in args.profile.split(",") if m]
