@@ -25,10 +25,13 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from harness import sync
 
 KINDS = ("region", "issue", "wait")
 
@@ -91,11 +94,11 @@ class _Recorder:
             self.wall[phase, kind] += end - start
             self.cpu[phase, kind] += time.thread_time() - cpu
             self.calls[phase, kind] += 1
-            if kind == "issue" and _handle(out) is not None:
-                self._pending[_handle(out)] = len(self.collectives)
+            if kind == "issue" and (issued := _handle(out)) is not None:
+                self._pending[issued] = len(self.collectives)
                 self.collectives.append([phase, start, None])
-            elif kind == "wait" and _handle(args[0]) in self._pending:
-                self.collectives[self._pending.pop(_handle(args[0]))][2] = end
+            elif kind == "wait" and (waited := _handle(args[0])) in self._pending:
+                self.collectives[self._pending.pop(waited)][2] = end
             return out
 
         return timed
@@ -126,15 +129,11 @@ def _unwrapped(fn: Callable) -> Callable:
     return fn
 
 
-def _device_sync(jm) -> Callable[[], None]:
-    device = next((p.device for p in jm.parameters()), torch.device("cpu"))
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
 def step_breakdown(jm, step: Callable[[], Any], steps: int, distributed: bool) -> dict:
     """``steps`` calls of ``step`` (a training step of ``jm``), per step, split as the module docstring says: this
     rank's figures, and with ``distributed`` every rank's (``per_rank``) and the collectives lined up over them."""
-    recorder = _Recorder(_device_sync(jm))
+    device = next((p.device for p in jm.parameters()), torch.device("cpu"))
+    recorder = _Recorder(partial(sync, device))
     walls, process_cpu, main_cpu = [], [], []
     with _recording(jm, recorder):
         for _ in range(steps):
