@@ -16,6 +16,7 @@ from thunder.executors import torchex
 
 from tests.dist import assert_close, run_ranks
 from thunder_tp.collectives import comm_executor
+from thunder_tp.cpu_attention import cpu_attention_executor
 from thunder_tp.executor import FUSION_EXECUTOR_NAME, executors, fusion_executor, is_communication
 
 TORCHEX_COMM_IMPLS = (
@@ -203,12 +204,12 @@ def test_swallowed_communication_is_detected():
 
 def test_executors_list():
     exs = executors()
-    assert exs[0] is comm_executor
-    assert exs[1] is fusion_executor() is thunder.extend.get_executor(FUSION_EXECUTOR_NAME)
-    assert [e for e in exs if isinstance(e, thunder.extend.FusionExecutor)] == [exs[1]]
+    assert exs[:2] == [comm_executor, cpu_attention_executor]
+    assert exs[2] is fusion_executor() is thunder.extend.get_executor(FUSION_EXECUTOR_NAME)
+    assert [e for e in exs if isinstance(e, thunder.extend.FusionExecutor)] == [exs[2]]
     assert thunder.extend.get_executor("sdpa") in exs
-    assert executors() == exs and executors()[1] is exs[1]  # cached
-    assert executors("inductor")[1] is fusion_executor("inductor") is not exs[1]
+    assert executors() == exs and executors()[2] is exs[2]  # cached
+    assert executors("inductor")[2] is fusion_executor("inductor") is not exs[2]
     with pytest.raises(ValueError, match="unknown backend"):
         executors("triton")
 
@@ -249,6 +250,18 @@ def _check_single_device(device: str, backend: str | None, fusion_prefix: str) -
 
 def test_single_device_mlp_fuses_with_inductor():
     _check_single_device("cpu", None, "TorchCompile")
+
+
+@pytest.mark.parametrize("fn", [torch.mul, lambda x, w: (x * w).exp()], ids=["mul", "mul_exp"])
+def test_output_computed_from_inputs_alone_trains(fn):
+    # the schedule recomputes input-derived values in the backward; the grad read of the output must stay the output
+    x, w = (torch.randn(4, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    expected_out = fn(x, w)
+    expected = torch.autograd.grad(expected_out, (x, w), torch.ones_like(expected_out))
+    out = thunder.jit(fn, executors=executors())(x, w)
+    assert_close(out, expected_out, name="output")
+    for name, grad, want in zip("xw", torch.autograd.grad(out, (x, w), torch.ones_like(out)), expected):
+        assert_close(grad, want, name=f"grad of {name}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -23,6 +23,7 @@ from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_execu
 
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
+from thunder_tp.cpu_attention import cpu_attention_executor
 from thunder_tp.schedule import schedule
 from thunder_tp.simulate import is_simulating
 
@@ -137,11 +138,13 @@ def fusion_executor(backend: Backend = None) -> TPFusionExecutor:
 def _executors(backend: Backend) -> tuple[Executor, ...]:
     # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours
     defaults = tuple(ex for ex in get_default_executors() if not isinstance(ex, FusionExecutor))
-    return (comm_executor, fusion_executor(backend), *defaults)
+    # CPU attention first: Thunder's autograd takes the grad rule of the first executor that can run an op
+    return (comm_executor, cpu_attention_executor, fusion_executor(backend), *defaults)
 
 
 def executors(backend: Backend = None) -> list[Executor]:
-    """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, its fusion executor, Thunder's defaults.
+    """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, CPU attention, its fusion executor,
+    Thunder's defaults.
 
     Inside ``thunder_tp.simulate`` (LocalTensor, which no fusion backend can compile): without the fusion executor.
     """

@@ -29,7 +29,13 @@ __all__ = ["recompute_input_derived", "schedule", "schedule_communication"]
 
 # a recomputation must cost no more than reading the saved value would: no reductions, matmuls or random draws
 _NOT_CHEAP = frozenset(
-    {prims.OpTags.REDUCTION_OP, prims.OpTags.MATMUL_OP, prims.OpTags.RANDOM_OP, prims.OpTags.DONT_RECOMPUTE_IN_BACKWARD}
+    {
+        prims.OpTags.REDUCTION_OP,
+        prims.OpTags.MATMUL_OP,
+        prims.OpTags.RANDOM_OP,
+        prims.OpTags.DONT_RECOMPUTE_IN_BACKWARD,
+        prims.OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,
+    }
 )
 
 
@@ -59,7 +65,7 @@ def recompute_input_derived(joint: TraceCtx) -> TraceCtx:
             copy.tags.add(BoundSymbolTag.BACKWARD)
             copies.append(copy)
     start = next(i for i, bsym in enumerate(bsyms) if _ends_forward(bsym))
-    rest = [bsym.from_bsym_swap_proxies(swap) if _in_backward(bsym) else bsym for bsym in bsyms[start:]]
+    rest = [bsym.from_bsym_swap_proxies(swap) if _recomputes_from(bsym) else bsym for bsym in bsyms[start:]]
     recomputed.bound_symbols = [*bsyms[:start], *copies, *rest]
     recomputed.set_provenance(TraceProvenance("thunder_tp: recompute input-derived values in the backward"))
     return recomputed
@@ -67,6 +73,11 @@ def recompute_input_derived(joint: TraceCtx) -> TraceCtx:
 
 def _in_backward(bsym: BoundSymbol) -> bool:
     return BoundSymbolTag.BACKWARD in bsym.tags
+
+
+def _recomputes_from(bsym: BoundSymbol) -> bool:
+    """A backward bound symbol that reads forward values; a grad read names the forward's output itself."""
+    return _in_backward(bsym) and bsym.sym.id != prims.get_grad.id
 
 
 def _ends_forward(bsym: BoundSymbol) -> bool:
@@ -103,7 +114,7 @@ def _input_derived(bsyms: list[BoundSymbol]) -> dict[str, BoundSymbol]:
 
 def _read_by_backward(bsyms: list[BoundSymbol], derived: dict[str, BoundSymbol]) -> list[BoundSymbol]:
     """The producers of the input-derived values the backward reads, and of what those need, in forward order."""
-    pending = [a.name for bsym in bsyms if _in_backward(bsym) for a in bsym.flat_proxy_args if a.name in derived]
+    pending = [a.name for bsym in bsyms if _recomputes_from(bsym) for a in bsym.flat_proxy_args if a.name in derived]
     needed: dict[int, BoundSymbol] = {}
     while pending:
         producer = derived[pending.pop()]
