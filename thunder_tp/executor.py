@@ -136,15 +136,17 @@ def fusion_executor(backend: Backend = None) -> TPFusionExecutor:
 
 @functools.cache
 def _executors(backend: Backend) -> tuple[Executor, ...]:
-    # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours
+    # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours.
+    # Attention executors (ours for CPU; Thunder's sdpa, cudnn for CUDA) come before the fusion executor, as in
+    # Thunder's defaults: its autograd takes the grad rule of the first executor that can run an op, and Inductor
+    # can run SDPA (as its decomposition, which saves the probabilities for the backward).
     defaults = tuple(ex for ex in get_default_executors() if not isinstance(ex, FusionExecutor))
-    # CPU attention first: Thunder's autograd takes the grad rule of the first executor that can run an op
-    return (comm_executor, cpu_attention_executor, fusion_executor(backend), *defaults)
+    return (comm_executor, cpu_attention_executor, *defaults, fusion_executor(backend))
 
 
 def executors(backend: Backend = None) -> list[Executor]:
-    """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, CPU attention, its fusion executor,
-    Thunder's defaults.
+    """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, attention executors (CPU: thunder_tp's;
+    CUDA: Thunder's), thunder_tp's fusion executor; Thunder appends its torch and python executors.
 
     Inside ``thunder_tp.simulate`` (LocalTensor, which no fusion backend can compile): without the fusion executor.
     """
