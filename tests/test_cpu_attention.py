@@ -104,3 +104,13 @@ def test_decomposition_still_matches_eager_where_the_kernel_is_refused():
     q, k, v = _qkv(e_value=E + 4)
     names = _check_against_eager(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(E)), q, k, v)
     assert not any(name in names for name in FLASH)
+
+
+def test_inference_runs_the_forward_kernel_alone():
+    q, k, v = (t.detach() for t in _qkv())
+    jfn = thunder.jit(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), executors=executors())
+    with torch.no_grad():
+        out = jfn(q, k, v)
+    assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-12, atol=1e-12, name="output")
+    names = [bsym.sym.name for bsym in thunder.last_traces(jfn)[-1].bound_symbols]
+    assert FLASH[0] in names and FLASH[1] not in names, names
