@@ -12,7 +12,7 @@ import thunder
 from tests.dist import assert_close
 from thunder_tp.executor import executors
 
-B, H, L, S, E = 2, 3, 16, 16, 8
+B, H, L, S, E = 2, 3, 16, 24, 8
 FLASH = ("cpu_flash_attention_forward", "cpu_flash_attention_backward")
 
 

@@ -27,7 +27,8 @@ from thunder_tp.collectives import is_communication, is_wait
 
 __all__ = ["recompute_input_derived", "schedule", "schedule_communication"]
 
-# a recomputation must cost no more than reading the saved value would: no reductions, matmuls or random draws
+# a recomputation must cost no more than reading the saved value would: no reductions, matmuls, random draws or
+# kernels their executor keeps from being recomputed (attention)
 _NOT_CHEAP = frozenset(
     {
         prims.OpTags.REDUCTION_OP,
