@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 import thunder
 import thunder.distributed.prims as dist_prims
 import thunder.torch as ltorch
@@ -275,6 +276,23 @@ def test_cuda_inductor_backend():
 @pytest.mark.parametrize("backend", ["nvfuser", None])
 def test_cuda_nvfuser_backend(backend):
     _check_single_device("cuda", backend, "nvFusion")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_cuda_attention_runs_on_thunders_attention_executors(backend):
+    # Inductor can run SDPA too (as its decomposition): the attention executors come first, as in Thunder's defaults
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    jfn = thunder.jit(attention, executors=executors(backend))
+    out = jfn(q, k, v)
+    out.float().square().sum().backward()
+    assert_close(out, attention(q, k, v), rtol=2e-2, atol=2e-2, name="output")
+    for trace in (thunder.last_traces(jfn)[-1], thunder.last_backward_traces(jfn)[-1]):
+        runners = {getattr(bsym.sym.executor, "name", None) for bsym in trace.bound_symbols}
+        assert runners & {"sdpa", "cudnn"}, f"SDPA not on Thunder's attention executors:\n{trace}"
 
 
 # --- data parallel on 2 gloo ranks --------------------------------------------------------------
