@@ -283,6 +283,7 @@ def test_cuda_nvfuser_backend(backend):
 def test_cuda_attention_runs_on_thunders_attention_executors(backend):
     # Inductor can run SDPA too (as its decomposition): the attention executors come first, as in Thunder's defaults
     q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
     def attention(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 

@@ -26,7 +26,7 @@ _KERNEL_DTYPES = (dtypes.float32, dtypes.float64, dtypes.bfloat16, dtypes.float1
 
 
 def _forward_meta(query, key, value, attn_mask, is_causal: bool, scale: float | None):
-    lse_dtype = dtypes.float64 if dtypes.to_dtype(query.dtype) == dtypes.float64 else dtypes.float32
+    lse_dtype = dtypes.float64 if query.dtype == dtypes.float64 else dtypes.float32
     out = TensorProxy(like=query, shape=(*query.shape[:-1], value.shape[-1]))
     logsumexp = TensorProxy(like=query, shape=tuple(query.shape[:-1]), dtype=lse_dtype, requires_grad=False)
     return out, logsumexp
@@ -62,7 +62,7 @@ def _kernel_takes(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     qkv = (query, key, value)
     if any(t.device.type != "cpu" or t.ndim != 4 or t.dtype != query.dtype for t in qkv):
         return False
-    if dtypes.to_dtype(query.dtype) not in _KERNEL_DTYPES or dropout_p != 0.0:
+    if query.dtype not in _KERNEL_DTYPES or dropout_p != 0.0:
         return False
     if len({t.shape[0] for t in qkv}) != 1 or len({t.shape[1] for t in qkv}) != 1:
         return False

@@ -66,7 +66,7 @@ def recompute_input_derived(joint: TraceCtx) -> TraceCtx:
             copy.tags.add(BoundSymbolTag.BACKWARD)
             copies.append(copy)
     start = next(i for i, bsym in enumerate(bsyms) if _ends_forward(bsym))
-    rest = [bsym.from_bsym_swap_proxies(swap) if _recomputes_from(bsym) else bsym for bsym in bsyms[start:]]
+    rest = [bsym.from_bsym_swap_proxies(swap) if _reads_recomputed(bsym) else bsym for bsym in bsyms[start:]]
     recomputed.bound_symbols = [*bsyms[:start], *copies, *rest]
     recomputed.set_provenance(TraceProvenance("thunder_tp: recompute input-derived values in the backward"))
     return recomputed
@@ -76,14 +76,19 @@ def _in_backward(bsym: BoundSymbol) -> bool:
     return BoundSymbolTag.BACKWARD in bsym.tags
 
 
-def _recomputes_from(bsym: BoundSymbol) -> bool:
-    """A backward bound symbol that reads forward values; a grad read names the forward's output itself."""
-    return _in_backward(bsym) and bsym.sym.id != prims.get_grad.id
+def _is_grad_read(bsym: BoundSymbol) -> bool:
+    return bsym.sym.id == prims.get_grad.id
+
+
+def _reads_recomputed(bsym: BoundSymbol) -> bool:
+    """A backward bound symbol that reads recomputations instead of saved forward values: any but a grad read,
+    which names the forward's output itself."""
+    return _in_backward(bsym) and not _is_grad_read(bsym)
 
 
 def _ends_forward(bsym: BoundSymbol) -> bool:
     """The backward's first bound symbol, a grad read, or the return."""
-    return _in_backward(bsym) or bsym.sym.id == prims.get_grad.id or _is_return(bsym)
+    return _in_backward(bsym) or _is_grad_read(bsym) or _is_return(bsym)
 
 
 _UNPACK_IDS = frozenset(i for i in prims.PrimIDs if i.name.startswith("UNPACK_"))
@@ -115,7 +120,7 @@ def _input_derived(bsyms: list[BoundSymbol]) -> dict[str, BoundSymbol]:
 
 def _read_by_backward(bsyms: list[BoundSymbol], derived: dict[str, BoundSymbol]) -> list[BoundSymbol]:
     """The producers of the input-derived values the backward reads, and of what those need, in forward order."""
-    pending = [a.name for bsym in bsyms if _recomputes_from(bsym) for a in bsym.flat_proxy_args if a.name in derived]
+    pending = [a.name for bsym in bsyms if _reads_recomputed(bsym) for a in bsym.flat_proxy_args if a.name in derived]
     needed: dict[int, BoundSymbol] = {}
     while pending:
         producer = derived[pending.pop()]
