@@ -22,6 +22,9 @@ Before any timing, each mode's first-step gradients (every parameter, gathered t
 with the single-device eager run's (``gate.py``), each within ``--grad_rtol`` of that tensor's largest entry: a
 mismatch raises ``GradientMismatch`` naming the mode and the parameter. Its first and second-step losses are
 compared too; a mode whose losses disagree is reported and not timed.
+After timing, ``--breakdown N`` times N more steps of each thunder mode region by region and collective by collective
+(``breakdown.py``), and ``--transport_pairs N`` alternates N steps of each multi-rank mode (not the compiled one) with
+N steps whose collectives move no data (``transport.py``): what communication adds to the step.
 Every rank uses one thread (``torch.set_num_threads(1)``). Outputs (``compare_report.py``): a markdown table on
 stdout, ``--json_path`` and ``--png_path`` (step time and communication per mode, and transform time vs depth).
 """
@@ -52,6 +55,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from breakdown import step_breakdown
+from transport import exposed_communication
 from compare_modes import Mode, all_modes, make_model, select_modes
 from compare_report import report, summary_line
 from gate import GradientMismatch, check_gradients, full_grads
@@ -214,21 +218,24 @@ def time_steps(mode: Mode, jm, opt, idx, targets, steps: int) -> tuple[list[floa
 
 
 def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
-    """Statistics of the timed steps, then peak memory, saved-for-backward bytes and collectives of one more step."""
+    """Statistics of the timed steps, then the diagnostics asked for (profile, breakdown, communication's cost, traces),
+    peak memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
+    step = lambda: train_step(jm, opt, idx, targets)  # noqa: E731
     result.update(time_stats(result["times_s"]))
     result["minor_faults_per_step"] = statistics.median(result["minor_faults"])
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.profile_dir and mode.name in args.profile:  # every rank steps (collectives), rank 0 writes
         profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if dist.get_rank() == 0 else None)
     if args.breakdown and mode.runtime == "thunder":
-        step = lambda: train_step(jm, opt, idx, targets)  # noqa: E731
         result["breakdown"] = step_breakdown(jm, step, args.breakdown, distributed=mode.ranks != 1)
+    if args.transport_pairs and mode.ranks != 1 and mode.runtime != "compile":  # compiled graphs hold their collectives
+        result["transport"] = exposed_communication(params, step, args.transport_pairs)
     if args.dump_traces and mode.runtime == "thunder":
         import thunder_tp
 
         thunder_tp.dump_traces(jm, os.path.join(args.dump_traces, mode.name))
-    result["peak_step_bytes"] = peak_step_bytes(lambda: train_step(jm, opt, idx, targets))
+    result["peak_step_bytes"] = peak_step_bytes(step)
     measure_memory_and_comm(mode, jm, params, idx, targets, result)
 
 
@@ -318,6 +325,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile_dir", default="")
     p.add_argument("--breakdown", type=int, default=0,
                    help="steps of each thunder mode timed region by region and collective by collective (breakdown.py)")
+    p.add_argument("--transport_pairs", type=int, default=0,
+                   help="pairs of steps of each eager or thunder multi-rank mode with and without its collectives "
+                        "moving data, alternating: what communication adds to a step (transport.py)")
     p.add_argument("--dump_traces", default="", help="directory for each thunder mode's final traces (every rank)")
     args = p.parse_args(argv)
     args.profile = [m for m in args.profile.split(",") if m]

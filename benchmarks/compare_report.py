@@ -82,6 +82,21 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def transport_table(results: dict) -> str:
+    """One row per mode measured with and without its transport (``transport.py``): step medians, the paired
+    difference, and the parallel efficiency both ways against the mode's 1-rank baseline."""
+    lines = ["| mode | step (ms) | collectives moving nothing (ms) | communication adds, paired (ms) "
+             "| parallel eff. | parallel eff. without communication |", "|---|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if "transport" not in r:
+            continue
+        t, base = r["transport"], results.get(baseline_for(name), {}).get("median_s")
+        efficiency = lambda s: _fmt(base / (r["ranks"] * s) if base else None, ".3f")  # noqa: E731
+        lines.append(f"| {name} | {t['step_s'] * 1e3:.1f} | {t['without_transport_s'] * 1e3:.1f} "
+                     f"| {t['exposed_s'] * 1e3:.1f} | {efficiency(t['step_s'])} | {efficiency(t['without_transport_s'])} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict, scaling: dict, path: str) -> None:
     """Step time and communication per mode (and the TP pass's time vs depth) as a PNG."""
     import matplotlib
@@ -197,6 +212,11 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
         print(BREAKDOWN_HEADER)
         for name, b in broken_down.items():
             print("\n".join(breakdown_rows(name, b)))
+    if any("transport" in r for r in results.values()):
+        print()
+        print(f"What communication adds to a step ({args.transport_pairs} steps with and {args.transport_pairs} without "
+              "the collectives moving data, alternating; medians, slowest rank; benchmarks/transport.py):")
+        print(transport_table(results))
     summary = targets_summary(results, scaling, world)
     print()
     print(json.dumps(summary, indent=1))

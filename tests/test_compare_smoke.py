@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/compare.py: every mode runs under torchrun on a tiny config, its every gradient gated
 against single device; the gate fails on one wrong shard."""
 
+import contextlib
 import importlib
 import json
 import math
@@ -88,7 +89,7 @@ def test_compare_runs_every_mode(tmp_path):
     png_path = tmp_path / "compare.png"
     report, stdout = _compare(tmp_path, "--executors", "thunder_default", "--skip", "dtensor_tp_compile",
                               "--scaling_layers", "1,2", "--scaling_repeats", "1", "--png_path", str(png_path),
-                              "--breakdown", "2")
+                              "--breakdown", "2", "--transport_pairs", "1")
     modes = report["modes"]
     assert set(modes) == EVERY_MODE - {"dtensor_tp_compile"}, sorted(modes)
     _check_modes(modes)
@@ -109,6 +110,11 @@ def test_compare_runs_every_mode(tmp_path):
     assert png_path.stat().st_size > 0
     assert "| thunder_tp_tp |" in stdout and "| dtensor_sp |" in stdout
     _check_breakdowns(modes, stdout)
+    # what communication adds: every multi-rank mode measured with and without its transport, one row each
+    measured = {n for n, r in modes.items() if "transport" in r}
+    assert measured == {n for n, r in modes.items() if r["ranks"] > 1}, sorted(measured)
+    transport_table = stdout.split("What communication adds to a step")[1]
+    assert all(f"| {name} | " in transport_table for name in measured), transport_table
 
 
 def _check_breakdowns(modes: dict, stdout: str) -> None:
@@ -213,6 +219,47 @@ def test_gradient_gate_fails_on_one_wrong_shard():
         for name, r in rank.items():
             assert r["error"] <= 1e-5, (name, r)
             assert r["message"] is not None and r["message"].startswith(f"{name}: gradient of {WRONG!r}"), (name, r)
+
+
+def _steps_without_transport(mode_names: list[str]) -> dict:
+    """Per mode: collectives counted in a step with the transport and in one without, whether the parameters were put
+    back after a transport measurement and torch.distributed's own collectives back in place."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    compare_modes, harness, llama, transport = (
+        _benchmark_module(n) for n in ("compare_modes", "harness", "llama", "transport"))
+    cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
+    idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
+    modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
+    local = lambda p: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()  # noqa: E731
+    all_reduce, out = torch.distributed.all_reduce, {}
+    for name in mode_names:
+        jm = modes[name].build(compare_modes.make_model("llama", cfg, 0))
+        opt = torch.optim.SGD(jm.parameters(), lr=1e-2)
+        step = lambda: harness.train_step(jm, opt, idx, targets)  # noqa: E731
+        step()  # compiled before anything is counted
+        counts = []
+        for context in (contextlib.nullcontext, transport.without_transport):
+            with context(), CommDebugMode() as comm:
+                step()
+            counts.append(comm.get_total_counts())
+        before = [local(p) for p in jm.parameters()]
+        measured = transport.exposed_communication(list(jm.parameters()), step, 2)
+        out[name] = {"counts": counts, "measured": measured, "transport_back": torch.distributed.all_reduce is all_reduce,
+                     "restored": all(torch.equal(a, local(p)) for a, p in zip(before, jm.parameters()))}
+    return out
+
+
+def test_steps_without_transport_move_nothing():
+    """thunder_tp's and DTensor's loss-parallel steps: inside ``without_transport`` no collective reaches
+    torch.distributed (outside, every step has some); the measurement puts parameters and collectives back."""
+    for rank in run_ranks(_steps_without_transport, 2, ["thunder_tp_tp_lp", "dtensor_tp_lp"]):
+        for name, r in rank.items():
+            assert r["counts"][0] > 0 and r["counts"][1] == 0, (name, r)
+            assert r["transport_back"] and r["restored"], (name, r)
+            m = r["measured"]
+            assert m["pairs"] == 2 and m["step_s"] > 0 and m["without_transport_s"] > 0, (name, m)
 
 
 def test_targets_pair_the_modes_round_by_round():

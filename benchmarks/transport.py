@@ -1,0 +1,113 @@
+"""What communication adds to a training step: steps whose collectives move nothing, alternating with real ones.
+
+``without_transport()`` replaces the collectives the benchmark's modes call, torch.distributed's (thunder_tp, Thunder's
+DDP and FSDP) and its functional collectives (DTensor's redistributions and ``loss_parallel``), by local stand-ins:
+each writes its output from the rank's own input (the bytes any transport has to write on the rank) and returns done.
+Results are wrong, so it serves timing only. ``exposed_communication`` alternates steps with and without the
+transport; the median of the paired differences is what communication costs the step: the transport's work on the
+rank's CPU or device, waits on peers, and whatever the schedule did not overlap with compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from harness import slowest_rank, timed
+
+
+class _Done:
+    """The work handle of a collective that has already finished."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _all_reduce(tensor: torch.Tensor, *args, **kwargs) -> _Done:
+    return _Done()  # in place: the tensor keeps the rank's own contribution
+
+
+def _all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *args, **kwargs) -> _Done:
+    output.view(-1, input.numel()).copy_(input.reshape(1, -1))
+    return _Done()
+
+
+def _reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *args, **kwargs) -> _Done:
+    output.copy_(input.reshape(-1, output.numel())[0].view_as(output))
+    return _Done()
+
+
+def _all_to_all_single(output: torch.Tensor, input: torch.Tensor, *args, **kwargs) -> _Done:
+    output.copy_(input.view_as(output))
+    return _Done()
+
+
+def _mesh_dim_size(group: tuple) -> int:
+    mesh, mesh_dim = group  # DTensor passes (mesh, mesh_dim)
+    return mesh.size(mesh_dim)
+
+
+def _functional_all_reduce(tensor: torch.Tensor, reduceOp: str, group, tag: str = "") -> torch.Tensor:
+    return tensor.clone()
+
+
+def _functional_all_gather(tensor: torch.Tensor, gather_dim: int, group, tag: str = "") -> torch.Tensor:
+    return torch.cat([tensor] * _mesh_dim_size(group), dim=gather_dim)
+
+
+def _functional_reduce_scatter(tensor: torch.Tensor, reduceOp: str, scatter_dim: int, group,
+                               tag: str = "") -> torch.Tensor:
+    return tensor.chunk(_mesh_dim_size(group), dim=scatter_dim)[0].clone()
+
+
+_STAND_INS: list[tuple[Any, str, Callable]] = [
+    (dist, "all_reduce", _all_reduce),
+    (dist, "all_gather_into_tensor", _all_gather_into_tensor),
+    (dist, "reduce_scatter_tensor", _reduce_scatter_tensor),
+    (dist, "all_to_all_single", _all_to_all_single),
+    (funcol, "all_reduce", _functional_all_reduce),
+    (funcol, "all_gather_tensor", _functional_all_gather),
+    (funcol, "reduce_scatter_tensor", _functional_reduce_scatter),
+]
+
+
+@contextlib.contextmanager
+def without_transport() -> Iterator[None]:
+    """Inside, every collective is a local stand-in that returns done (the module docstring says which)."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in _STAND_INS]
+    try:
+        for module, name, stand_in in _STAND_INS:
+            setattr(module, name, stand_in)
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def exposed_communication(params: list[torch.Tensor], step: Callable[[], Any], pairs: int) -> dict:
+    """``pairs`` training steps with the transport and as many without, alternating (the order reversed every other
+    pair); medians, over the slowest rank of each step, of each and of the paired differences, in seconds. The
+    parameters (what the steps without transport make wrong) are put back afterwards."""
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in params]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(pairs):
+        for real in (True, False) if i % 2 == 0 else (False, True):
+            dist.barrier()
+            with contextlib.nullcontext() if real else without_transport():
+                times[real].append(timed(step)[1])
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    real, local = slowest_rank(times[True]), slowest_rank(times[False])
+    return {"pairs": pairs, "step_s": statistics.median(real), "without_transport_s": statistics.median(local),
+            "exposed_s": statistics.median(a - b for a, b in zip(real, local))}
