@@ -252,9 +252,10 @@ def _steps_without_transport(mode_names: list[str]) -> dict:
 
 
 def test_steps_without_transport_move_nothing():
-    """thunder_tp's and DTensor's loss-parallel steps: inside ``without_transport`` no collective reaches
-    torch.distributed (outside, every step has some); the measurement puts parameters and collectives back."""
-    for rank in run_ranks(_steps_without_transport, 2, ["thunder_tp_tp_lp", "dtensor_tp_lp"]):
+    """thunder_tp's and DTensor's loss-parallel and sequence-parallel steps: inside ``without_transport`` no collective
+    reaches torch.distributed (outside, every step has some); the measurement puts parameters and collectives back."""
+    modes = ["thunder_tp_tp_lp", "thunder_tp_sp", "dtensor_tp_lp", "dtensor_sp"]
+    for rank in run_ranks(_steps_without_transport, 2, modes):
         for name, r in rank.items():
             assert r["counts"][0] > 0 and r["counts"][1] == 0, (name, r)
             assert r["transport_back"] and r["restored"], (name, r)
