@@ -4,9 +4,9 @@
 DDP and FSDP) and its functional collectives (DTensor's redistributions and ``loss_parallel``), by local stand-ins:
 each writes its output from the rank's own input (the bytes any transport has to write on the rank) and returns done.
 Results are wrong, so it serves timing only. Not replaced: DTensor's ``Shard(i) -> Shard(j)`` on CUDA (its
-``shard_dim_alltoall`` op; on CPU it falls back to the functional all_gather). ``exposed_communication`` alternates steps with and without the
-transport; the median of the paired differences is what communication costs the step: the transport's work on the
-rank's CPU or device, waits on peers, and whatever the schedule did not overlap with compute.
+``shard_dim_alltoall`` op; on CPU it falls back to the functional all_gather). ``exposed_communication`` alternates
+steps with and without the transport; the median of the paired differences is what communication costs the step:
+the transport's work on the rank's CPU or device, waits on peers, and whatever the schedule did not overlap.
 """
 
 from __future__ import annotations
