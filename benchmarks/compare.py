@@ -55,7 +55,6 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from breakdown import step_breakdown
-from transport import exposed_communication
 from compare_modes import Mode, all_modes, make_model, select_modes
 from compare_report import report, summary_line
 from gate import GradientMismatch, check_gradients, full_grads
@@ -64,6 +63,7 @@ from harness import (
     slowest_rank, step_context, sync, tensor_bytes, time_stats, timed, train_step,
 )
 from llama import LlamaConfig, transform_scaling
+from transport import exposed_communication
 
 # --- collectives and saved tensors seen at runtime (eager and DTensor modes) ----------------------------------
 
