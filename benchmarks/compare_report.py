@@ -43,6 +43,18 @@ def baseline_for(name: str) -> str:
     return "single_eager"
 
 
+def speedup(results: dict, name: str, step_s: float) -> float | None:
+    """A step of ``step_s`` seconds of mode ``name`` against its 1-rank baseline's median; None without one."""
+    base = results.get(baseline_for(name), {}).get("median_s")
+    return base / step_s if base else None
+
+
+def parallel_efficiency(results: dict, name: str, step_s: float) -> float | None:
+    """``speedup`` per rank of mode ``name``."""
+    faster = speedup(results, name, step_s)
+    return faster / results[name]["ranks"] if faster else None
+
+
 def _saved_cell(r: dict) -> str:
     if r.get("runtime") == "thunder" and r.get("saved_bytes_hooks") is not None:
         return f"{_mb(r.get('saved_bytes'))} ({_mb(r['saved_bytes_hooks'])})"
@@ -68,12 +80,11 @@ def markdown_table(results: dict) -> str:
             reason = r.get("error") or r.get("skipped") or "not run"
             lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – | – | {reason} |")
             continue
-        base = results.get(baseline_for(name), {}).get("median_s")
-        speedup = base / r["median_s"] if base else None
+        faster = speedup(results, name, r["median_s"])
         cells = [
             name, str(r["ranks"]), f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
-            f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(speedup, ".2f"),
-            _fmt(speedup / r["ranks"] if speedup else None, ".2f"), first, _mb(r.get("param_bytes")), _saved_cell(r),
+            f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(faster, ".2f"),
+            _fmt(parallel_efficiency(results, name, r["median_s"]), ".2f"), first, _mb(r.get("param_bytes")), _saved_cell(r),
             _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
             " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
             _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO",
@@ -94,8 +105,7 @@ def transport_table(results: dict) -> str:
         if "transport" not in r:
             continue
         t, step = r["transport"], r["median_s"]
-        base = results.get(baseline_for(name), {}).get("median_s")
-        efficiency = lambda s: _fmt(base / (r["ranks"] * s) if base else None, ".3f")  # noqa: E731
+        efficiency = lambda s: _fmt(parallel_efficiency(results, name, s), ".3f")  # noqa: E731
         lines.append(f"| {name} | {step * 1e3:.0f} | {t['step_s'] * 1e3:.0f} / {t['without_transport_s'] * 1e3:.0f} "
                      f"| {t['exposed_s'] * 1e3:.1f} | {(step - t['exposed_s']) * 1e3:.0f} | {efficiency(step)} "
                      f"| {efficiency(step - t['exposed_s'])} |")

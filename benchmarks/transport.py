@@ -98,8 +98,7 @@ def exposed_communication(params: list[torch.Tensor], step: Callable[[], Any], p
     """``pairs`` training steps with the transport and as many without, alternating (the order reversed every other
     pair); medians, over the slowest rank of each step, of each and of the paired differences, in seconds. The
     parameters (what the steps without transport make wrong) are put back afterwards."""
-    with torch.no_grad():
-        saved = [p.detach().clone() for p in params]
+    saved = [p.detach().clone() for p in params]
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(pairs):
         for real in (True, False) if i % 2 == 0 else (False, True):
