@@ -54,8 +54,10 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def exit_without_teardown(code: int) -> NoReturn:
+def exit_without_teardown(code: int | None) -> NoReturn:
     """Exit with ``code`` after flushing output and running the exit handlers, skipping the interpreter's teardown.
+
+    ``None`` is 0: torchrun's ``@record`` turns a ``SystemExit(0)`` (``--help``) into a ``None`` return.
 
     Thunder's compiled programs keep a gloo process group alive past ``destroy_process_group``, and its worker
     threads may still be releasing the last collectives' tensors, which takes the GIL: a thread that takes it while
@@ -65,7 +67,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     atexit._run_exitfuncs()
-    os._exit(code)
+    os._exit(code or 0)
 
 
 def log(rank: int, *msg: Any) -> None:

@@ -280,3 +280,12 @@ def test_options():
     assert setup.accumulation_steps(args, dp_size=2) == 2
     with pytest.raises(SystemExit, match="multiple"):
         setup.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
+
+
+@pytest.mark.parametrize("script", ["benchmark_litgpt.py", "compare.py"])
+def test_help_exits_zero(script):
+    """``--help`` prints the usage and exits 0 (torchrun's ``@record`` returns None for a ``SystemExit(0)``)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / script), "--help"], env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage:") and not proc.stderr.strip()
