@@ -23,8 +23,9 @@ with the single-device eager run's (``gate.py``), each within ``--grad_rtol`` of
 mismatch raises ``GradientMismatch`` naming the mode and the parameter. Its first and second-step losses are
 compared too; a mode whose losses disagree is reported and not timed.
 After timing, ``--breakdown N`` times N more steps of each thunder mode region by region and collective by collective
-(``breakdown.py``), and ``--transport_pairs N`` alternates N steps of each multi-rank mode (not the compiled one) with
-N steps whose collectives move no data (``transport.py``): what communication adds to the step.
+(``breakdown.py``). With ``--without_transport 1`` each multi-rank mode (not the compiled one) runs its steps of every
+round twice, with its collectives and, right before or after, with local stand-ins that move no data
+(``transport.py``): paired by round, what communication adds to the step.
 Every rank uses one thread (``torch.set_num_threads(1)``). Outputs (``compare_report.py``): a markdown table on
 stdout, ``--json_path`` and ``--png_path`` (step time and communication per mode, and transform time vs depth).
 """
@@ -37,6 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
 
 import argparse
+import contextlib
 import gc
 import math
 import resource
@@ -63,7 +65,7 @@ from harness import (
     slowest_rank, step_context, sync, tensor_bytes, time_stats, timed, train_step,
 )
 from llama import LlamaConfig, transform_scaling
-from transport import exposed_communication
+from transport import communication_cost, steps_without_transport
 
 # --- collectives and saved tensors seen at runtime (eager and DTensor modes) ----------------------------------
 
@@ -204,16 +206,18 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     return result, (jm, opt, list(jm.parameters()))
 
 
-def time_steps(mode: Mode, jm, opt, idx, targets, steps: int) -> tuple[list[float], list[float]]:
-    """Wall time and minor page faults of ``steps`` training steps; a distributed step lasts until its slowest rank
-    is done (and counts the faults of the rank that had most)."""
+def time_steps(mode: Mode, jm, opt, idx, targets, steps: int,
+               around: contextlib.AbstractContextManager) -> tuple[list[float], list[float]]:
+    """Wall time and minor page faults of ``steps`` training steps run inside ``around``; a distributed step lasts
+    until its slowest rank is done (and counts the faults of the rank that had most)."""
     times, faults = [], []
-    for _ in range(steps):
-        if mode.ranks != 1:
-            dist.barrier()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        times.append(timed(lambda: train_step(jm, opt, idx, targets))[1])
-        faults.append(float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+    with around:
+        for _ in range(steps):
+            if mode.ranks != 1:
+                dist.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            times.append(timed(lambda: train_step(jm, opt, idx, targets))[1])
+            faults.append(float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
     return (slowest_rank(times), slowest_rank(faults)) if mode.ranks != 1 else (times, faults)
 
 
@@ -229,8 +233,8 @@ def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
         profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if dist.get_rank() == 0 else None)
     if args.breakdown and mode.runtime == "thunder":
         result["breakdown"] = step_breakdown(jm, step, args.breakdown, distributed=mode.ranks != 1)
-    if args.transport_pairs and mode.ranks != 1 and mode.runtime != "compile":  # compiled graphs hold their collectives
-        result["transport"] = exposed_communication(params, step, args.transport_pairs)
+    if "without_transport" in result:
+        result["transport"] = communication_cost(result, result.pop("without_transport"))
     if args.dump_traces and mode.runtime == "thunder":
         import thunder_tp
 
@@ -325,9 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile_dir", default="")
     p.add_argument("--breakdown", type=int, default=0,
                    help="steps of each thunder mode timed region by region and collective by collective (breakdown.py)")
-    p.add_argument("--transport_pairs", type=int, default=0,
-                   help="pairs of steps of each eager or thunder multi-rank mode with and without its collectives "
-                        "moving data, alternating: what communication adds to a step (transport.py)")
+    p.add_argument("--without_transport", type=int, default=0,
+                   help="1: each eager or thunder multi-rank mode's steps of every round run again with collectives "
+                        "that move no data, right before or after: what communication adds to a step (transport.py)")
     p.add_argument("--dump_traces", default="", help="directory for each thunder mode's final traces (every rank)")
     args = p.parse_args(argv)
     args.profile = [m for m in args.profile.split(",") if m]
@@ -390,19 +394,30 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
     ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
     dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
     timed_modes = [m for m, ok in zip(modes, ready.tolist()) if ok]
+    runs = [(m, transport) for m in timed_modes for transport in (True, False)
+            if transport or (args.without_transport and measures_transport(m))]
     rounds = max(1, min(args.rounds, args.steps))
     for r in range(rounds):  # alternate: every mode a few steps per round, order reversed every other round
         steps = args.steps // rounds + (r < args.steps % rounds)
-        for mode in timed_modes if r % 2 == 0 else timed_modes[::-1]:
-            def run(mode=mode):
-                jm, opt, _ = states[mode.name]
-                times, faults = time_steps(mode, jm, opt, idx, targets, steps)
-                results[mode.name]["times_s"] += times
-                results[mode.name]["round_medians_s"].append(statistics.median(times))
-                results[mode.name]["minor_faults"] += faults
+        for mode, transport in runs if r % 2 == 0 else runs[::-1]:
+            def run(mode=mode, transport=transport):
+                jm, opt, params = states[mode.name]
+                around = contextlib.nullcontext() if transport else steps_without_transport(params)
+                times, faults = time_steps(mode, jm, opt, idx, targets, steps, around)
+                record = results[mode.name] if transport else results[mode.name].setdefault(
+                    "without_transport", {"times_s": [], "round_medians_s": [], "minor_faults": []})
+                record["times_s"] += times
+                record["round_medians_s"].append(statistics.median(times))
+                record["minor_faults"] += faults
 
             on_ranks(mode, run)
     return timed_modes
+
+
+def measures_transport(mode: Mode) -> bool:
+    """True for the modes ``--without_transport`` measures: multi-rank, eager or thunder (a compiled graph holds its
+    collectives, out of ``transport.py``'s reach)."""
+    return mode.ranks != 1 and mode.runtime != "compile"
 
 
 @record  # a failing rank's error and traceback go into torchrun's summary

@@ -94,11 +94,10 @@ def markdown_table(results: dict) -> str:
 
 
 def transport_table(results: dict) -> str:
-    """One row per mode measured with and without its transport (``transport.py``): the pairs' own medians, what
-    communication adds (their paired difference), the timed step less that, and the parallel efficiency both ways
-    against the mode's 1-rank baseline. One mode's pairs run minutes after another's and after the timed rounds: where
-    the pairs' step is far from the timed one, the host drifted in between and the row's last columns mislead."""
-    lines = ["| mode | step median (ms) | pairs: with / without communication (ms) | communication adds, paired (ms) "
+    """One row per mode measured with and without its transport (``transport.py``): its step and the step without
+    communication (medians), what communication adds (the median over rounds of the round medians' difference), the
+    step less that, and the parallel efficiency both ways against the mode's 1-rank baseline."""
+    lines = ["| mode | step median (ms) | without communication (ms) | communication adds, paired by round (ms) "
              "| step less that (ms) | parallel eff. | parallel eff. without communication |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
@@ -106,9 +105,8 @@ def transport_table(results: dict) -> str:
             continue
         t, step = r["transport"], r["median_s"]
         efficiency = lambda s: _fmt(parallel_efficiency(results, name, s), ".3f")  # noqa: E731
-        lines.append(f"| {name} | {step * 1e3:.0f} | {t['step_s'] * 1e3:.0f} / {t['without_transport_s'] * 1e3:.0f} "
-                     f"| {t['exposed_s'] * 1e3:.1f} | {(step - t['exposed_s']) * 1e3:.0f} | {efficiency(step)} "
-                     f"| {efficiency(step - t['exposed_s'])} |")
+        lines.append(f"| {name} | {step * 1e3:.0f} | {t['without_transport_s'] * 1e3:.0f} | {t['exposed_s'] * 1e3:.1f} "
+                     f"| {(step - t['exposed_s']) * 1e3:.0f} | {efficiency(step)} | {efficiency(step - t['exposed_s'])} |")
     return "\n".join(lines)
 
 
@@ -229,8 +227,8 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
             print("\n".join(breakdown_rows(name, b)))
     if any("transport" in r for r in results.values()):
         print()
-        print(f"What communication adds to a step ({args.transport_pairs} steps with and {args.transport_pairs} without "
-              "the collectives moving data, alternating; medians, slowest rank; benchmarks/transport.py):")
+        print("What communication adds to a step (each multi-rank mode's steps of every round run again with collectives "
+              "that move no data, right before or after them; slowest rank; benchmarks/transport.py):")
         print(transport_table(results))
     summary = targets_summary(results, scaling, world)
     print()

@@ -4,9 +4,11 @@
 DDP and FSDP) and its functional collectives (DTensor's redistributions and ``loss_parallel``), by local stand-ins:
 each writes its output from the rank's own input (the bytes any transport has to write on the rank) and returns done.
 Results are wrong, so it serves timing only. Not replaced: DTensor's ``Shard(i) -> Shard(j)`` on CUDA (its
-``shard_dim_alltoall`` op; on CPU it falls back to the functional all_gather). ``exposed_communication`` alternates
-steps with and without the transport; the median of the paired differences is what communication costs the step:
-the transport's work on the rank's CPU or device, waits on peers, and whatever the schedule did not overlap.
+``shard_dim_alltoall`` op; on CPU it falls back to the functional all_gather). ``compare.py --without_transport 1`` runs
+each multi-rank mode's steps of every round again without the transport, right before or after them
+(``steps_without_transport``); the median over rounds of the difference is what communication costs the step
+(``communication_cost``): the transport's work on the rank's CPU or device, waits on peers, and whatever the
+schedule did not overlap.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-
-from harness import slowest_rank, timed
 
 
 class _Done:
@@ -94,20 +94,25 @@ def without_transport() -> Iterator[None]:
             setattr(module, name, original)
 
 
-def exposed_communication(params: list[torch.Tensor], step: Callable[[], Any], pairs: int) -> dict:
-    """``pairs`` training steps with the transport and as many without, alternating (the order reversed every other
-    pair); medians, over the slowest rank of each step, of each and of the paired differences, in seconds. The
-    parameters (what the steps without transport make wrong) are put back afterwards."""
+@contextlib.contextmanager
+def steps_without_transport(params: list[torch.Tensor]) -> Iterator[None]:
+    """Inside, collectives are local stand-ins; the parameters (what steps without transport make wrong) are put
+    back on leaving. The benchmark's SGD keeps no state that they could make wrong as well."""
     saved = [p.detach().clone() for p in params]
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(pairs):
-        for real in (True, False) if i % 2 == 0 else (False, True):
-            dist.barrier()
-            with contextlib.nullcontext() if real else without_transport():
-                times[real].append(timed(step)[1])
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    real, local = slowest_rank(times[True]), slowest_rank(times[False])
-    return {"pairs": pairs, "step_s": statistics.median(real), "without_transport_s": statistics.median(local),
-            "exposed_s": statistics.median(a - b for a, b in zip(real, local))}
+    try:
+        with without_transport():
+            yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+
+
+def communication_cost(timed: dict, without: dict) -> dict:
+    """What communication adds to a mode's step, from its timed steps and as many without transport run next to them
+    in every round: the median of those without (seconds), the median over rounds of the round medians' difference, and the
+    page faults of a step without transport."""
+    differences = [a - b for a, b in zip(timed["round_medians_s"], without["round_medians_s"])]
+    return {"rounds": len(differences), "without_transport_s": statistics.median(without["times_s"]),
+            "exposed_s": statistics.median(differences),
+            "without_transport_minor_faults_per_step": statistics.median(without["minor_faults"])}
