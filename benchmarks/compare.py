@@ -46,6 +46,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -322,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fresh_inductor_cache", type=int, default=1,
                    help="1: compile into an empty Inductor cache (honest first-iteration times)")
     p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r (every mode)")
+    p.add_argument("--transport_threads", choices=("default", "fifo"), default="default",
+                   help="fifo: after building every mode, the threads of each rank other than its main one (gloo's) "
+                        "run at real-time priority SCHED_FIFO 1, every mode alike (needs CAP_SYS_NICE)")
     p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds (a hung peer fails after it)")
     p.add_argument("--json_path", default="")
     p.add_argument("--png_path", default="")
@@ -347,6 +351,21 @@ def pin_to_core() -> None:
         os.sched_setaffinity(0, {cores[local_rank]})
 
 
+
+
+def prioritize_other_threads() -> int:
+    """Give every thread of this process but the calling one the lowest real-time priority (SCHED_FIFO 1): on CPU,
+    gloo's device loop and worker threads, which otherwise wait for the core behind the compute after each wake-up.
+    The number of threads; a clear error where the process may not (it needs CAP_SYS_NICE)."""
+    me = threading.get_native_id()
+    others = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
+    try:
+        for tid in others:
+            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError as e:
+        raise SystemExit(f"--transport_threads fifo: this process may not give its threads real-time priority ({e}); "
+                         "run it with CAP_SYS_NICE (e.g. as root) or drop the option") from e
+    return len(others)
 
 
 def on_ranks(mode: Mode, fn: Callable[[], Any]) -> Any:
@@ -441,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {}
     states = prepare_all(modes, cfg, idx, targets, args, results)
+    if args.transport_threads == "fifo":  # every process group is up by now: their threads exist
+        count = prioritize_other_threads()
+        if rank == 0:
+            print(f"[compare] --transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)",
+                  file=sys.stderr, flush=True)
     for mode in time_rounds(modes, states, idx, targets, args, results):
         on_ranks(mode, lambda: finish_mode(mode, states.pop(mode.name), idx, targets, args, results[mode.name]))
         if rank == 0:

@@ -207,7 +207,9 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
     print()
     print(f"Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
           f"vocab={cfg.vocab}, batch={args.batch} seq={args.seq}; {world} ranks x {torch.get_num_threads()} thread, "
-          f"{'NCCL' if torch.cuda.is_available() else 'gloo'}; median of {args.steps} steps after {args.warmup} warm-up")
+          f"{'NCCL' if torch.cuda.is_available() else 'gloo'}"
+          f"{' (its threads at SCHED_FIFO 1)' if args.transport_threads == 'fifo' else ''}; "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
     print()
     print(table)
     if scaling:

@@ -289,3 +289,47 @@ def test_communication_cost_pairs_by_round():
     cost = transport.communication_cost(timed, without)
     assert cost["rounds"] == 3 and cost["exposed_s"] == pytest.approx(0.1)
     assert cost["without_transport_s"] == pytest.approx(0.7) and cost["without_transport_minor_faults_per_step"] == 3
+
+
+_PRIORITIZE = """
+import json, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import compare
+ready, stop, tids = threading.Event(), threading.Event(), []
+def idle():
+    tids.append(threading.get_native_id())
+    ready.set()
+    stop.wait()
+thread = threading.Thread(target=idle)
+thread.start()
+ready.wait()
+if sys.argv[2] == "unprivileged":
+    os.setuid(65534)  # nobody: no CAP_SYS_NICE, and RLIMIT_RTPRIO 0
+try:
+    count, error = compare.prioritize_other_threads(), None
+except SystemExit as e:
+    count, error = 0, str(e)
+print(json.dumps({"count": count, "error": error, "other": os.sched_getscheduler(tids[0]),
+                  "main": os.sched_getscheduler(0), "fifo": os.SCHED_FIFO, "normal": os.SCHED_OTHER}))
+stop.set()
+thread.join()
+"""
+
+
+@pytest.mark.parametrize("privileges", ["as_run", "unprivileged"])
+def test_transport_threads_fifo_leaves_the_main_thread_alone(privileges):
+    """``--transport_threads fifo``: every thread but the main one at SCHED_FIFO, the main one as it was; where the
+    process may not, an error naming the option and the capability it needs (in a process of its own: the test run's
+    threads keep their policy)."""
+    if privileges == "unprivileged" and os.geteuid() != 0:
+        pytest.skip("dropping privileges needs root; the run as it is covers an unprivileged process")
+    proc = subprocess.run([sys.executable, "-c", _PRIORITIZE, BENCHMARKS, privileges], capture_output=True, text=True,
+                          timeout=300, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["main"] == r["normal"], r
+    if privileges == "unprivileged" or r["error"] is not None:
+        assert r["error"] and "--transport_threads fifo" in r["error"] and "CAP_SYS_NICE" in r["error"], r
+        assert r["other"] == r["normal"], r
+        return
+    assert r["count"] >= 1 and r["other"] == r["fifo"], r
