@@ -83,13 +83,22 @@ def _llama_param_bytes(tp: int) -> int:
     return 4 * (sharded // tp + 3 * d)
 
 
+def _may_use_real_time_priority() -> bool:
+    """True if a process of this user may give a thread SCHED_FIFO (CAP_SYS_NICE)."""
+    probe = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60).returncode == 0
+
+
 def test_compare_runs_every_mode(tmp_path):
     """Every mode but torch.compile's (that one in the slow test), the thunder modes on Thunder's default executors:
-    no Inductor compile at all; the report and the plot."""
+    no Inductor compile at all; the report and the plot; gloo's threads at SCHED_FIFO where the machine allows it."""
     png_path = tmp_path / "compare.png"
+    fifo = _may_use_real_time_priority()
     report, stdout = _compare(tmp_path, "--executors", "thunder_default", "--skip", "dtensor_tp_compile",
                               "--scaling_layers", "1,2", "--scaling_repeats", "1", "--png_path", str(png_path),
-                              "--breakdown", "2", "--without_transport", "1")
+                              "--breakdown", "2", "--without_transport", "1",
+                              *(["--transport_threads", "fifo"] if fifo else []))
+    assert ("(its threads at SCHED_FIFO 1)" in stdout) == fifo
     modes = report["modes"]
     assert set(modes) == EVERY_MODE - {"dtensor_tp_compile"}, sorted(modes)
     _check_modes(modes)
