@@ -353,10 +353,13 @@ def pin_to_core() -> None:
 
 
 
-def prioritize_other_threads() -> int:
+def prioritize_transport_threads(device: torch.device) -> int:
     """Give every thread of this process but the calling one the lowest real-time priority (SCHED_FIFO 1): on CPU,
     gloo's device loop and worker threads, which otherwise wait for the core behind the compute after each wake-up.
-    The number of threads; a clear error where the process may not (it needs CAP_SYS_NICE)."""
+    The number of threads; a clear error on CUDA (NCCL's and CUDA's threads may busy-poll) and where the process may
+    not (it needs CAP_SYS_NICE)."""
+    if device.type == "cuda":
+        raise SystemExit("--transport_threads fifo is for CPU runs (gloo's threads); drop it on CUDA")
     me = threading.get_native_id()
     others = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
     try:
@@ -459,9 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = select_modes(all_modes(args.executors), args.modes, args.skip)
 
     results: dict = {}
+    fifo = args.transport_threads == "fifo"
+    if fifo:
+        prioritize_transport_threads(device)  # fails before the modes are built where it cannot be done
     states = prepare_all(modes, cfg, idx, targets, args, results)
-    if args.transport_threads == "fifo":  # every process group is up by now: their threads exist
-        count = prioritize_other_threads()
+    if fifo:  # again: the process groups that building the modes made have threads of their own
+        count = prioritize_transport_threads(device)
         if rank == 0:
             print(f"[compare] --transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)",
                   file=sys.stderr, flush=True)

@@ -315,7 +315,7 @@ ready.wait()
 if sys.argv[2] == "unprivileged":
     os.setuid(65534)  # nobody: no CAP_SYS_NICE, and RLIMIT_RTPRIO 0
 try:
-    count, error = compare.prioritize_other_threads(), None
+    count, error = compare.prioritize_transport_threads(compare.torch.device("cpu")), None
 except SystemExit as e:
     count, error = 0, str(e)
 print(json.dumps({"count": count, "error": error, "other": os.sched_getscheduler(tids[0]),
@@ -342,3 +342,10 @@ def test_transport_threads_fifo_leaves_the_main_thread_alone(privileges):
         assert r["other"] == r["normal"], r
         return
     assert r["count"] >= 1 and r["other"] == r["fifo"], r
+
+
+def test_transport_threads_fifo_refused_on_cuda():
+    """On CUDA the option is refused with the reason, before any thread changes policy."""
+    compare = _benchmark_module("compare")
+    with pytest.raises(SystemExit, match="for CPU runs"):
+        compare.prioritize_transport_threads(torch.device("cuda", 0))
