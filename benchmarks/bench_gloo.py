@@ -1,6 +1,8 @@
 """What one collective costs on this host's transport: all_reduce of 8 KiB and of one b*s*h activation (2 MiB),
 synchronous and async + wait, and the 16 -> 32 MiB logits all_gather of benchmarks/compare.py's Llama; wall time
-and the CPU time of the whole process (gloo's threads included, which run on the rank's own core).
+and the CPU time of the whole process (gloo's threads included, which run on the rank's own core). Then the 2 MiB
+all_reduce right after a matmul (as in a TP forward) with gloo's threads at the default scheduling and at SCHED_FIFO 1
+(``compare.py --transport_threads fifo``), alternating; the second where the process may (CAP_SYS_NICE).
 
     torchrun --nproc-per-node 2 benchmarks/bench_gloo.py          # each rank pinned to its own core
 """
@@ -12,6 +14,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from harness import set_other_threads_scheduling
 
 
 def _median_ms(step, repeats: int) -> tuple[float, float]:
@@ -26,6 +30,29 @@ def _median_ms(step, repeats: int) -> tuple[float, float]:
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return sorted(walls)[repeats // 2] * 1e3, sorted(cpus)[repeats // 2] * 1e3
+
+
+def _after_matmul_ms(activation: torch.Tensor, rounds: int = 3, steps: int = 40) -> dict[str, float]:
+    """Median ms of an async all_reduce + wait of ``activation`` right after a matmul, per scheduling of gloo's
+    threads (default, and SCHED_FIFO 1 where allowed), alternating round by round; the default put back after."""
+    a, b = torch.randn(1024, 512), torch.randn(512, 768)
+    try:
+        set_other_threads_scheduling(os.SCHED_FIFO, 1)
+        policies = {"default": os.SCHED_OTHER, "SCHED_FIFO 1": os.SCHED_FIFO}
+    except PermissionError:
+        policies = {"default": os.SCHED_OTHER}
+    times: dict[str, list[float]] = {name: [] for name in policies}
+    for r in range(rounds):
+        for name, policy in policies.items() if r % 2 == 0 else reversed(policies.items()):
+            set_other_threads_scheduling(policy, 1 if policy == os.SCHED_FIFO else 0)
+            for _ in range(steps):
+                dist.barrier()
+                a @ b
+                t = time.perf_counter()
+                dist.all_reduce(activation, async_op=True).wait()
+                times[name].append(time.perf_counter() - t)
+    set_other_threads_scheduling(os.SCHED_OTHER)
+    return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
 
 
 def main() -> None:
@@ -46,6 +73,11 @@ def main() -> None:
         wall, cpu = _median_ms(step, 20)
         if rank == 0:
             print(f"{name}: {wall:.2f} ms, CPU {cpu:.2f} ms (medians of 20)", flush=True)
+    after = _after_matmul_ms(activation)
+    if rank == 0:
+        print("all_reduce 2 MiB right after a matmul, gloo's threads at " +
+              ", ".join(f"{name}: {ms:.2f} ms" for name, ms in after.items()) + " (medians of 3 x 40, alternating)",
+              flush=True)
     dist.destroy_process_group()
 
 

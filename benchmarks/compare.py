@@ -46,7 +46,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -63,7 +62,7 @@ from compare_report import report, summary_line
 from gate import GradientMismatch, check_gradients, full_grads
 from harness import (
     exit_without_teardown, init_distributed, param_bytes, peak_step_bytes, random_batch, saved_for_backward,
-    slowest_rank, step_context, sync, tensor_bytes, time_stats, timed, train_step,
+    set_other_threads_scheduling, slowest_rank, step_context, sync, tensor_bytes, time_stats, timed, train_step,
 )
 from llama import LlamaConfig, transform_scaling
 from transport import communication_cost, steps_without_transport
@@ -360,15 +359,11 @@ def prioritize_transport_threads(device: torch.device) -> int:
     not (it needs CAP_SYS_NICE)."""
     if device.type == "cuda":
         raise SystemExit("--transport_threads fifo is for CPU runs (gloo's threads); drop it on CUDA")
-    me = threading.get_native_id()
-    others = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
     try:
-        for tid in others:
-            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
+        return set_other_threads_scheduling(os.SCHED_FIFO, 1)
     except PermissionError as e:
         raise SystemExit(f"--transport_threads fifo: this process may not give its threads real-time priority ({e}); "
                          "run it with CAP_SYS_NICE (e.g. as root) or drop the option") from e
-    return len(others)
 
 
 def on_ranks(mode: Mode, fn: Callable[[], Any]) -> Any:

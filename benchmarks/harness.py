@@ -16,6 +16,7 @@ import resource
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,16 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def set_other_threads_scheduling(policy: int, priority: int = 0) -> int:
+    """Give every thread of this process but the calling one the scheduling ``policy`` (``os.SCHED_*``) at
+    ``priority``; the number of threads. Real-time policies need CAP_SYS_NICE (PermissionError otherwise)."""
+    me = threading.get_native_id()
+    others = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
+    for tid in others:
+        os.sched_setscheduler(tid, policy, os.sched_param(priority))
+    return len(others)
 
 
 def exit_without_teardown(code: int | None) -> NoReturn:

@@ -349,3 +349,18 @@ def test_transport_threads_fifo_refused_on_cuda():
     compare = _benchmark_module("compare")
     with pytest.raises(SystemExit, match="for CPU runs"):
         compare.prioritize_transport_threads(torch.device("cuda", 0))
+
+
+def test_bench_gloo_runs(tmp_path):
+    """benchmarks/bench_gloo.py on 2 ranks: every row, and the all_reduce after a matmul at the default scheduling of
+    gloo's threads and, where the machine allows it, at SCHED_FIFO."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(BENCHMARKS, "bench_gloo.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if " ms" in line]
+    assert sum(line.startswith(("all_reduce", "all_gather")) for line in rows) == 5, proc.stdout
+    after = next(line for line in rows if "right after a matmul" in line)
+    assert "default:" in after and ("SCHED_FIFO 1:" in after) == _may_use_real_time_priority(), after
