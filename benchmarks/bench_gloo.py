@@ -36,15 +36,15 @@ def _after_matmul_ms(activation: torch.Tensor, rounds: int = 3, steps: int = 40)
     """Median ms of an async all_reduce + wait of ``activation`` right after a matmul, per scheduling of gloo's
     threads (default, and SCHED_FIFO 1 where allowed), alternating round by round; the default put back after."""
     a, b = torch.randn(1024, 512), torch.randn(512, 768)
+    policies = {"default": (os.SCHED_OTHER, 0), "SCHED_FIFO 1": (os.SCHED_FIFO, 1)}
     try:
-        set_other_threads_scheduling(os.SCHED_FIFO, 1)
-        policies = {"default": os.SCHED_OTHER, "SCHED_FIFO 1": os.SCHED_FIFO}
+        set_other_threads_scheduling(*policies["SCHED_FIFO 1"])
     except PermissionError:
-        policies = {"default": os.SCHED_OTHER}
+        del policies["SCHED_FIFO 1"]
     times: dict[str, list[float]] = {name: [] for name in policies}
     for r in range(rounds):
         for name, policy in policies.items() if r % 2 == 0 else reversed(policies.items()):
-            set_other_threads_scheduling(policy, 1 if policy == os.SCHED_FIFO else 0)
+            set_other_threads_scheduling(*policy)
             for _ in range(steps):
                 dist.barrier()
                 a @ b

@@ -323,8 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="1: compile into an empty Inductor cache (honest first-iteration times)")
     p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r (every mode)")
     p.add_argument("--transport_threads", choices=("default", "fifo"), default="default",
-                   help="fifo: after building every mode, the threads of each rank other than its main one (gloo's) "
-                        "run at real-time priority SCHED_FIFO 1, every mode alike (needs CAP_SYS_NICE)")
+                   help="fifo: before and after building the modes, the threads of each rank other than its main one "
+                        "(gloo's) get real-time priority SCHED_FIFO 1, every mode alike (needs CAP_SYS_NICE; CPU only)")
     p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds (a hung peer fails after it)")
     p.add_argument("--json_path", default="")
     p.add_argument("--png_path", default="")
@@ -348,8 +348,6 @@ def pin_to_core() -> None:
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if local_world <= len(cores):
         os.sched_setaffinity(0, {cores[local_rank]})
-
-
 
 
 def prioritize_transport_threads(device: torch.device) -> int:

@@ -84,7 +84,8 @@ def markdown_table(results: dict) -> str:
         cells = [
             name, str(r["ranks"]), f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
             f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(faster, ".2f"),
-            _fmt(parallel_efficiency(results, name, r["median_s"]), ".2f"), first, _mb(r.get("param_bytes")), _saved_cell(r),
+            _fmt(parallel_efficiency(results, name, r["median_s"]), ".2f"), first, _mb(r.get("param_bytes")),
+            _saved_cell(r),
             _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
             " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
             _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO",
@@ -103,10 +104,11 @@ def transport_table(results: dict) -> str:
     for name, r in results.items():
         if "transport" not in r:
             continue
-        t, step = r["transport"], r["median_s"]
+        step, exposed = r["median_s"], r["transport"]["exposed_s"]
         efficiency = lambda s: _fmt(parallel_efficiency(results, name, s), ".3f")  # noqa: E731
-        lines.append(f"| {name} | {step * 1e3:.0f} | {t['without_transport_s'] * 1e3:.0f} | {t['exposed_s'] * 1e3:.1f} "
-                     f"| {(step - t['exposed_s']) * 1e3:.0f} | {efficiency(step)} | {efficiency(step - t['exposed_s'])} |")
+        lines.append(f"| {name} | {step * 1e3:.0f} | {r['transport']['without_transport_s'] * 1e3:.0f} "
+                     f"| {exposed * 1e3:.1f} | {(step - exposed) * 1e3:.0f} | {efficiency(step)} "
+                     f"| {efficiency(step - exposed)} |")
     return "\n".join(lines)
 
 
@@ -229,8 +231,8 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
             print("\n".join(breakdown_rows(name, b)))
     if any("transport" in r for r in results.values()):
         print()
-        print("What communication adds to a step (each multi-rank mode's steps of every round run again with collectives "
-              "that move no data, right before or after them; slowest rank; benchmarks/transport.py):")
+        print("What communication adds to a step (each multi-rank mode's steps of every round run again with "
+              "collectives that move no data, right before or after them; slowest rank; benchmarks/transport.py):")
         print(transport_table(results))
     summary = targets_summary(results, scaling, world)
     print()

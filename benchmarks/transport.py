@@ -110,8 +110,8 @@ def steps_without_transport(params: list[torch.Tensor]) -> Iterator[None]:
 
 def communication_cost(timed: dict, without: dict) -> dict:
     """What communication adds to a mode's step, from its timed steps and as many without transport run next to them
-    in every round: the median of those without (seconds), the median over rounds of the round medians' difference, and the
-    page faults of a step without transport."""
+    in every round: the median of those without (seconds), the median over rounds of the round medians' difference,
+    and the page faults of a step without transport."""
     differences = [a - b for a, b in zip(timed["round_medians_s"], without["round_medians_s"])]
     return {"rounds": len(differences), "without_transport_s": statistics.median(without["times_s"]),
             "exposed_s": statistics.median(differences),
