@@ -8,6 +8,8 @@ told apart by the final traces' bound symbols. It runs ``steps`` steps, puts the
   gloo's workers, which run on the rank's own core when ranks are pinned); idle = wall - process CPU (no thread of
   the process ran: waiting for a peer, or for the host to run this virtual CPU again);
 - per phase (forward, backward) and kind (region, issue, wait): mean wall and main-thread CPU time, and calls;
+  and, inside the regions, the matmul kernels they call out to (kind matmul: Inductor's extern ``mm``/``addmm``/
+  ``bmm``; none for nvFuser's regions, which run their matmuls themselves);
 - with ``distributed``: when each rank issued each collective and when its wait returned, lined up across the ranks
   of this host (one clock, CLOCK_MONOTONIC): medians of how far apart the ranks issued it and of how long after the
   last issue every rank was past its wait. In the forward, where each wait follows its issue, that is what the
@@ -33,7 +35,8 @@ import torch.distributed as dist
 
 from harness import sync
 
-KINDS = ("region", "issue", "wait")
+KINDS = ("region", "matmul", "issue", "wait")
+MATMUL_KERNELS = ("mm", "addmm", "bmm", "baddbmm")
 
 
 def _call_kinds(trace) -> dict[str, str]:
@@ -83,32 +86,58 @@ class _Recorder:
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.collectives: list[list] = []  # [phase, issued, done] in the order issued
         self._pending: dict[int, int] = {}  # work identity -> its index in collectives
+        self.region_phase: str | None = None  # the phase of the region running now
 
     def wrap(self, phase: str, kind: str, fn: Callable) -> Callable:
+        """``fn`` (a callable of the compiled ``phase``) timed as ``kind``; a region's matmul kernels are timed too."""
         def timed(*args, **kwargs):
-            self.sync()
-            start, cpu = time.perf_counter(), time.thread_time()
-            out = fn(*args, **kwargs)
-            self.sync()
-            end = time.perf_counter()
-            self.wall[phase, kind] += end - start
-            self.cpu[phase, kind] += time.thread_time() - cpu
-            self.calls[phase, kind] += 1
-            if kind == "issue" and (issued := _handle(out)) is not None:
-                self._pending[issued] = len(self.collectives)
-                self.collectives.append([phase, start, None])
-            elif kind == "wait" and (waited := _handle(args[0])) in self._pending:
-                self.collectives[self._pending.pop(waited)][2] = end
-            return out
+            self.region_phase = phase if kind == "region" else None
+            try:
+                return self._timed(phase, kind, fn, args, kwargs)
+            finally:
+                self.region_phase = None
 
         return timed
+
+    def wrap_matmul(self, fn: Callable) -> Callable:
+        """``fn`` (a matmul kernel) timed as kind matmul of the region that calls it; untimed outside regions."""
+        def timed(*args, **kwargs):
+            if self.region_phase is None:
+                return fn(*args, **kwargs)
+            return self._timed(self.region_phase, "matmul", fn, args, kwargs)
+
+        return timed
+
+    def _timed(self, phase: str, kind: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        self.sync()
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = fn(*args, **kwargs)
+        self.sync()
+        end = time.perf_counter()
+        self.wall[phase, kind] += end - start
+        self.cpu[phase, kind] += time.thread_time() - cpu
+        self.calls[phase, kind] += 1
+        if kind == "issue" and (issued := _handle(out)) is not None:
+            self._pending[issued] = len(self.collectives)
+            self.collectives.append([phase, start, None])
+        elif kind == "wait" and (waited := _handle(args[0])) in self._pending:
+            self.collectives[self._pending.pop(waited)][2] = end
+        return out
 
 
 @contextlib.contextmanager
 def _recording(jm, recorder: _Recorder) -> Iterator[None]:
-    """The compiled functions of ``jm`` call ``recorder``'s wrappers of their regions and collectives while inside."""
-    patched: list[tuple[dict, str, Callable]] = []
+    """The compiled functions of ``jm`` call ``recorder``'s wrappers of their regions, the regions' matmul kernels and
+    the collectives while inside."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    patched: list[tuple[Any, str, Callable]] = []
     try:
+        for name in MATMUL_KERNELS:
+            if hasattr(extern_kernels, name):
+                original = getattr(extern_kernels, name)
+                patched.append((extern_kernels, name, original))
+                setattr(extern_kernels, name, recorder.wrap_matmul(original))
         for phase, fn, trace in _compiled(jm):
             fn = _unwrapped(fn)
             for name, kind in _call_kinds(trace).items():
@@ -119,7 +148,10 @@ def _recording(jm, recorder: _Recorder) -> Iterator[None]:
         yield
     finally:
         for namespace, name, original in reversed(patched):
-            namespace[name] = original
+            if isinstance(namespace, dict):
+                namespace[name] = original
+            else:
+                setattr(namespace, name, original)
 
 
 def _unwrapped(fn: Callable) -> Callable:
@@ -196,7 +228,8 @@ def breakdown_rows(name: str, b: dict) -> list[str]:
 
 
 BREAKDOWN_HEADER = (
-    "| mode | step wall | main thread CPU | other threads CPU | idle | fwd regions (calls) | fwd issues | fwd waits "
-    "| bwd regions | bwd issues | bwd waits | fwd collective: issue spread / last issue -> done | bwd: same |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| mode | step wall | main thread CPU | other threads CPU | idle | fwd regions (calls) | in them: matmuls "
+    "| fwd issues | fwd waits | bwd regions | in them: matmuls | bwd issues | bwd waits "
+    "| fwd collective: issue spread / last issue -> done | bwd: same |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
