@@ -131,27 +131,20 @@ def _recording(jm, recorder: _Recorder) -> Iterator[None]:
     the collectives while inside."""
     from torch._inductor.select_algorithm import extern_kernels
 
-    patched: list[tuple[Any, str, Callable]] = []
-    try:
+    with contextlib.ExitStack() as restore:
         for name in MATMUL_KERNELS:
             if hasattr(extern_kernels, name):
                 original = getattr(extern_kernels, name)
-                patched.append((extern_kernels, name, original))
+                restore.callback(setattr, extern_kernels, name, original)
                 setattr(extern_kernels, name, recorder.wrap_matmul(original))
         for phase, fn, trace in _compiled(jm):
-            fn = _unwrapped(fn)
+            namespace = _unwrapped(fn).__globals__
             for name, kind in _call_kinds(trace).items():
-                if name in fn.__globals__:
-                    original = fn.__globals__[name]
-                    patched.append((fn.__globals__, name, original))
-                    fn.__globals__[name] = recorder.wrap(phase, kind, original)
+                if name in namespace:
+                    original = namespace[name]
+                    restore.callback(namespace.__setitem__, name, original)
+                    namespace[name] = recorder.wrap(phase, kind, original)
         yield
-    finally:
-        for namespace, name, original in reversed(patched):
-            if isinstance(namespace, dict):
-                namespace[name] = original
-            else:
-                setattr(namespace, name, original)
 
 
 def _unwrapped(fn: Callable) -> Callable:

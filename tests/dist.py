@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import os
 import pickle
 import signal
@@ -58,12 +59,14 @@ __all__ = [
     "run_ranks",
     "free_port",
     "assert_close",
+    "benchmark_module",
     "shutdown_pools",
     "RanksFailed",
     "FAILURE_GRACE_S",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 
 #: After the first rank fails, how long the remaining ranks may still take before
 #: the pool is killed (they are usually stuck in a collective).
@@ -104,6 +107,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def benchmark_module(name: str):
+    """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    return importlib.import_module(name)
 
 
 def _reserve_port() -> tuple[socket.socket, int]:

@@ -6,7 +6,6 @@ default ``--compile thunder`` (thunder_tp's fusion executor) runs in the main-jo
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import REPO_ROOT, free_port
+from tests.dist import REPO_ROOT, benchmark_module, free_port
 
 SCRIPT = Path(REPO_ROOT) / "benchmarks" / "benchmark_litgpt.py"
 TINY = ["--model_name", "pythia-14m", "--n_layers", "1", "--block_size", "32", "--micro_batch_size", "1",
@@ -120,7 +119,7 @@ def _run(argv: list[str], json_path: str) -> str:
     import torch
     import torch.distributed as dist
 
-    bench = _benchmark_module("benchmark_litgpt")
+    bench = benchmark_module("benchmark_litgpt")
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         assert bench.run(bench.parse_args([*TINY, *argv, "--json_path", json_path]), dist.get_rank(),
@@ -152,7 +151,7 @@ def test_tp_sp_loss_parallel(tmp_path):
 
 def test_simulate_dry_run(tmp_path, capsys):
     """--simulate 2: the TP plan on 2 ranks simulated in one plain process (here, pytest's: it holds no process group)."""
-    bench = _benchmark_module("benchmark_litgpt")
+    bench = benchmark_module("benchmark_litgpt")
     argv = [*TINY, "--distributed_mode", "tp", "--loss_parallel", "true", "--simulate", "2",
             "--json_path", str(tmp_path / "results.json")]
     assert bench.main(argv) == 0
@@ -181,7 +180,7 @@ def _train(argv: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    bench, harness, setup = (_benchmark_module(n) for n in ("benchmark_litgpt", "harness", "litgpt_setup"))
+    bench, harness, setup = (benchmark_module(n) for n in ("benchmark_litgpt", "harness", "litgpt_setup"))
     args = bench.parse_args([*TINY, *argv])
     world = dist.get_world_size()
     groups = setup.make_groups(args.tp_size or world)
@@ -254,15 +253,8 @@ def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
 # --- option parsing (no processes) ------------------------------------------------------------------------
 
 
-def _benchmark_module(name: str):
-    """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    return importlib.import_module(name)
-
-
 def test_options():
-    bench, setup = _benchmark_module("benchmark_litgpt"), _benchmark_module("litgpt_setup")
+    bench, setup = benchmark_module("benchmark_litgpt"), benchmark_module("litgpt_setup")
     args = bench.parse_args(["--distributed_mode", "tp", "--dump_thunder_traces", "true", "--loss_parallel", "False"])
     assert args.dump_thunder_traces is True and args.loss_parallel is False and args.compile == "thunder"
     assert set(setup.MODES) >= {"none", "tp", "tp_sp"}

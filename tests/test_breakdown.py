@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
 
-from tests.dist import REPO_ROOT
+from tests.dist import benchmark_module
 
 thunder = pytest.importorskip("thunder")
-
-
-def _breakdown_module():
-    sys.path.insert(0, f"{REPO_ROOT}/benchmarks")
-    try:
-        import breakdown
-    finally:
-        sys.path.remove(f"{REPO_ROOT}/benchmarks")
-    return breakdown
 
 
 def test_matmuls_timed_inside_inductor_regions():
@@ -29,7 +18,7 @@ def test_matmuls_timed_inside_inductor_regions():
     import thunder_tp
     from torch._inductor.select_algorithm import extern_kernels
 
-    breakdown = _breakdown_module()
+    breakdown = benchmark_module("breakdown")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.GELU(), nn.Linear(128, 32, bias=False))
     jm = thunder.jit(model, executors=thunder_tp.executors())

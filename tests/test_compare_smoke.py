@@ -2,7 +2,6 @@
 against single device; the gate fails on one wrong shard."""
 
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -13,9 +12,8 @@ import sys
 import pytest
 import torch
 
-from tests.dist import REPO_ROOT, free_port, run_ranks
+from tests.dist import BENCHMARKS, REPO_ROOT, benchmark_module, free_port, run_ranks
 
-BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 DIMS = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab": 64, "ffn_hidden": 64}
 BATCH, SEQ = 2, 8
 TINY = [*(x for k, v in DIMS.items() for x in (f"--{k}", str(v))), "--batch", str(BATCH), "--seq", str(SEQ),
@@ -167,16 +165,9 @@ def test_compare_with_inductor(tmp_path):
 # --- the gradient gate ----------------------------------------------------------------------------------------
 
 
-def _benchmark_module(name: str):
-    """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
-    if BENCHMARKS not in sys.path:
-        sys.path.insert(0, BENCHMARKS)
-    return importlib.import_module(name)
-
-
 def test_gradient_gate_fails_on_one_wrong_entry():
     """One entry of one gradient off by 1e-3 of the largest: the gate names the mode and the parameter."""
-    gate = _benchmark_module("gate")
+    gate = benchmark_module("gate")
     torch.manual_seed(0)
     reference = {"model.w1.weight": torch.randn(8, 4, dtype=torch.float64), "model.norm.weight": torch.randn(4, dtype=torch.float64)}
     grads = {name: g.float() for name, g in reference.items()}
@@ -200,7 +191,7 @@ def _gate_with_one_wrong_shard(mode_names: list[str]) -> dict:
     from torch.distributed.tensor import DTensor
 
     compare, compare_modes, gate, harness, llama = (
-        _benchmark_module(n) for n in ("compare", "compare_modes", "gate", "harness", "llama"))
+        benchmark_module(n) for n in ("compare", "compare_modes", "gate", "harness", "llama"))
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
     model = compare_modes.make_model("llama", cfg, 0)
@@ -240,7 +231,7 @@ def _steps_without_transport(mode_names: list[str]) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     compare_modes, harness, llama, transport = (
-        _benchmark_module(n) for n in ("compare_modes", "harness", "llama", "transport"))
+        benchmark_module(n) for n in ("compare_modes", "harness", "llama", "transport"))
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
     modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
@@ -279,7 +270,7 @@ def test_steps_without_transport_move_nothing():
 def test_targets_pair_the_modes_round_by_round():
     """A slow round (the host busy) slows every mode of it: the paired ratio is the ratio within rounds, whatever the
     drift between them; the ratio of medians over all steps mixes rounds."""
-    report = _benchmark_module("compare_report")
+    report = benchmark_module("compare_report")
     tp = {"median_s": 1.0, "round_medians_s": [0.8, 1.6, 0.8]}  # round 2: the host twice as slow for every mode
     dtensor = {"median_s": 1.0, "round_medians_s": [1.0, 2.0, 1.0]}
     single = {"median_s": 1.6, "round_medians_s": [1.44, 2.88, 1.44]}
@@ -292,7 +283,7 @@ def test_targets_pair_the_modes_round_by_round():
 def test_communication_cost_pairs_by_round():
     """A round where the host is slow slows a mode's steps with and without transport alike: what communication adds
     is the difference within rounds, whatever the drift between them."""
-    transport = _benchmark_module("transport")
+    transport = benchmark_module("transport")
     timed = {"times_s": [0.8, 0.8, 1.6, 1.6, 0.8, 0.8], "round_medians_s": [0.8, 1.6, 0.8]}
     without = {"times_s": [0.7, 0.7, 1.5, 1.5, 0.7, 0.7], "round_medians_s": [0.7, 1.5, 0.7], "minor_faults": [3] * 6}
     cost = transport.communication_cost(timed, without)
@@ -346,7 +337,7 @@ def test_transport_threads_fifo_leaves_the_main_thread_alone(privileges):
 
 def test_transport_threads_fifo_refused_on_cuda():
     """On CUDA the option is refused with the reason, before any thread changes policy."""
-    compare = _benchmark_module("compare")
+    compare = benchmark_module("compare")
     with pytest.raises(SystemExit, match="for CPU runs"):
         compare.prioritize_transport_threads(torch.device("cuda", 0))
 
