@@ -123,6 +123,8 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
         Mode("single_thunder", "llama", 1, "thunder", _thunder_single(chosen), f"1 rank, thunder.jit, executors={name}"),
         Mode("single_thunder_defaults", "llama", 1, "thunder", _thunder_single(thunder.get_default_executors),
              "1 rank, thunder.jit, Thunder's default executors"),
+        Mode("single_thunder_inductor", "llama", 1, "thunder", _thunder_single(lambda: thunder_tp.executors("inductor")),
+             "1 rank, thunder.jit, thunder_tp.executors('inductor') (on CUDA: Inductor's Triton kernels, not nvFuser)"),
         Mode("thunder_tp_tp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False), chosen), "thunder_tp TP"),
         Mode("thunder_tp_sp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True), chosen),
              "thunder_tp TP+SP"),

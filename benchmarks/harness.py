@@ -118,9 +118,10 @@ def seeded_model(make: Callable[[], nn.Module], seed: int, device: torch.device 
 
 
 def random_batch(rows: int, seq: int, vocab: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tokens in [0, vocab) as (idx, targets) of shape (rows, seq), targets the next token of idx."""
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    """Random tokens in [0, vocab) as (idx, targets) of shape (rows, seq), targets the next token of idx; drawn on
+    the CPU (the same tokens on every device, whatever the default device)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    data = torch.randint(0, vocab, (rows, seq + 1), generator=g, device="cpu")
     return data[:, :-1].to(device), data[:, 1:].to(device)
 
 

@@ -8,6 +8,8 @@ from litgpt import Config
 from thunder_tp.plans.litgpt import GPTWithLoss  # noqa: F401  (re-exported for the tests)
 
 VOCAB, SEQ, BATCH = 256, 16, 2
+#: the TP modes of plans.litgpt that the tests run, by name -> its keyword arguments
+MODES = {"tp": {}, "tp_sp": {"sequence_parallel": True}, "tp_lp": {"loss_parallel": True}}
 
 CONFIGS = {
     "llama": dict(
@@ -24,6 +26,21 @@ CONFIGS = {
 def make_config(name: str) -> Config:
     """A tiny litgpt Config of the given family."""
     return Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **CONFIGS[name])
+
+
+def expected_counts(name: str, mode: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Megatron's minimum per block, plus what the vocab-parallel embedding, head and loss need."""
+    n_layer = make_config(name).n_layer
+    if mode == "tp":  # embedding partials reduced; logits gathered for the loss; head input grad reduced
+        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
+    if mode == "tp_lp":  # instead, the loss gathers each rank's log-sum-exp and target logit per token
+        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
+    # SP: block 2 all_gather + 2 reduce_scatter each way; embedding reduce_scatter; head input and logits gather;
+    # the grads of the replicated norm weights/biases (and neox's row-parallel biases) used on sequence shards are
+    # summed over the ranks in one all_reduce at the end of the backward
+    forward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 2}
+    backward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 1, "all_reduce": 1}
+    return forward, backward
 
 
 def batch(seed: int = 0, batch_size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:

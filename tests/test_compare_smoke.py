@@ -19,12 +19,13 @@ BATCH, SEQ = 2, 8
 TINY = [*(x for k, v in DIMS.items() for x in (f"--{k}", str(v))), "--batch", str(BATCH), "--seq", str(SEQ),
         "--steps", "2", "--warmup", "1", "--fresh_inductor_cache", "0"]
 EVERY_MODE = {
-    "single_eager", "single_thunder", "single_thunder_defaults", "thunder_tp_tp", "thunder_tp_sp", "thunder_tp_tp_lp",
+    "single_eager", "single_thunder", "single_thunder_defaults", "single_thunder_inductor",
+    "thunder_tp_tp", "thunder_tp_sp", "thunder_tp_tp_lp",
     "dtensor_tp_lp", "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
     "litgpt_single_thunder", "litgpt_thunder_tp_tp", "litgpt_thunder_tp_sp",
 }
 #: modes that compile with Inductor by default (the slow-marked test)
-INDUCTOR_MODES = ("thunder_tp_tp", "dtensor_tp_compile")
+INDUCTOR_MODES = ("thunder_tp_tp", "dtensor_tp_compile", "single_thunder_inductor")
 #: a bound for a run on a loaded machine (minutes on 2 shared cores); a hung rank fails earlier, after compare.py's
 #: process-group --timeout
 TIMEOUT_S = 1500
@@ -88,17 +89,18 @@ def _may_use_real_time_priority() -> bool:
 
 
 def test_compare_runs_every_mode(tmp_path):
-    """Every mode but torch.compile's (that one in the slow test), the thunder modes on Thunder's default executors:
+    """Every mode but the Inductor ones (in the slow test), the thunder modes on Thunder's default executors:
     no Inductor compile at all; the report and the plot; gloo's threads at SCHED_FIFO where the machine allows it."""
     png_path = tmp_path / "compare.png"
     fifo = _may_use_real_time_priority()
-    report, stdout = _compare(tmp_path, "--executors", "thunder_default", "--skip", "dtensor_tp_compile",
+    report, stdout = _compare(tmp_path, "--executors", "thunder_default",
+                              "--skip", "dtensor_tp_compile,single_thunder_inductor",
                               "--scaling_layers", "1,2", "--scaling_repeats", "1", "--png_path", str(png_path),
                               "--breakdown", "2", "--without_transport", "1",
                               *(["--transport_threads", "fifo"] if fifo else []))
     assert ("(its threads at SCHED_FIFO 1)" in stdout) == fifo
     modes = report["modes"]
-    assert set(modes) == EVERY_MODE - {"dtensor_tp_compile"}, sorted(modes)
+    assert set(modes) == EVERY_MODE - {"dtensor_tp_compile", "single_thunder_inductor"}, sorted(modes)
     _check_modes(modes)
     # the same model gives the same first-step loss in every Llama mode
     llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith("litgpt") and "loss_step1" in r}

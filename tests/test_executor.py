@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +17,12 @@ from thunder.core.proxies import TensorProxy
 from thunder.executors import nvfuserex
 from thunder.executors import torchex
 
-from tests.dist import assert_close, run_ranks
+from tests.dist import REPO_ROOT, assert_close, run_ranks
 from thunder_tp.collectives import comm_executor
 from thunder_tp.cpu_attention import cpu_attention_executor
-from thunder_tp.executor import FUSION_EXECUTOR_NAME, executors, fusion_executor, is_communication
+from thunder_tp.executor import (
+    FUSION_EXECUTOR_NAME, NVFUSER_WHEEL, TPFusionExecutor, executors, fusion_executor, is_communication,
+)
 
 TORCHEX_COMM_IMPLS = (
     "torch_all_gather_prim_impl",
@@ -231,10 +235,36 @@ def test_nvfuser_backend_unavailable_error():
     assert "backend='inductor'" in str(info.value)
 
 
+def test_nvfuser_without_the_module_thunder_runs_is_refused_or_left_to_inductor(monkeypatch):
+    """nvFuser 0.2.36 installed on CUDA: Thunder's executor registers, then fails at the first fusion call for want
+    of the `nvfuser` module. Asked for, nvFuser is a clear error naming the wheel; chosen automatically, Inductor."""
+
+    def compute_contiguity(shape, stride):
+        raise ModuleNotFoundError("No module named 'nvfuser'")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nvfuserex, "nvfuserex", SimpleNamespace(name="nvfuser"))
+    impl = SimpleNamespace(compute_contiguity=compute_contiguity)
+    monkeypatch.setitem(sys.modules, "thunder.executors.nvfuserex_impl", impl)
+    with pytest.raises(RuntimeError, match=r"needs the `nvfuser` module .* Install nvfuser-cu128-torch210==0\.2\.35"):
+        TPFusionExecutor("probe_nvfuser", backend="nvfuser")
+    with pytest.warns(UserWarning, match="installed but cannot run.*Fusing with Inductor instead"):
+        automatic = TPFusionExecutor("probe_automatic")
+    assert automatic.backends == (automatic.inductor,) and not automatic.inductor.skip_cuda
+
+
+def test_nvfuser_extra_pins_the_wheel_the_errors_name():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["nvfuser"] == [NVFUSER_WHEEL]
+
+
 # --- single device ------------------------------------------------------------------------------
 
 
 def _check_single_device(device: str, backend: str | None, fusion_prefix: str) -> None:
+    lowering = (*fusion_executor(backend).backends, nvfuserex.nvfuserex)
     model = _mlp().to(device)
     x = torch.randn(4, 16, device=device)
     expected = _train_step(model, x)
@@ -245,7 +275,7 @@ def _check_single_device(device: str, backend: str | None, fusion_prefix: str) -
     for name, grad in grads.items():
         assert_close(grad, expected[1][name], name=f"grad of {name}")
     for trace in (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]):
-        ours = [f.sym.name for f in _fusions(trace) if _ours(f) or f.sym.executor is nvfuserex.nvfuserex]
+        ours = [f.sym.name for f in _fusions(trace) if f.sym.executor in lowering]
         assert any(name.startswith(fusion_prefix) for name in ours), f"no {fusion_prefix} region in:\n{trace}"
 
 

@@ -10,10 +10,9 @@ import thunder_tp
 from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor
 from tests.dist import run_ranks
-from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
+from tests.litgpt_models import MODES, SEQ, GPTWithLoss, batch, expected_counts, make_config
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, compare_with_single_device, rank_and_size
 
-MODES = {"tp": {}, "tp_sp": {"sequence_parallel": True}, "tp_lp": {"loss_parallel": True}}
 STEPS, LR, RTOL, ATOL = 3, 0.5, 1e-5, 1e-5
 
 
@@ -51,27 +50,12 @@ def _train(name, mode):
     return counts
 
 
-def _expected_counts(name, mode):
-    """Megatron's minimum per block, plus what the vocab-parallel embedding, head and loss need."""
-    n_layer = make_config(name).n_layer
-    if mode == "tp":  # embedding partials reduced; logits gathered for the loss; head input grad reduced
-        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
-    if mode == "tp_lp":  # instead, the loss gathers each rank's log-sum-exp and target logit per token
-        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
-    # SP: block 2 all_gather + 2 reduce_scatter each way; embedding reduce_scatter; head input and logits gather;
-    # the grads of the replicated norm weights/biases (and neox's row-parallel biases) used on sequence shards are
-    # summed over the ranks in one all_reduce at the end of the backward
-    forward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 2}
-    backward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 1, "all_reduce": 1}
-    return forward, backward
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["llama", "neox"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_matches_single_device(world, name, mode):
     counts = run_ranks(_train, world, name, mode)[0]
-    forward, backward = _expected_counts(name, mode)
+    forward, backward = expected_counts(name, mode)
     assert counts["forward"] == forward, counts
     assert counts["backward"] == backward, counts
 

@@ -17,10 +17,9 @@ from thunder_tp import TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
 from thunder_tp.plans.litgpt import GPTWithLoss, tp_sizes
 from tests.dist import run_ranks
-from tests.litgpt_models import batch, zoo, zoo_config
+from tests.litgpt_models import MODES, batch, zoo, zoo_config
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
 
-MODES = {"tp": {}, "tp_sp": {"sequence_parallel": True}, "tp_lp": {"loss_parallel": True}}
 #: litgpt's RMSNorm computes in float32 even for float64 inputs; everything else is exact to ~1e-12
 TOLERANCE = {"RMSNorm": 2e-6, "LayerNorm": 1e-9}
 #: a handful of architectures that cover the features beyond plain GQA/MHA, for the default test run

@@ -9,6 +9,7 @@ never claimed, so every collective stays a top-level symbol and a fusion-region 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Literal
 
@@ -32,6 +33,9 @@ __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_exec
 Backend = Literal["inductor", "nvfuser"] | None
 
 FUSION_EXECUTOR_NAME = "thunder_tp_fusion"
+#: the nvFuser wheel of the ``nvfuser`` extra (pyproject.toml); 0.2.36 lacks the ``nvfuser`` module Thunder 0.2.6 needs
+NVFUSER_WHEEL = "nvfuser-cu128-torch210==0.2.35.dev20260215"
+
 
 def _on_cuda(bsym: BoundSymbol) -> bool:
     proxies = (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
@@ -59,9 +63,10 @@ class TPFusionExecutor(FusionExecutor):
     def __init__(self, name: str = FUSION_EXECUTOR_NAME, *, backend: Backend = None):
         super().__init__(name, version="0.1")
         self.backend = backend
-        nvfuser = _require_nvfuser() if backend == "nvfuser" else None
-        if backend is None and torch.cuda.is_available():
-            nvfuser = nvfuserex.nvfuserex
+        if backend == "nvfuser":
+            nvfuser = _require_nvfuser()
+        else:
+            nvfuser = _automatic_nvfuser() if backend is None else None
         self.nvfuser: FusionExecutor | None = nvfuser
         self.inductor: InductorFusionExecutor | None = None
         if backend != "nvfuser":
@@ -106,18 +111,41 @@ def _check_no_fused_communication(trace: TraceCtx) -> None:
             raise AssertionError(f"{bsym.sym.name} swallowed a communication symbol; this is a thunder_tp bug")
 
 
-def _require_nvfuser() -> FusionExecutor:
+def _nvfuser_missing() -> str | None:
+    """What keeps Thunder's nvFuser executor from running fusions here, with how to get it; None if nothing."""
     if not torch.cuda.is_available():
-        raise RuntimeError(
-            "thunder_tp: backend='nvfuser' needs CUDA, but torch.cuda.is_available() is False. "
-            "Run on a CUDA machine, or use backend='inductor' (or None to choose automatically)."
-        )
+        return "CUDA, but torch.cuda.is_available() is False. Run on a CUDA machine"
     if nvfuserex.nvfuserex is None:
-        raise RuntimeError(
-            "thunder_tp: backend='nvfuser' needs nvFuser, which is not installed or too old for Thunder "
-            "(see thunder.executors.nvfuserex.required_nvfuser_version()). Install the nvfuser wheel matching "
-            "your CUDA and torch (e.g. `pip install nvfuser-cu128-torch210`), or use backend='inductor'."
-        )
+        return ("nvFuser, which is not installed or too old for Thunder (see thunder.executors.nvfuserex."
+                "required_nvfuser_version()). Install it with `pip install thunder_tp[nvfuser]` "
+                f"({NVFUSER_WHEEL}; its -cu130- twin for CUDA 13)")
+    try:
+        from thunder.executors.nvfuserex_impl import compute_contiguity
+
+        compute_contiguity((2, 3), (3, 1))  # what Thunder's nvFuser executor runs before every fusion call
+    except ImportError as e:
+        return (f"the `nvfuser` module that Thunder's nvFuser executor imports before every fusion call ({e}); "
+                f"nvFuser 0.2.36 ships only `nvfuser_direct`. Install {NVFUSER_WHEEL} (or its -cu130- twin)")
+    return None
+
+
+def _require_nvfuser() -> FusionExecutor:
+    missing = _nvfuser_missing()
+    if missing is not None:
+        raise RuntimeError(f"thunder_tp: backend='nvfuser' needs {missing}, or use backend='inductor' "
+                           "(or None to choose automatically).")
+    return nvfuserex.nvfuserex
+
+
+def _automatic_nvfuser() -> FusionExecutor | None:
+    """nvFuser where it is installed and runs on this CUDA machine; a warning where it is installed but cannot."""
+    if not torch.cuda.is_available() or nvfuserex.nvfuserex is None:
+        return None
+    missing = _nvfuser_missing()
+    if missing is not None:
+        warnings.warn(f"thunder_tp: nvFuser is installed but cannot run, for want of {missing}. "
+                      "Fusing with Inductor instead.", stacklevel=2)
+        return None
     return nvfuserex.nvfuserex
 
 

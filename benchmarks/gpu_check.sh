@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a one-GPU machine: the CUDA tests (tests/test_cuda.py and the CUDA ones of
+# tests/test_executor.py, nvFuser's included when it loads) and a one-GPU benchmark of the fusion backends.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]
+#
+# Expects python3 with torch on CUDA, and in .whl/ the wheels of what that python lacks: lightning-thunder, litgpt
+# and their small deps, and nvFuser (pyproject's `nvfuser` extra; nvfuser-cu130-torch210 of the same version where
+# torch is built for CUDA 13). Where torch is 2.11 (the wheel is built for 2.10), also the one-symbol shim
+# `g++ -O2 -shared -fPIC -o .whl/nvfuser_abi_shim.so benchmarks/nvfuser_abi_shim.cpp`, and, where the machine lacks
+# it, zstd's library as .whl/lib/libzstd.so.1. GPU_TESTS (a pytest -k expression) and GPU_CHECK_S (seconds for
+# the tests and the benchmark together) narrow a rerun.
+set -u
+OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+T0=$SECONDS
+say() { echo "=== [gpu] $* (at $((SECONDS - T0)) s)"; }
+
+SITE=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH="$SITE:$PWD"
+if [[ -f .whl/nvfuser_abi_shim.so ]]; then
+    # nvFuser's libraries find CUDA's (nvrtc, cupti, cudart) in the nvidia wheels beside torch, zstd's in .whl/lib
+    cuda_libs="$(python3 -c "import glob, os, sysconfig; p = sysconfig.get_paths()['purelib']
+print(':'.join(sorted({os.path.dirname(f) for f in glob.glob(p + '/nvidia/**/lib*.so.13', recursive=True)})))")"
+    export LD_LIBRARY_PATH="$cuda_libs:$PWD/.whl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LD_PRELOAD="$PWD/.whl/nvfuser_abi_shim.so"
+fi
+say "installed"
+python3 - <<'EOF' 2>&1 | tee "$OUT_DIR/env.txt"
+import torch, thunder
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+print("thunder", thunder.__version__ if hasattr(thunder, "__version__") else "?")
+try:
+    import nvfuser_direct, nvfuser
+    print("nvfuser_direct", nvfuser_direct.version(), nvfuser.compute_tensor_descriptor([2, 3], [3, 1]))
+except Exception as e:  # the checks go on without it
+    print("nvfuser_direct did not load:", repr(e)[:400])
+from thunder.executors import nvfuserex
+print("thunder's nvFuser executor:", nvfuserex.nvfuserex)
+EOF
+
+say "tests"
+timeout 240 python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py tests/test_executor.py -k "${GPU_TESTS:-cuda or nvfuser}" \
+    2>&1 | tee "$OUT_DIR/tests.log" | grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|Error|error:" | head -60
+say "tests done"
+
+left=$((${GPU_CHECK_S:-480} - (SECONDS - T0)))
+if ((left > 90)); then
+    say "benchmark (${left} s left)"
+    timeout "$left" python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29533 benchmarks/compare.py \
+        --modes single_eager,single_thunder,single_thunder_inductor,single_thunder_defaults \
+        --dim 2048 --n_layers 4 --n_heads 16 --n_kv_heads 8 --ffn_hidden 5632 --vocab 32000 --batch 8 --seq 256 \
+        --steps 10 --rounds 2 --warmup 2 --scaling_layers "" --json_path "$OUT_DIR/compare_gpu.json" \
+        > "$OUT_DIR/compare_gpu.log" 2>&1
+    grep -E "^\[compare\].*median|^\|" "$OUT_DIR/compare_gpu.log" | tail -12
+fi
+say "end"
