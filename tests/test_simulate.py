@@ -18,8 +18,7 @@ import thunder_tp
 from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
 from tests.dist import free_port
-from tests.litgpt_models import CONFIGS, SEQ, VOCAB, GPTWithLoss, batch, make_config
-from tests.test_litgpt import MODES, _expected_counts
+from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch, expected_counts, make_config
 from tests.tp_checks import assert_close_scaled, collective_counts
 
 #: float64; litgpt's RMSNorm still runs in float32 (~5e-7 of a grad's largest entry)
@@ -86,7 +85,7 @@ def test_gqa_gpt_on_simulated_ranks_matches_single_device(world, mode, tmp_path)
             want = shard_tensor(p.detach(), layout, rank, world)
             assert_close_scaled(piece, want, rtol=RTOL, atol=ATOL, what=f"{name} after an SGD step on rank {rank}")
     # the simulated program issues what real ranks issue (Megatron's minimum; tests/test_litgpt.py)
-    assert (collective_counts(forward), collective_counts(backward)) == _expected_counts("llama", mode)
+    assert (collective_counts(forward), collective_counts(backward)) == expected_counts("llama", mode)
     names = sorted(p.name for p in files)
     assert names == sorted(f"rank{r}_{f}" for r in range(world) for f in ("forward.py", "backward.py", "collectives.md"))
     assert f"rank {world - 1} (world size {world})" in (tmp_path / f"rank{world - 1}_forward.py").read_text()
@@ -117,7 +116,7 @@ def test_checkpointed_blocks_recompute_their_collectives():
         grads = _pieces(jm.get_parameter(name).grad, 2)
         full = unshard_tensor(grads, transform.parameter_layouts.get(name, REPLICATE))
         assert_close_scaled(full, p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
-    _, backward = _expected_counts("llama", "tp")
+    _, backward = expected_counts("llama", "tp")
     n_layer = reference.config.n_layer
     assert collective_counts(thunder.last_backward_traces(jm)[-1]) == {"all_reduce": backward["all_reduce"] + n_layer}
 
