@@ -1,9 +1,11 @@
 """Fusion executor that lowers compute regions to kernels and keeps every collective outside them.
 
-Compute is fused by nvFuser where tensors are on CUDA and nvFuser is installed, otherwise by Inductor
-(``torch.compile``: Triton on CUDA, C++ on CPU). Communication — thunder_tp's collectives, Thunder's
-``thunder.distributed.prims`` (DDP/FSDP) and torchex's implementations of them, waits included — is
-never claimed, so every collective stays a top-level symbol and a fusion-region boundary.
+Compute is fused by nvFuser where tensors are on CUDA and nvFuser is installed and able to run, otherwise by
+Inductor (``torch.compile``: Triton on CUDA, C++ on CPU). An nvFuser that Thunder registers but cannot run (0.2.36
+under Thunder 0.2.6) is an error when asked for, and left to Inductor with a warning when chosen automatically.
+Communication — thunder_tp's collectives, Thunder's ``thunder.distributed.prims`` (DDP/FSDP) and torchex's
+implementations of them, waits included — is never claimed, so every collective stays a top-level symbol and a
+fusion-region boundary.
 """
 
 from __future__ import annotations
