@@ -53,7 +53,8 @@ if ((left > 90)); then
         --modes single_eager,single_thunder,single_thunder_inductor,single_thunder_defaults \
         --dim 2048 --n_layers 4 --n_heads 16 --n_kv_heads 8 --ffn_hidden 5632 --vocab 32000 --batch 8 --seq 256 \
         --steps 10 --rounds 2 --warmup 2 --scaling_layers "" --json_path "$OUT_DIR/compare_gpu.json" \
-        > "$OUT_DIR/compare_gpu.log" 2>&1
+        --dump_traces /tmp/gpu_check_traces > "$OUT_DIR/compare_gpu.log" 2>&1
+    tar czf "$OUT_DIR/traces.tar.gz" -C /tmp gpu_check_traces  # each thunder mode's final traces, in one file
     grep -E "^\[compare\].*median|^\|" "$OUT_DIR/compare_gpu.log" | tail -12
 fi
 say "end"

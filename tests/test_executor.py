@@ -16,12 +16,13 @@ from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.executors import nvfuserex
 from thunder.executors import torchex
+from thunder.executors.torch_compile import torch_compile_xentropy_ex
 
 from tests.dist import REPO_ROOT, assert_close, run_ranks
 from thunder_tp.collectives import comm_executor
 from thunder_tp.cpu_attention import cpu_attention_executor
 from thunder_tp.executor import (
-    FUSION_EXECUTOR_NAME, NVFUSER_WHEEL, TPFusionExecutor, executors, fusion_executor, is_communication,
+    FUSION_EXECUTOR_NAME, NVFUSER_WHEEL, TPFusionExecutor, _kept_default, executors, fusion_executor, is_communication,
 )
 
 TORCHEX_COMM_IMPLS = (
@@ -211,12 +212,23 @@ def test_executors_list():
     exs = executors()
     assert exs[:2] == [comm_executor, cpu_attention_executor]
     assert exs[-1] is fusion_executor() is thunder.extend.get_executor(FUSION_EXECUTOR_NAME)
-    assert [e for e in exs if isinstance(e, thunder.extend.FusionExecutor)] == [exs[-1]]
+    beside_nvfuser = [torch_compile_xentropy_ex] if exs[-1].nvfuser is not None else []
+    assert [e for e in exs if isinstance(e, thunder.extend.FusionExecutor)] == [*beside_nvfuser, exs[-1]]
     assert thunder.extend.get_executor("sdpa") in exs[:-1], "attention executors come before the fusion executor"
     assert executors() == exs and executors()[-1] is exs[-1]  # cached
     assert executors("inductor")[-1] is fusion_executor("inductor") is not exs[-1]
     with pytest.raises(ValueError, match="unknown backend"):
         executors("triton")
+
+
+def test_thunders_cross_entropy_executor_stays_in_front_of_nvfuser_only():
+    """Where nvFuser fuses, Thunder's torchcompile_xentropy keeps the cross-entropy for Inductor, as in Thunder's
+    defaults; no other fusion executor of Thunder's competes with thunder_tp's."""
+    with_nvfuser, without = SimpleNamespace(nvfuser=object()), SimpleNamespace(nvfuser=None)
+    assert _kept_default(torch_compile_xentropy_ex, with_nvfuser)
+    assert not _kept_default(torch_compile_xentropy_ex, without)
+    assert not _kept_default(thunder.extend.get_executor("torchcompile_cat"), with_nvfuser)
+    assert _kept_default(thunder.extend.get_executor("sdpa"), without)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="automatic choice on a CPU-only machine")

@@ -19,7 +19,7 @@ import torch
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
-from thunder.executors.torch_compile import TorchCompileExecutor
+from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_xentropy_ex
 from thunder.executors.torchex import ex as pytorch_ex
 from thunder.executors import nvfuserex
 from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_executors, register_executor
@@ -166,12 +166,25 @@ def fusion_executor(backend: Backend = None) -> TPFusionExecutor:
 
 @functools.cache
 def _executors(backend: Backend) -> tuple[Executor, ...]:
-    # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours.
+    # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours,
+    # but for Thunder's cross-entropy one beside nvFuser (see _kept_default).
     # Attention executors (ours for CPU; Thunder's sdpa, cudnn for CUDA) come before the fusion executor, as in
     # Thunder's defaults: its autograd takes the grad rule of the first executor that can run an op, and Inductor
     # can run SDPA (as its decomposition, which saves the probabilities for the backward).
-    defaults = tuple(ex for ex in get_default_executors() if not isinstance(ex, FusionExecutor))
-    return (comm_executor, cpu_attention_executor, *defaults, fusion_executor(backend))
+    fusion = fusion_executor(backend)
+    defaults = tuple(ex for ex in get_default_executors() if _kept_default(ex, fusion))
+    return (comm_executor, cpu_attention_executor, *defaults, fusion)
+
+
+def _kept_default(ex: Executor, fusion: TPFusionExecutor) -> bool:
+    """Whether one of Thunder's default executors stays in front of thunder_tp's fusion executor: every operator
+    executor, and, where nvFuser fuses, Thunder's ``torchcompile_xentropy``, which as in Thunder's defaults gives
+    the cross-entropy of CUDA tensors to Inductor before nvFuser sees it (without it, on an H100, the step peaked
+    234 MB, about one logits-sized buffer, above Thunder's defaults: README, "On one GPU"). It claims only the
+    cross-entropy and its helper ops, never communication."""
+    if not isinstance(ex, FusionExecutor):
+        return True
+    return fusion.nvfuser is not None and ex is torch_compile_xentropy_ex
 
 
 def executors(backend: Backend = None) -> list[Executor]:
