@@ -88,7 +88,7 @@ def log(rank: int, *msg: Any) -> None:
 
 
 def thunder_tp_executors() -> list:
-    """thunder_tp's executors (its fusion executor: nvFuser on CUDA when installed and able to run, Inductor otherwise)."""
+    """thunder_tp's executors (its fusion executor: nvFuser on CUDA when installed and able to run, else Inductor)."""
     import thunder_tp
 
     return thunder_tp.executors()

@@ -120,14 +120,15 @@ def _nvfuser_missing() -> str | None:
     if nvfuserex.nvfuserex is None:
         return ("nvFuser, which is not installed or too old for Thunder (see thunder.executors.nvfuserex."
                 "required_nvfuser_version()). Install it with `pip install thunder_tp[nvfuser]` "
-                f"({NVFUSER_WHEEL}; its -cu130- twin for CUDA 13)")
+                f"({NVFUSER_WHEEL}; with CUDA 13, nvfuser-cu130-torch210 of the same version)")
     try:
         from thunder.executors.nvfuserex_impl import compute_contiguity
 
         compute_contiguity((2, 3), (3, 1))  # what Thunder's nvFuser executor runs before every fusion call
     except ImportError as e:
         return (f"the `nvfuser` module that Thunder's nvFuser executor imports before every fusion call ({e}); "
-                f"nvFuser 0.2.36 ships only `nvfuser_direct`. Install {NVFUSER_WHEEL} (or its -cu130- twin)")
+                f"nvFuser 0.2.36 ships only `nvfuser_direct`. Install {NVFUSER_WHEEL} (with CUDA 13, "
+                "nvfuser-cu130-torch210 of the same version)")
     return None
 
 
