@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
-from litgpt import Config
+from litgpt import GPT, Config
 
+import thunder_tp
+import thunder_tp.styles
 from thunder_tp.plans.litgpt import GPTWithLoss  # noqa: F401  (re-exported for the tests)
 
 VOCAB, SEQ, BATCH = 256, 16, 2
@@ -28,19 +30,55 @@ def make_config(name: str) -> Config:
     return Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **CONFIGS[name])
 
 
-def expected_counts(name: str, mode: str) -> tuple[dict[str, int], dict[str, int]]:
-    """Megatron's minimum per block, plus what the vocab-parallel embedding, head and loss need."""
-    n_layer = make_config(name).n_layer
-    if mode == "tp":  # embedding partials reduced; logits gathered for the loss; head input grad reduced
-        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
-    if mode == "tp_lp":  # instead, the loss gathers each rank's log-sum-exp and target logit per token
-        return {"all_reduce": 2 * n_layer + 1, "all_gather": 1}, {"all_reduce": 2 * n_layer + 1}
-    # SP: block 2 all_gather + 2 reduce_scatter each way; embedding reduce_scatter; head input and logits gather;
-    # the grads of the replicated norm weights/biases (and neox's row-parallel biases) used on sequence shards are
-    # summed over the ranks in one all_reduce at the end of the backward
-    forward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 2}
-    backward = {"reduce_scatter": 2 * n_layer + 1, "all_gather": 2 * n_layer + 1, "all_reduce": 1}
-    return forward, backward
+def expected_counts(config: Config, mode: str, size: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Megatron's minimum: 2 activation all_reduces per block each way (TP+SP: 2 all_gather + 2 reduce_scatter),
+    the embedding's and the head's, plus OLMo-2's q/k norm statistics (b*s numbers, each way) and the grads of
+    the replicated parameters used on sharded values summed together, one all_reduce per dtype (_replicated_grads)."""
+    layers = config.n_layer
+    blocks = 2 * layers + 1
+    olmo2 = 2 * layers if config.norm_qk and config.norm_qk_type == "olmo2" else 0
+    grads = olmo2 + _replicated_grads(config, mode, size)
+    # a norm output shared by attention and MLP (parallel residual) enters the TP region once for both
+    gathers = blocks - layers * config.shared_attention_norm
+    if mode == "tp_sp":
+        forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
+        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": grads}
+    else:  # one all_gather: of the logits, or (loss parallel) of each rank's log-sum-exp and target logit per token
+        forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": gathers + grads}
+    return _nonzero(forward), _nonzero(backward)
+
+
+def _replicated_grads(config, mode: str, size: int) -> int:
+    """All_reduces of the grads of replicated parameters used on sharded values, one per dtype: replicated K/V
+    blocks, MoE routers, per-head q/k norm weights and, under SP, the norms and row-parallel biases. The models are
+    float64, but litgpt's RMSNorm casts its weight to float32 first."""
+    norm_dtype = "float32" if config.norm_class_name == "RMSNorm" else "float64"
+    dtypes = {"float64"} if config.n_query_groups < size or config.mlp_class_name == "LLaMAMoE" else set()
+    if config.norm_qk and config.norm_qk_type == "default":
+        dtypes.add(norm_dtype)
+    if mode == "tp_sp":
+        dtypes |= _sequence_parallel_dtypes(config, norm_dtype)
+    return len(dtypes)
+
+
+def _sequence_parallel_dtypes(config, norm_dtype: str) -> set[str]:
+    """The dtypes of the replicated parameters applied to sequence shards under SP: norm weights and biases (none
+    for OLMo's parameter-free LayerNorm), row-parallel biases."""
+    with torch.device("meta"):
+        model = GPT(config)
+    styled = thunder_tp.styles.match_plan(model, thunder_tp.plans.litgpt(model, sequence_parallel=True))
+    dtypes = set()
+    for name, _ in model.named_parameters():
+        style = styled.get(name.rpartition(".")[0])
+        if isinstance(style, thunder_tp.SequenceParallel):
+            dtypes.add(norm_dtype)
+        elif name.endswith(".bias") and isinstance(style, thunder_tp.RowwiseParallel):
+            dtypes.add("float64")
+    return dtypes
+
+
+def _nonzero(counts: dict) -> dict:
+    return {k: v for k, v in counts.items() if v}
 
 
 def batch(seed: int = 0, batch_size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:

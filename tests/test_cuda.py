@@ -66,7 +66,7 @@ def test_litgpt_tp_on_one_gpu_matches_single_device(mode, backend):
     if backend == "nvfuser" and nvfuserex.nvfuserex is None:
         pytest.skip("nvFuser is not installed (pip install thunder_tp[nvfuser])")
     for rank, r in enumerate(run_ranks(_tp_on_shared_gpu, 2, mode, backend)):
-        assert r["counts"] == expected_counts("llama", mode), f"rank {rank}: {r['counts']}"
+        assert r["counts"] == expected_counts(make_config("llama"), mode, 2), f"rank {rank}: {r['counts']}"
         assert r["regions"] & r["backend"], f"rank {rank}: no region of {r['backend']} in {r['regions']}"
         assert r["regions"] <= r["backend"] | BESIDE[backend], f"rank {rank}: regions of {r['regions']}"
         assert not r["fused_communication"], f"rank {rank}: collectives inside {r['fused_communication']}"

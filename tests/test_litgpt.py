@@ -55,7 +55,7 @@ def _train(name, mode):
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_matches_single_device(world, name, mode):
     counts = run_ranks(_train, world, name, mode)[0]
-    forward, backward = expected_counts(name, mode)
+    forward, backward = expected_counts(make_config(name), mode, world)
     assert counts["forward"] == forward, counts
     assert counts["backward"] == backward, counts
 

@@ -12,12 +12,11 @@ import thunder
 import torch
 
 import thunder_tp
-import thunder_tp.styles
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
 from thunder_tp.plans.litgpt import GPTWithLoss, tp_sizes
 from tests.dist import run_ranks
-from tests.litgpt_models import MODES, batch, zoo, zoo_config
+from tests.litgpt_models import MODES, batch, expected_counts, zoo, zoo_config
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
 
 #: litgpt's RMSNorm computes in float32 even for float64 inputs; everything else is exact to ~1e-12
@@ -54,65 +53,10 @@ def _check(name: str, mode: str) -> dict:
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
 
 
-def _expected_counts(config, mode: str, size: int) -> tuple[dict, dict]:
-    """Megatron's minimum: 2 activation all_reduces per block each way (TP+SP: 2 all_gather + 2 reduce_scatter),
-    the embedding's and the head's, plus OLMo-2's q/k norm statistics (b*s numbers, each way) and the grads of
-    the replicated parameters used on sharded values summed together, one all_reduce per dtype (_replicated_grads)."""
-    layers = config.n_layer
-    blocks = 2 * layers + 1
-    olmo2 = 2 * layers if config.norm_qk and config.norm_qk_type == "olmo2" else 0
-    grads = olmo2 + _replicated_grads(config, mode, size)
-    # a norm output shared by attention and MLP (parallel residual) enters the TP region once for both
-    gathers = blocks - layers * config.shared_attention_norm
-    if mode == "tp":
-        forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": gathers + grads}
-    elif mode == "tp_lp":  # each rank's log-sum-exp and target logit per token gathered instead of the logits
-        forward, backward = {"all_reduce": blocks + olmo2, "all_gather": 1}, {"all_reduce": gathers + grads}
-    else:
-        forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
-        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": grads}
-    return _nonzero(forward), _nonzero(backward)
-
-
-def _replicated_grads(config, mode: str, size: int) -> int:
-    """All_reduces of the grads of replicated parameters used on sharded values, one per dtype: replicated K/V
-    blocks, MoE routers, per-head q/k norm weights and, under SP, the norms and row-parallel biases. The models are
-    float64, but litgpt's RMSNorm casts its weight to float32 first."""
-    norm_dtype = "float32" if config.norm_class_name == "RMSNorm" else "float64"
-    dtypes = {"float64"} if config.n_query_groups < size or config.mlp_class_name == "LLaMAMoE" else set()
-    if config.norm_qk and config.norm_qk_type == "default":
-        dtypes.add(norm_dtype)
-    if mode == "tp_sp":
-        dtypes |= _sequence_parallel_dtypes(config, norm_dtype)
-    return len(dtypes)
-
-
-def _sequence_parallel_dtypes(config, norm_dtype: str) -> set[str]:
-    """The dtypes of the replicated parameters applied to sequence shards under SP: norm weights and biases (none
-    for OLMo's parameter-free LayerNorm), row-parallel biases."""
-    from litgpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(config)
-    styled = thunder_tp.styles.match_plan(model, thunder_tp.plans.litgpt(model, sequence_parallel=True))
-    dtypes = set()
-    for name, _ in model.named_parameters():
-        style = styled.get(name.rpartition(".")[0])
-        if isinstance(style, thunder_tp.SequenceParallel):
-            dtypes.add(norm_dtype)
-        elif name.endswith(".bias") and isinstance(style, thunder_tp.RowwiseParallel):
-            dtypes.add("float64")
-    return dtypes
-
-
-def _nonzero(counts: dict) -> dict:
-    return {k: v for k, v in counts.items() if v}
-
-
 def _run_and_compare(name: str, world: int, mode: str) -> None:
     config = zoo_config(name)
     counts = run_ranks(_check, world, name, mode)[0]
-    forward, backward = _expected_counts(config, mode, world)
+    forward, backward = expected_counts(config, mode, world)
     assert counts == {"forward": forward, "backward": backward}, (name, world, mode, counts)
 
 
@@ -203,5 +147,5 @@ def test_zoo_sweep_at_tp8_on_simulated_ranks(name, mode):
             _simulated_check(name, mode, 8)
         return
     counts = _simulated_check(name, mode, 8)
-    forward, backward = _expected_counts(zoo_config(name), mode, 8)
+    forward, backward = expected_counts(zoo_config(name), mode, 8)
     assert counts == {"forward": forward, "backward": backward}, (name, mode, counts)

@@ -85,7 +85,7 @@ def test_gqa_gpt_on_simulated_ranks_matches_single_device(world, mode, tmp_path)
             want = shard_tensor(p.detach(), layout, rank, world)
             assert_close_scaled(piece, want, rtol=RTOL, atol=ATOL, what=f"{name} after an SGD step on rank {rank}")
     # the simulated program issues what real ranks issue (Megatron's minimum; tests/test_litgpt.py)
-    assert (collective_counts(forward), collective_counts(backward)) == expected_counts("llama", mode)
+    assert (collective_counts(forward), collective_counts(backward)) == expected_counts(reference.config, mode, world)
     names = sorted(p.name for p in files)
     assert names == sorted(f"rank{r}_{f}" for r in range(world) for f in ("forward.py", "backward.py", "collectives.md"))
     assert f"rank {world - 1} (world size {world})" in (tmp_path / f"rank{world - 1}_forward.py").read_text()
@@ -116,7 +116,7 @@ def test_checkpointed_blocks_recompute_their_collectives():
         grads = _pieces(jm.get_parameter(name).grad, 2)
         full = unshard_tensor(grads, transform.parameter_layouts.get(name, REPLICATE))
         assert_close_scaled(full, p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
-    _, backward = expected_counts("llama", "tp")
+    _, backward = expected_counts(make_config("llama"), "tp", 2)
     n_layer = reference.config.n_layer
     assert collective_counts(thunder.last_backward_traces(jm)[-1]) == {"all_reduce": backward["all_reduce"] + n_layer}
 
@@ -187,9 +187,10 @@ def test_sliding_window_mask_built_inside_forward():
     """litgpt builds the sliding-window mask inside forward, through torch ops Thunder has no symbol for
     (``Tensor.bool``): Thunder's fake tensors for those stay fake under the simulation's LocalTensorMode, and the
     simulated program matches one device (loss, every grad) and issues what real ranks issue."""
-    from tests.test_litgpt_zoo import _expected_counts, _simulated_check, zoo_config
+    from tests.litgpt_models import zoo_config
+    from tests.test_litgpt_zoo import _simulated_check
 
     name = "Mathstral-7B-v0.1"  # GQA with 8 K/V groups and a sliding window
     assert zoo_config(name).sliding_window_size is not None
-    forward, backward = _expected_counts(zoo_config(name), "tp", 4)
+    forward, backward = expected_counts(zoo_config(name), "tp", 4)
     assert _simulated_check(name, "tp", 4) == {"forward": forward, "backward": backward}
