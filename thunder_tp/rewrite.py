@@ -205,7 +205,7 @@ def _emit(step: Step, local: LocalValues) -> None:
     flat, spec = tree_flatten((bsym.args, bsym.kwargs))
     required = iter(strategy.inputs)
     local_flat = [
-        local.get(x, next(required), into_tp_region=strategy.is_sharded) if isinstance(x, TensorProxy)
+        local.get(x, next(required), into_tp_region=strategy.enters_tp_region) if isinstance(x, TensorProxy)
         else local.values.get(x.name, x) if isinstance(x, Proxy)
         else x
         for x in flat

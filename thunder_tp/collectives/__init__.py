@@ -23,6 +23,7 @@ from thunder_tp.collectives.symbols import (
     tp_reduce_from_tp,
     tp_reduce_scatter,
     tp_scatter,
+    tp_to_partial,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "tp_reduce_from_tp",
     "tp_reduce_scatter",
     "tp_scatter",
+    "tp_to_partial",
 ]

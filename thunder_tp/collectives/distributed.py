@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from thunder_tp.collectives.packing import Blocks, pack, unpack
 from thunder_tp.layouts import Shard, local_shape, unshard_tensor
-from thunder_tp.simulate import for_each_rank, local_piece
+from thunder_tp.simulate import for_each_rank, is_simulating, local_piece
 
 
 def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -57,6 +57,13 @@ def all_to_all_start(packed: torch.Tensor, group: dist.ProcessGroup) -> tuple:
 def local(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's Shard(dim, blocks) piece of the full `a` (every simulated rank's, in a simulation)."""
     return local_piece(a, Shard(dim, blocks), dist.get_rank(group), group.size(), group)
+
+
+def first_rank_only(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`a` on the group's first rank, zeros on the others: a Replicate value as a Partial sum, exactly."""
+    if is_simulating():
+        return for_each_rank(lambda r, x: x.clone() if r == 0 else torch.zeros_like(x), group, a)
+    return a.clone() if dist.get_rank(group) == 0 else torch.zeros_like(a)
 
 
 def rank_offset_tensor(like: torch.Tensor, step: int, group: dist.ProcessGroup) -> torch.Tensor:

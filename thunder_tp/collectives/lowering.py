@@ -37,6 +37,7 @@ from thunder_tp.collectives.symbols import (
     tp_reduce_from_tp,
     tp_reduce_scatter,
     tp_scatter,
+    tp_to_partial,
     tp_unpack,
 )
 from thunder_tp.layouts import Shard, local_shape, shard_tensor
@@ -126,6 +127,12 @@ def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     return shallow_copy(a)  # an alias under a new name (returning `a` itself leaves the output undefined)
 
 
+def _to_partial_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    if is_simulating():  # one trace runs for every simulated rank
+        return ltorch.where(ltorch.eq(tp_rank_offset(a, 1, group), 0), a, 0)
+    return _copy_to_tp_ops(a, group) if dist.get_rank(group) == 0 else ltorch.zeros_like(a)
+
+
 def _copy_all_to_tp_ops(tensors: list[TensorProxy], group: dist.ProcessGroup) -> tuple[TensorProxy, ...]:
     return tuple(_copy_to_tp_ops(t, group) for t in tensors)
 
@@ -133,6 +140,7 @@ def _copy_all_to_tp_ops(tensors: list[TensorProxy], group: dist.ProcessGroup) ->
 comm_executor.register_implementation(tp_copy_to_tp, execution_transform=_copy_to_tp_ops)
 comm_executor.register_implementation(tp_copy_all_to_tp, execution_transform=_copy_all_to_tp_ops)
 comm_executor.register_implementation(tp_scatter, execution_transform=_scatter_ops)
+comm_executor.register_implementation(tp_to_partial, execution_transform=_to_partial_ops)
 comm_executor.register_implementation(tp_pack, execution_transform=partial(pack, ops=ltorch))
 comm_executor.register_implementation(tp_unpack, execution_transform=partial(unpack, ops=ltorch))
 comm_executor.register_implementation(tp_rank_offset, tp_rank_offset)

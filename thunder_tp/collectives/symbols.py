@@ -80,6 +80,8 @@ tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathe
 tp_scatter = comm_executor.register_operator("tp_scatter", meta=_scattered_meta, fn=D.local)
 tp_reduce_scatter = comm_executor.register_operator("tp_reduce_scatter", meta=_scattered_meta, fn=D.reduce_scatter)
 tp_all_to_all = comm_executor.register_operator("tp_all_to_all", meta=_all_to_all_meta, fn=D.all_to_all)
+#: a Replicate value as a Partial sum (kept on the first rank, zeros elsewhere): local; its grad is the identity
+tp_to_partial = comm_executor.register_operator("tp_to_partial", meta=_like, fn=D.first_rank_only)
 
 #: symbol name -> the kind of collective it issues
 COLLECTIVE_KINDS: dict[str, str] = {
@@ -141,6 +143,12 @@ def _reduce_from_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProx
     return out
 
 
+def _to_partial_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    out = tp_to_partial(a, group)
+    put_grad(a, get_grad(out))  # the sum over ranks of `out` is `a`, and every rank holds the grad of that sum
+    return out
+
+
 def _all_to_all_grad(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:
     out = tp_all_to_all(a, src_dim, dst_dim, group)
     put_grad(a, tp_all_to_all(get_grad(out), dst_dim, src_dim, group))
@@ -160,6 +168,7 @@ register_grad(tp_copy_to_tp, _copy_to_tp_grad)
 register_grad(tp_copy_all_to_tp, _copy_all_to_tp_grad)
 register_grad(tp_reduce_from_tp, _reduce_from_tp_grad)
 register_grad(tp_all_to_all, _all_to_all_grad)
+register_grad(tp_to_partial, _to_partial_grad)
 register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
 register_grad(tp_gather_to_tp, _conjugate(tp_gather_to_tp, tp_reduce_scatter))
 register_grad(tp_scatter, _conjugate(tp_scatter, tp_gather))

@@ -67,15 +67,18 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     config = model.get_submodule(prefix.rstrip(".")).config if prefix else model.config
     _check_supported(config)
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
+    # a parallel-residual block adds its attention and MLP outputs before anything needs them whole: left Partial,
+    # they are reduced together, one all_reduce per block instead of two
+    block_output = None if config.parallel_residual and not sequence_parallel else reduced
     block = "transformer.h.*."
     plan: dict[str, Style] = {
         "transformer.wte": RowwiseParallel(output_layout=reduced),
         f"{block}attn.qkv": _qkv_style(config),
-        f"{block}attn.proj": RowwiseParallel(output_layout=reduced),
+        f"{block}attn.proj": RowwiseParallel(output_layout=block_output),
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
     }
     mlp_plan = _moe_plan(config) if config.mlp_class_name == "LLaMAMoE" else _MLP_PLANS[config.mlp_class_name]
-    plan |= {f"{block}mlp.{name}": _mlp_style(kind, reduced) for name, kind in mlp_plan.items()}
+    plan |= {f"{block}mlp.{name}": _mlp_style(kind, block_output) for name, kind in mlp_plan.items()}
     for i in range(config.first_k_dense_replace or 0):  # MoE models whose first blocks have a dense LLaMAMLP
         plan |= {f"transformer.h.{i}.mlp.{name}": _mlp_style(kind, reduced) for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them
@@ -86,8 +89,9 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     return {prefix + key: style for key, style in plan.items()}
 
 
-def _mlp_style(kind: str, reduced: Layout) -> Style:
-    """An MLP linear's style: "col" column-parallel, "row" row-parallel with its output in `reduced`."""
+def _mlp_style(kind: str, reduced: Layout | None) -> Style:
+    """An MLP linear's style: "col" column-parallel, "row" row-parallel with its output in `reduced` (None: left
+    Partial)."""
     return ColwiseParallel() if kind == "col" else RowwiseParallel(output_layout=reduced)
 
 

@@ -28,17 +28,19 @@ class Strategy:
     """Required layout of each tensor input, resulting layout of each tensor output.
 
     `local` computes the op on local pieces, called like the op (tensors replaced by local ones);
-    None means the op itself does.
+    None means the op itself does. `whole_grads`: its Replicate inputs get whole grads on every rank.
     """
 
     inputs: tuple[Layout, ...]
     outputs: tuple[Layout, ...]
     local: LocalFn | None = None
+    whole_grads: bool = False
 
     @property
-    def is_sharded(self) -> bool:
-        """Whether any input or output is not Replicate (its Replicate inputs then get Partial grads)."""
-        return any(not isinstance(x, Replicate) for x in (*self.inputs, *self.outputs))
+    def enters_tp_region(self) -> bool:
+        """Whether its Replicate inputs get Partial grads (summed where they enter the TP region): some input or
+        output is not Replicate, and the strategy does not say otherwise."""
+        return not self.whole_grads and any(not isinstance(x, Replicate) for x in (*self.inputs, *self.outputs))
 
 
 DECOMPOSE = object()  # marker: propagate through the op's subsymbols instead
@@ -116,6 +118,8 @@ class Propagation:
     tp: TPGroup
     parameters: frozenset[str] = frozenset()
     steps: list[Step] = field(default_factory=list)
+    #: proxies whose Replicate version a chosen strategy already needs (the rewrite makes it once)
+    replicated: set[str] = field(default_factory=set)
 
     def run(self, bsyms: Iterable[BoundSymbol]) -> list[Step]:
         """Choose a strategy for every bound symbol, decomposing rule-less ops where needed."""
@@ -127,6 +131,7 @@ class Propagation:
                 continue
             for t, layout in zip(op.outputs, strategy.outputs):
                 self.layouts[t.name] = normalize(layout, t.ndim)
+            self.replicated.update(t.name for t, x in zip(op.tensors, strategy.inputs) if isinstance(x, Replicate))
             self.steps.append(Step(bsym, strategy))
         return self.steps
 
@@ -150,7 +155,8 @@ class Propagation:
 
     def _cost(self, op: Op, s: Strategy) -> float:
         return sum(
-            redistribute_cost(cur, normalize(req, t.ndim), t, self.tp.size, is_parameter=t.name in self.parameters)
+            0.0 if isinstance(req, Replicate) and t.name in self.replicated
+            else redistribute_cost(cur, normalize(req, t.ndim), t, self.tp.size, is_parameter=t.name in self.parameters)
             for t, cur, req in zip(op.tensors, op.layouts, s.inputs)
         )
 

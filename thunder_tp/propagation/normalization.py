@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import thunder.torch as ltorch
 
-from thunder_tp.layouts import REPLICATE, Shard
+from thunder_tp.layouts import REPLICATE, Partial, Shard
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 
 def _batch_dim_strategies(op: Op, normalized: set[int]) -> list[Strategy]:
     x, current = op.tensors[0], op.layouts[0]
+    if isinstance(current, Partial):  # a reduce_scatter here would need an all_gather later: one all_reduce
+        return [op.replicated()]
     rest = (REPLICATE,) * (len(op.tensors) - 1)
     shards = [current if isinstance(current, Shard) and current.dim == d else Shard(d) for d in range(x.ndim)]
     return [*(Strategy((s, *rest), (s,)) for s in shards if s.dim not in normalized), op.replicated()]

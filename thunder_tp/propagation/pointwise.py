@@ -6,8 +6,9 @@ import thunder.core.prims as prims
 import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
+from thunder_tp.collectives import tp_to_partial
 from thunder_tp.layouts import PARTIAL, REPLICATE, Layout, Partial, Shard
-from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.propagation.engine import LocalFn, Op, Strategy, register_rule
 
 _UNARY = ("abs", "exp", "log", "log1p", "expm1", "gelu", "silu", "relu", "tanh", "sigmoid", "rsqrt", "sqrt",
           "erf", "reciprocal", "sin", "cos", "square", "logical_not", "clamp", "to", "type_as", "clone",
@@ -79,10 +80,37 @@ def negation(op: Op) -> list[Strategy]:
 
 @register_rule(ltorch.add, ltorch.sub, prims.add, prims.sub)
 def addition(op: Op) -> list[Strategy]:
-    """Sum of Partials is Partial (not with a number, constant or NumberProxy: it would be added once per rank)."""
+    """Sum of Partials is Partial (not with a number, constant or NumberProxy: it would be added once per rank);
+    so is a Partial plus a Replicate term that the first rank alone adds: the all_reduce waits for the next
+    Partial (a parallel-residual block's attention and MLP outputs take one all_reduce, not two)."""
     numbers = [a for a in op.bsym.args[:2] if not isinstance(a, TensorProxy)]
-    partial = [_all_partial(op)] if not numbers and any(isinstance(x, Partial) for x in op.layouts) else []
-    return [*partial, *elementwise_strategies(op)]
+    if numbers or not any(isinstance(x, Partial) for x in op.layouts):
+        return elementwise_strategies(op)
+    return [*_partial_plus_replicated(op), _all_partial(op), *elementwise_strategies(op)]
+
+
+def _partial_plus_replicated(op: Op) -> list[Strategy]:
+    """The term at one position Replicate, added by the first rank only; the other Partial and of the output's
+    shape (a broadcast Partial would wait to be all-reduced at the larger size)."""
+    strategies = []
+    for replicated, partial in ((0, 1), (1, 0)):
+        if op.tensors[partial].shape != op.outputs[0].shape:
+            continue
+        layouts = [PARTIAL, PARTIAL]
+        layouts[replicated] = REPLICATE
+        strategies.append(Strategy(tuple(layouts), (PARTIAL,), _first_rank_adds(op, replicated), whole_grads=True))
+    return strategies
+
+
+def _first_rank_adds(op: Op, position: int) -> LocalFn:
+    """The op with its tensor argument at `position` kept on the first rank only (zeros elsewhere)."""
+
+    def local(*args, **kwargs):
+        args = list(args)
+        args[position] = tp_to_partial(args[position], op.tp.group)
+        return op.bsym.sym(*args, **kwargs)
+
+    return local
 
 
 @register_rule(ltorch.mul, prims.mul)
