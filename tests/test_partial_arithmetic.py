@@ -1,8 +1,8 @@
 """Partial values (annotated K-split products) combined with replicated tensors: each operand counts once.
 
-The styles of a plan reduce every row-parallel output before anything else touches it, so the model tests never
-add a replicated tensor to a Partial one; annotate() programs do. Forward and every input grad vs single device,
-float64 (exact to ~1e-12).
+A replicated term added to a Partial one is added by the first rank alone, and the sum stays Partial until
+something needs it whole: one all_reduce per case, as for a parallel-residual block's attention + residual + MLP.
+Forward and every input grad vs single device, float64 (exact to ~1e-12).
 """
 
 import thunder
@@ -10,7 +10,7 @@ import torch
 
 from thunder_tp import Shard, TensorParallel, annotate
 from tests.dist import run_ranks
-from tests.tp_checks import FAST_EXECUTORS
+from tests.tp_checks import FAST_EXECUTORS, collective_counts
 
 
 def _product(a, b):
@@ -24,6 +24,7 @@ CASES = {
     "partial * replicate": lambda a, b, c: _product(a, b) * c,
     "partial + partial": lambda a, b, c: _product(a, b) + _product(a * 2, b),
     "partial / replicate + replicate": lambda a, b, c: _product(a, b) / (c.abs() + 1) + c,
+    "partial + replicate + partial": lambda a, b, c: _product(a, b) + c + _product(a, b * c[:1, :]),
 }
 
 
@@ -39,6 +40,7 @@ def _check_cases() -> None:
         jf = thunder.jit(fn, transforms=[TensorParallel()], executors=FAST_EXECUTORS)
         actual, expected = jf(*inputs), fn(*reference)
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: output: {m}")
+        assert collective_counts(thunder.last_traces(jf)[-1]) == {"all_reduce": 1}, name
         cotangent = torch.randn_like(expected)
         (actual * cotangent).sum().backward()
         (expected * cotangent).sum().backward()
