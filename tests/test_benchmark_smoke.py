@@ -94,15 +94,16 @@ def test_tp(tmp_path):
     _check_common(res, output)
     per_iter = res["collectives"]["per_iteration"]
     logits = TOKENS * 50304 * 4  # lm_head's vocab-sharded output gathered (padded vocab, fp32)
-    # forward: the embedding's, attn.proj's and mlp.proj's all_reduce, the logits' all_gather
-    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION},
+    # forward: the embedding's all_reduce, the block's (pythia's parallel residual: attn.proj's and mlp.proj's
+    # outputs summed, then reduced once), the logits' all_gather
+    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 2, "bytes": 2 * ACTIVATION},
                                               "all_gather": {"count": 1, "bytes": logits}}, per_iter
     # backward: the input grads of qkv, fc and lm_head (column-parallel: one all_reduce each)
     assert per_iter["backward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION}}, per_iter
-    for name in ("forward", "backward"):
+    for name, count in (("forward", 2), ("backward", 3)):
         rows = [r for r in res["collectives"]["tables"][name] if r["kind"] == "all_reduce"]
-        assert rows == [{"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION, "count": 3,
-                         "total_bytes": 3 * ACTIVATION}], rows
+        assert rows == [{"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION, "count": count,
+                         "total_bytes": count * ACTIVATION}], rows
     # --dump_thunder_traces: rank 0 printed the traces, every rank wrote its files
     assert "final forward trace" in output and "final backward trace" in output
     for r in (0, 1):
@@ -162,10 +163,10 @@ def test_simulate_dry_run(tmp_path, capsys):
     per_rank = list(res["param_bytes_per_rank"].values())
     full, tp_rank = _pythia_param_bytes(2)
     assert per_rank == [tp_rank, tp_rank] and res["param_bytes_full_model"] == full, res
-    # loss parallel, one block: 2 activation all_reduces + the embedding's, and the loss's gather of 2 per-token
-    # statistics from each rank, no logits gather; backward: the input grads of qkv, fc and lm_head
+    # loss parallel, one (parallel-residual) block: its all_reduce + the embedding's, and the loss's gather of 2
+    # per-token statistics from each rank, no logits gather; backward: the input grads of qkv, fc and lm_head
     per_iter = res["collectives"]["per_iteration"]
-    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION},
+    assert per_iter["forward"]["by_kind"] == {"all_reduce": {"count": 2, "bytes": 2 * ACTIVATION},
                                               "all_gather": {"count": 1, "bytes": 2 * 2 * TOKENS * 4}}, per_iter
     assert per_iter["backward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION}}, per_iter
     assert "rank 1: loss" in output and "Collectives per rank and iteration, backward" in output
