@@ -17,7 +17,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
 
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, TPGroup, check_shardable, normalize
+from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, TPGroup, check_shardable, normalize
 from thunder_tp.reshard import redistribute_cost
 
 LocalFn = Callable[..., Any]
@@ -44,6 +44,8 @@ class Strategy:
 
 
 DECOMPOSE = object()  # marker: propagate through the op's subsymbols instead
+#: a Partial output's sum is still to be reduced: between strategies that are otherwise free, the finished one wins
+PENDING_SUM_COST = 1e-3
 
 Rule = Callable[["Op"], Iterable[Strategy]]
 _RULES: dict[Any, Rule] = {}
@@ -154,11 +156,12 @@ class Propagation:
         return len(s.inputs) == len(op.tensors) and len(s.outputs) == len(op.outputs)
 
     def _cost(self, op: Op, s: Strategy) -> float:
-        return sum(
+        inputs = sum(
             0.0 if isinstance(req, Replicate) and t.name in self.replicated
             else redistribute_cost(cur, normalize(req, t.ndim), t, self.tp.size, is_parameter=t.name in self.parameters)
             for t, cur, req in zip(op.tensors, op.layouts, s.inputs)
         )
+        return inputs + PENDING_SUM_COST * sum(isinstance(x, Partial) for x in s.outputs)
 
 
 def _decomposable(bsym: BoundSymbol) -> bool:
