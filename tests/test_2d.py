@@ -158,7 +158,8 @@ def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer
 
 def _expected_tp(n_layer: int = 2) -> tuple[dict, dict]:
     """TP's own collectives, as on TP ranks alone (tests/test_litgpt.py), named as _train counts them."""
-    return tuple({f"tp {kind}": n for kind, n in counts.items()} for counts in expected_counts(_llama(n_layer), "tp", 2))
+    forward, backward = expected_counts(_llama(n_layer), "tp", 2)
+    return tuple({f"tp {kind}": n for kind, n in counts.items()} for counts in (forward, backward))
 
 
 def test_tp_inside_ddp_matches_single_device():
