@@ -17,4 +17,4 @@ from thunder_tp.checkpoint.exporting import export, main
 from thunder_tp.checkpoint.loading import load
 from thunder_tp.checkpoint.state_dict import get_state_dict, save, set_state_dict
 
-__all__ = ["save", "load", "get_state_dict", "set_state_dict", "export"]
+__all__ = ["save", "load", "get_state_dict", "set_state_dict", "export", "main"]
