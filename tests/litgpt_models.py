@@ -32,7 +32,8 @@ def make_config(name: str) -> Config:
 
 def expected_counts(config: Config, mode: str, size: int) -> tuple[dict[str, int], dict[str, int]]:
     """Megatron's minimum: 2 activation all_reduces per block each way (TP+SP: 2 all_gather + 2 reduce_scatter;
-    a parallel-residual block's forward without SP: 1, its attention and MLP outputs summed first), the
+    a parallel-residual block's forward: 1 all_reduce, or under SP 1 reduce_scatter (backward: 1 all_gather), its
+    attention and MLP outputs summed first), the
     embedding's and the head's, plus OLMo-2's q/k norm statistics (b*s numbers, each way) and the grads of
     the replicated parameters used on sharded values summed together, one all_reduce per dtype (_replicated_grads)."""
     layers = config.n_layer
@@ -43,8 +44,8 @@ def expected_counts(config: Config, mode: str, size: int) -> tuple[dict[str, int
     gathers = blocks - layers * config.shared_attention_norm
     reduced = layers + 1 if config.parallel_residual else blocks
     if mode == "tp_sp":
-        forward = {"reduce_scatter": blocks, "all_gather": gathers + 1, "all_reduce": olmo2}
-        backward = {"reduce_scatter": gathers, "all_gather": blocks, "all_reduce": grads}
+        forward = {"reduce_scatter": reduced, "all_gather": gathers + 1, "all_reduce": olmo2}
+        backward = {"reduce_scatter": gathers, "all_gather": reduced, "all_reduce": grads}
     else:  # one all_gather: of the logits, or (loss parallel) of each rank's log-sum-exp and target logit per token
         forward, backward = {"all_reduce": reduced + olmo2, "all_gather": 1}, {"all_reduce": gathers + grads}
     return _nonzero(forward), _nonzero(backward)

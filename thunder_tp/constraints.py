@@ -25,8 +25,9 @@ def _styled_weight(bsym, styles: Mapping[str, Style]) -> Style | None:
 
 
 def _constrain(t: TensorProxy, layout, memo: dict) -> TensorProxy:
-    """`t` annotated with `layout`, once per (value, layout), so that consumers share one redistribution."""
-    if layout is None:
+    """`t` annotated with `layout`, once per (value, layout), so that consumers share one redistribution; a number
+    (Gemma's RMSNorm consumes its weight in `1 + weight`) as it is."""
+    if layout is None or not isinstance(t, TensorProxy):
         return t
     key = (t.name, layout)
     if key not in memo:

@@ -112,13 +112,14 @@ class RowwiseParallel:
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """A norm computed on sequence-sharded activations: parameters replicated, output sharded on `seq_dim`."""
+    """A norm computed on sequence-sharded activations: parameters replicated, input and output sharded on `seq_dim`
+    (an input still Partial is reduce-scattered into it)."""
 
     seq_dim: int = 1
 
     @property
-    def input_layout(self) -> Layout | None:
-        return None
+    def input_layout(self) -> Layout:
+        return Shard(self.seq_dim)
 
     @property
     def output_layout(self) -> Layout:

@@ -68,11 +68,13 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     _check_supported(config)
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
     # a parallel-residual block adds its attention and MLP outputs before anything needs them whole: left Partial,
-    # they are reduced together, one all_reduce per block instead of two
-    block_output = None if config.parallel_residual and not sequence_parallel else reduced
+    # they are reduced together, one all_reduce per block instead of two; under SP the whole residual stream stays
+    # Partial from the embedding on, reduce-scattered once per block where the next norm reads it
+    block_output = None if config.parallel_residual else reduced
+    embedding_output = None if config.parallel_residual and sequence_parallel else reduced
     block = "transformer.h.*."
     plan: dict[str, Style] = {
-        "transformer.wte": RowwiseParallel(output_layout=reduced),
+        "transformer.wte": RowwiseParallel(output_layout=embedding_output),
         f"{block}attn.qkv": _qkv_style(config),
         f"{block}attn.proj": RowwiseParallel(output_layout=block_output),
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
