@@ -66,7 +66,8 @@ def _replicated_grads(config, mode: str, size: int) -> int:
 
 def _sequence_parallel_dtypes(config, norm_dtype: str) -> set[str]:
     """The dtypes of the replicated parameters applied to sequence shards under SP: norm weights and biases (none
-    for OLMo's parameter-free LayerNorm), row-parallel biases."""
+    for OLMo's parameter-free LayerNorm), row-parallel biases (but for a parallel residual's, which the first rank
+    adds to the Partial stream)."""
     with torch.device("meta"):
         model = GPT(config)
     styled = thunder_tp.styles.match_plan(model, thunder_tp.plans.litgpt(model, sequence_parallel=True))
@@ -75,7 +76,7 @@ def _sequence_parallel_dtypes(config, norm_dtype: str) -> set[str]:
         style = styled.get(name.rpartition(".")[0])
         if isinstance(style, thunder_tp.SequenceParallel):
             dtypes.add(norm_dtype)
-        elif name.endswith(".bias") and isinstance(style, thunder_tp.RowwiseParallel):
+        elif name.endswith(".bias") and isinstance(style, thunder_tp.RowwiseParallel) and not config.parallel_residual:
             dtypes.add("float64")
     return dtypes
 

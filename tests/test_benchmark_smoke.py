@@ -138,16 +138,20 @@ def test_tp_sp_loss_parallel(tmp_path):
     _check_common(res, output)
     assert res["loss_parallel"] is True
     # SP: into each TP region (qkv, fc after their sequence-sharded norms; lm_head after ln_f) an all_gather of the
-    # (1, 32, 128) activations, out of each (embedding, attn.proj, mlp.proj) a reduce_scatter; the backward swaps them.
-    # Loss parallel: the logits stay vocab-sharded; one all_gather of each rank's log-sum-exp and target logit per
-    # token (fp32, 2 x 32 numbers from each of the 2 ranks).
+    # (1, 32, 128) activations. The parallel-residual stream stays Partial from the embedding on (attention, MLP and
+    # their row biases added in): a reduce_scatter where a norm reads it (the block's two norms, then ln_f); the
+    # backward swaps them. Loss parallel: the logits stay vocab-sharded; one all_gather of each rank's log-sum-exp and
+    # target logit per token (fp32, 2 x 32 numbers from each of the 2 ranks).
     # Backward: the grads of the replicated parameters used on sequence-sharded activations (the three LayerNorms'
-    # weight and bias, attn.proj's and mlp.proj's bias: 8 of n_embd fp32) are summed over the ranks in one all_reduce
+    # weight and bias: 6 of n_embd fp32) are summed over the ranks in one all_reduce; the row biases, added to the
+    # Partial stream by the first rank, get whole grads.
     per_iter = res["collectives"]["per_iteration"]
-    sp = {"all_gather": {"count": 3, "bytes": 3 * ACTIVATION}, "reduce_scatter": {"count": 3, "bytes": 3 * ACTIVATION}}
+    gathers = {"count": 3, "bytes": 3 * ACTIVATION}
+    scatters = {"count": 2, "bytes": 2 * ACTIVATION}
     stats = {"count": 4, "bytes": 3 * ACTIVATION + 2 * 2 * TOKENS * 4}
-    assert per_iter["forward"]["by_kind"] == {**sp, "all_gather": stats}, per_iter
-    assert per_iter["backward"]["by_kind"] == {**sp, "all_reduce": {"count": 1, "bytes": 8 * 128 * 4}}, per_iter
+    assert per_iter["forward"]["by_kind"] == {"reduce_scatter": scatters, "all_gather": stats}, per_iter
+    assert per_iter["backward"]["by_kind"] == {"reduce_scatter": gathers, "all_gather": scatters,
+                                               "all_reduce": {"count": 1, "bytes": 6 * 128 * 4}}, per_iter
 
 
 def test_simulate_dry_run(tmp_path, capsys):

@@ -59,7 +59,8 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     """Plan for a litgpt GPT, or a module containing one (keys then carry its prefix); globs cover every block.
 
     sequence_parallel: norms and the residual stream sharded on the sequence dim (all_gather into each TP
-    region, reduce_scatter out of it). loss_parallel: lm_head's output stays vocab-sharded, for a
+    region, reduce_scatter out of it; a parallel-residual stream stays Partial, reduce-scattered where a norm
+    reads it). loss_parallel: lm_head's output stays vocab-sharded, for a
     cross-entropy inside the jitted program. With fewer K/V groups than ranks, each K/V head is
     replicated on the ranks whose query heads use it (see `tp_sizes` for the sizes that work).
     """
