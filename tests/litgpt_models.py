@@ -66,7 +66,7 @@ def _replicated_grads(config, mode: str, size: int) -> int:
 
 def _sequence_parallel_dtypes(config, norm_dtype: str) -> set[str]:
     """The dtypes of the replicated parameters applied to sequence shards under SP: norm weights and biases (none
-    for OLMo's parameter-free LayerNorm), row-parallel biases (but for a parallel residual's, which the first rank
+    for OLMo's parameter-free LayerNorm), row-parallel biases (except a parallel residual's, which the first rank
     adds to the Partial stream)."""
     with torch.device("meta"):
         model = GPT(config)

@@ -7,6 +7,7 @@ once to the reduced result rather than once per rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from numbers import Number
 
 import thunder.torch as ltorch
 from thunder.core.proxies import ProxyTag, TensorProxy, variableify
@@ -24,7 +25,7 @@ def _styled_weight(bsym, styles: Mapping[str, Style]) -> Style | None:
     return None
 
 
-def _constrain(t: TensorProxy, layout, memo: dict) -> TensorProxy:
+def _constrain(t: TensorProxy | Number, layout, memo: dict) -> TensorProxy | Number:
     """`t` annotated with `layout`, once per (value, layout), so that consumers share one redistribution; a number
     (Gemma's RMSNorm consumes its weight in `1 + weight`) as it is."""
     if layout is None or not isinstance(t, TensorProxy):
