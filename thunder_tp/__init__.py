@@ -7,12 +7,13 @@ from thunder_tp.executor import executors
 from thunder_tp.layouts import Partial, Replicate, Shard
 from thunder_tp.mesh import Mesh, init_mesh, parallelize
 from thunder_tp.simulate import per_rank, simulate
-from thunder_tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel
+from thunder_tp.styles import ColwiseParallel, KVCacheParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
-from thunder_tp import untraced  # noqa: F401  (registers lookasides: modules built in a jitted forward)
+from thunder_tp import kv_cache, untraced  # noqa: F401  (register lookasides: litgpt's KV cache, modules built in a jitted forward)
 
 __all__ = [
     "ColwiseParallel",
+    "KVCacheParallel",
     "Mesh",
     "Partial",
     "Replicate",

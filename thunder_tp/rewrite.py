@@ -128,8 +128,7 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
             local.values[name] = replica_grads_summed(local.values[name], layouts[name], tp)
         for step in steps:
             _emit(step, local)
-        outputs = tree_map(lambda x: _returned(x, local, unpacked), ret.args)
-        prims.python_return(*outputs)
+        prims.python_return(*_returned_values(ret.args, local, unpacked))
     new.bound_symbols = fuse_gather_into_tp_region(new.bound_symbols)
     new.bound_symbols = coalesce_replicated_copies(new.bound_symbols, set(unpacked), tp)
     new.set_provenance(TraceProvenance("thunder_tp: tensor-parallel rewrite"))
@@ -185,6 +184,17 @@ def _zero_padded(piece: TensorProxy, dim: int, before: int, full: int) -> Tensor
     pad = [0] * (2 * (piece.ndim - dim))
     pad[-2:] = [before, full - before - piece.shape[dim]]
     return ltorch.pad(piece, tuple(pad), value=0)
+
+
+def _returned_values(args: tuple, local: LocalValues, unpacked: dict[str, Any]) -> tuple:
+    """What the local program returns: outputs Replicate; the inputs as each rank holds them (Thunder returns them
+    under "flat_args", updated where they were written in place, e.g. a KV cache)."""
+    as_returned = lambda tree: tree_map(lambda x: _returned(x, local, unpacked), tree)  # noqa: E731
+    if not (args and isinstance(args[0], dict) and "flat_args" in args[0]):
+        return as_returned(args)
+    held = lambda x: local.values.get(x.name, x) if isinstance(x, Proxy) else x  # noqa: E731
+    first = {k: tree_map(held, v) if k == "flat_args" else as_returned(v) for k, v in args[0].items()}
+    return (first, *as_returned(args[1:]))
 
 
 def _returned(x: Any, local: LocalValues, unpacked: dict[str, Any]) -> Any:

@@ -1,8 +1,8 @@
 """Parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel) and plan matching.
 
-A style says how a module's parameters are split (`parameter_layouts`) and which layouts the input
-and output of the op that consumes its weight are constrained to (`input_layout`, `output_layout`),
-as DTensor's styles do at module boundaries.
+A style says how a module's own tensors (parameters, and a cache's buffers) are split (`tensor_layouts`) and
+which layouts the input and output of the op that consumes its weight are constrained to (`input_layout`,
+`output_layout`), as DTensor's styles do at module boundaries.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class ColwiseParallel:
                     f"TP sizes that work for this module: {sizes}"
                 )
 
-    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layout of each of the module's own parameters on `size` ranks."""
         if _kind(module, "ColwiseParallel") == "embedding":
             return {"weight": Shard(1)}
@@ -100,7 +100,7 @@ class RowwiseParallel:
     def check(self, module_name: str, size: int) -> None:
         """Nothing beyond divisibility of the weight."""
 
-    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layout of each of the module's own parameters."""
         if _kind(module, "RowwiseParallel") == "embedding":
             return {"weight": Shard(0)}
@@ -128,7 +128,7 @@ class SequenceParallel:
     def check(self, module_name: str, size: int) -> None:
         """Nothing to check: parameters are replicated."""
 
-    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Every parameter replicated."""
         params = dict(module.named_parameters(recurse=False))
         if "weight" not in params and not isinstance(module, _NORM_TYPES):
@@ -149,12 +149,42 @@ class FeatureShardedNorm:
     def check(self, module_name: str, size: int) -> None:
         """Nothing beyond divisibility of the parameters (whole heads are checked on the projection)."""
 
-    def parameter_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Every parameter split on its (only) dim."""
         return {name: Shard(0) for name, _ in module.named_parameters(recurse=False)}
 
 
-Style = ColwiseParallel | RowwiseParallel | SequenceParallel | FeatureShardedNorm
+@dataclass(frozen=True)
+class KVCacheParallel:
+    """A KV cache (litgpt's `KVCache`: buffers `k`, `v` of shape (batch, heads, max_seq_length, head_size)) split
+    by heads like the K/V heads of the attention that fills it, so writing new keys and values is local.
+
+    With fewer heads than ranks each head is held by size/heads consecutive ranks (K/V-head replication). A cache
+    starts empty: each rank's piece is allocated zeroed at its local size on the group's device (also for a
+    meta-device model), the module keeps meta-device placeholders of the full size, and its `reset_parameters()`
+    zeroes the pieces.
+    """
+
+    head_dim: int = 1
+    input_layout = None
+    output_layout = None
+
+    def check(self, module_name: str, size: int) -> None:
+        """Whole heads per rank, checked against the buffers in `tensor_layouts`."""
+
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+        """Every buffer split on `head_dim`, each head replicated where there are fewer heads than ranks."""
+        layouts: dict[str, Layout] = {}
+        for name, buffer in module.named_buffers(recurse=False):
+            heads = buffer.shape[self.head_dim]
+            replicas = size // heads if heads < size and size % heads == 0 else 1
+            layouts[name] = Shard(self.head_dim, replicas=(replicas,) if replicas > 1 else None)
+        if not layouts:
+            raise TypeError(f"KVCacheParallel applies to a module with cache buffers, {type(module).__name__} has none")
+        return layouts
+
+
+Style = ColwiseParallel | RowwiseParallel | SequenceParallel | FeatureShardedNorm | KVCacheParallel
 
 
 def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:

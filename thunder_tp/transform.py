@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,10 +52,13 @@ class TensorParallel(Transform):
         self.plan = dict(plan or {})
         self.process_group = process_group
         self.parameter_layouts: dict[str, Layout] = {}
+        #: cache buffers (KVCacheParallel): each rank computes with its piece, zeroed at jit
+        self.buffer_layouts: dict[str, Layout] = {}
         self.weight_styles: dict[str, Style] = {}
         self._tp: TPGroup | None = None
         self._module = None
         self._agreement: CompileAgreement | None = None
+        self._tensors_at_jit: set[str] = set()
 
     @property
     def tp(self) -> TPGroup:
@@ -75,17 +79,21 @@ class TensorParallel(Transform):
         for module_name, style in styles.items():
             submodule = module.get_submodule(module_name)
             style.check(module_name, self.tp.size)
-            for pname, layout in style.parameter_layouts(submodule, self.tp.size).items():
-                name = f"{module_name}.{pname}"
-                param = getattr(submodule, pname)
-                check_distparallel_type(name, param, layout)
-                check_shardable(param.shape, layout, self.tp.size, f"parameter {name!r}")
-                self.parameter_layouts[name] = layout
+            for tname, layout in style.tensor_layouts(submodule, self.tp.size).items():
+                name = f"{module_name}.{tname}"
+                tensor = getattr(submodule, tname)
+                check_distparallel_type(name, tensor, layout)
+                check_shardable(tensor.shape, layout, self.tp.size, f"{_kind_of(submodule, tname)} {name!r}")
+                layouts = self.parameter_layouts if tname in submodule._parameters else self.buffer_layouts
+                layouts[name] = layout
             self.weight_styles[f"{module_name}.weight"] = style
         for name, layout in self._local_layouts(model).items():
             param = model.get_parameter(name)
             shard = local_piece(param.detach(), layout, self.tp.rank, self.tp.size, self.tp.group).clone()
             set_parameter(model, name, nn.Parameter(shard, requires_grad=param.requires_grad))
+        self._shard_caches(model)
+        self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
+                                               *module.named_buffers(remove_duplicate=False))}
         if self.tp.size > 1 and not is_simulating():
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
@@ -97,6 +105,28 @@ class TensorParallel(Transform):
             check_transforms(model, self.tp.group)
         layouts = {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in original_module(model).named_parameters()}
         return {name: layout for name, layout in layouts.items() if simulating or isinstance(layout, Shard)}
+
+    def _shard_caches(self, model) -> None:
+        """Each cache buffer becomes this rank's zeroed piece; the module keeps a full-size meta placeholder (no
+        full cache is held) and its reset_parameters() zeroes the pieces."""
+        module = original_module(model)
+        owners: dict[str, list[torch.Tensor]] = {}
+        for name, layout in self.buffer_layouts.items():
+            full = model.get_buffer(name)
+            device = group_device(self.tp.group) if full.is_meta else full.device
+            if is_simulating():  # a LocalTensor of every simulated rank's piece
+                zeros = torch.zeros(full.shape, dtype=full.dtype, device=device)
+                piece = local_piece(zeros, layout, self.tp.rank, self.tp.size, self.tp.group).clone()
+            else:
+                piece = torch.zeros(local_shape(full.shape, layout, self.tp.size), dtype=full.dtype, device=device)
+            model.set_buffer(name, piece)
+            owner, _, attr = name.rpartition(".")
+            placeholder = torch.empty(full.shape, dtype=full.dtype, device="meta")
+            set_trace_device(placeholder, piece.device)
+            module.get_submodule(owner)._buffers[attr] = placeholder
+            owners.setdefault(owner, []).append(piece)
+        for owner, pieces in owners.items():
+            module.get_submodule(owner).reset_parameters = functools.partial(_zero_all, pieces)
 
     def transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
         """Shard full tensors of a submodule's state dict (keys relative to the submodule)."""
@@ -147,13 +177,37 @@ class TensorParallel(Transform):
 
     def _initial_layouts(self, computation: TraceCtx, param_names: dict[str, str]) -> dict[str, Layout]:
         layouts: dict[str, Layout] = {}
+        _check_known(param_names, self._tensors_at_jit)
+        tensor_layouts = self.parameter_layouts | self.buffer_layouts
         for a in _flat_args(computation):
-            layout = self.parameter_layouts.get(param_names.get(a.name, ""), REPLICATE)
+            layout = tensor_layouts.get(param_names.get(a.name, ""), REPLICATE)
             layouts[a.name] = layout
             kind = _thunder_parallel_type(layout, a.ndim)
             if kind is not None and a.distparallel_type not in _DATA_PARALLEL_TYPES:
                 set_proxy_distparallel_type(a, kind)
         return layouts
+
+
+def _kind_of(module: nn.Module, name: str) -> str:
+    return "parameter" if name in module._parameters else "buffer"
+
+
+def _zero_all(tensors: list[torch.Tensor]) -> None:
+    """A sharded cache's reset_parameters(): zero this rank's pieces."""
+    for t in tensors:
+        t.zero_()
+
+
+def _check_known(names: dict[str, str], at_jit: set[str]) -> None:
+    """A buffer created after thunder.jit (e.g. by set_kv_cache) was never sharded: a clear error, not a full
+    replicated cache."""
+    late = sorted(n for n in names.values() if n not in at_jit)
+    if late:
+        raise RuntimeError(
+            f"thunder_tp.TensorParallel: buffers {late[:4]}{'...' if len(late) > 4 else ''} were created after "
+            "thunder.jit (e.g. by set_kv_cache on the jitted model), so they were never sharded; call "
+            "model.set_kv_cache(...) before thunder.jit and build the plan after it (plans.litgpt then shards the cache)"
+        )
 
 
 def _trace_meta_tensors_on(module: nn.Module, group: dist.ProcessGroup) -> None:

@@ -6,7 +6,14 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Layout, Shard
-from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
+from thunder_tp.styles import (
+    ColwiseParallel,
+    FeatureShardedNorm,
+    KVCacheParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    Style,
+)
 
 _MLP_PLANS = {
     "LLaMAMLP": {"fc_1": "col", "fc_2": "col", "proj": "row"},
@@ -63,6 +70,7 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     reads it). loss_parallel: lm_head's output stays vocab-sharded, for a
     cross-entropy inside the jitted program. With fewer K/V groups than ranks, each K/V head is
     replicated on the ranks whose query heads use it (see `tp_sizes` for the sizes that work).
+    A KV cache (`set_kv_cache` called before the plan is made) is split like the K/V heads it caches.
     """
     prefix = _gpt_prefix(model)
     config = model.get_submodule(prefix.rstrip(".")).config if prefix else model.config
@@ -86,10 +94,19 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         plan |= {f"transformer.h.{i}.mlp.{name}": _mlp_style(kind, reduced) for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them
         plan.update({f"{block}attn.norm_q": FeatureShardedNorm(), f"{block}attn.norm_k": FeatureShardedNorm()})
+    if _has_kv_cache(model):  # set_kv_cache was called: each rank caches the K/V heads its attention computes
+        plan[f"{block}attn.kv_cache"] = KVCacheParallel()
     if sequence_parallel:
         plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in _block_norms(config)})
         plan["transformer.ln_f"] = SequenceParallel(SEQUENCE_DIM)
     return {prefix + key: style for key, style in plan.items()}
+
+
+def _has_kv_cache(model: nn.Module) -> bool:
+    """Whether the model's blocks hold a KV cache (`set_kv_cache` was called)."""
+    from litgpt.model import KVCache
+
+    return any(isinstance(m, KVCache) for m in model.modules())
 
 
 def _mlp_style(kind: str, reduced: Layout | None) -> Style:

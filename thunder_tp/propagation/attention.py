@@ -10,14 +10,26 @@ from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 @register_rule(ltorch.scaled_dot_product_attention)
 def scaled_dot_product_attention(op: Op) -> list[Strategy]:
-    """q, k, v sharded alike on heads or batch; the mask follows where it is not broadcast."""
+    """q, k, v sharded alike on heads or batch; the mask follows where it is not broadcast. A single K/V head
+    broadcast over the query heads (multi-query attention with a KV cache) may be held whole by every rank, as
+    a head replicated on all of them."""
     q = op.tensors[0]
     out = op.outputs[0]
     strategies = [op.replicated()]
     for d in range(min(2, q.ndim - 2)):
         layouts: list[Layout] = []
-        for t in op.tensors:
+        for t, current in zip(op.tensors, op.layouts):
             td = d - (out.ndim - t.ndim)
-            layouts.append(Shard(td) if td >= 0 and t.shape[td] == out.shape[d] else REPLICATE)
+            if td >= 0 and t.shape[td] == out.shape[d]:
+                layouts.append(Shard(td))
+            elif td >= 0 and t.shape[td] == 1 and _held_whole_by_all(current, td, op.tp.size):
+                layouts.append(current)
+            else:
+                layouts.append(REPLICATE)
         strategies.insert(0, Strategy(tuple(layouts), (Shard(d),)))
     return strategies
+
+
+def _held_whole_by_all(layout: Layout, dim: int, size: int) -> bool:
+    """A size-1 dim split as one chunk replicated on all `size` ranks: every rank holds the whole tensor."""
+    return isinstance(layout, Shard) and layout.dim == dim and layout.blocks is None and layout.block_replicas() == (size,)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
@@ -131,6 +132,7 @@ class Propagation:
             if strategy is DECOMPOSE:
                 self.run(bsym.subsymbols)
                 continue
+            _check_written_in_place(op, strategy)
             for t, layout in zip(op.outputs, strategy.outputs):
                 self.layouts[t.name] = normalize(layout, t.ndim)
             self.replicated.update(t.name for t, x in zip(op.tensors, strategy.inputs) if isinstance(x, Replicate))
@@ -162,6 +164,22 @@ class Propagation:
             for t, cur, req in zip(op.tensors, op.layouts, s.inputs)
         )
         return inputs + PENDING_SUM_COST * sum(isinstance(x, Partial) for x in s.outputs)
+
+
+def _check_written_in_place(op: Op, strategy: Strategy) -> None:
+    """An in-place op writes its first input: resharding that input first would write a copy, and the tensor
+    (e.g. a KV cache) would silently keep its old value."""
+    if OpTags.IN_PLACE not in (op.bsym.sym.tags or ()) or not op.tensors:
+        return
+    target, current = op.tensors[0], op.layouts[0]
+    required = normalize(strategy.inputs[0], target.ndim)
+    if required != current:
+        raise NotImplementedError(
+            f"thunder_tp: {op.bsym.sym.name} writes {target.name} in place, which is {current}, but the only way to "
+            f"run it here needs it {required}: the write would land in a resharded copy. Give the written tensor the "
+            "layout of what is written into it (for a KV cache: thunder_tp.KVCacheParallel on the cache module, "
+            "which plans.litgpt adds when set_kv_cache was called before the plan was made)"
+        )
 
 
 def _decomposable(bsym: BoundSymbol) -> bool:

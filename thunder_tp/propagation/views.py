@@ -259,3 +259,9 @@ def _replicated_heads_repeated(op: Op, layout: Shard, dim: int) -> list[Strategy
         return []
     local = lambda a, *_, **__: ltorch.repeat_interleave(a, repeats // r, dim)  # noqa: E731
     return [Strategy((layout,), (Shard(layout.dim),), local)]
+
+
+@register_rule(prims.update_aliases)
+def update_aliases(op: Op) -> list[Strategy]:
+    """Thunder's marker that in-place writes reached these aliases: each keeps its layout."""
+    return [Strategy(tuple(op.layouts), tuple(op.layouts))]

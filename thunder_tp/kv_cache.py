@@ -1,0 +1,55 @@
+"""litgpt's KV cache in a form Thunder traces: a jit lookaside for `KVCache.forward`.
+
+litgpt's sliding-window cache (Gemma-2/3, Mistral-like configs) is a ring buffer: it writes at `input_pos %
+max_cache_len` (a tensor `%` that Thunder 0.2.6 has no method for) and then cuts the returned keys and values to
+`input_pos.max().item() + 1` (a data-dependent shape). Here the write uses `torch.remainder` and the whole ring is
+returned: the attention cuts its mask to the ring's length, and the mask row of a position before the ring first
+wraps hides the slots not yet written, as the cut did; once it wraps, every slot holds one of the last
+`max_cache_len` positions, as before. So the result is litgpt's, and a plain `thunder.jit` of such a model traces
+once thunder_tp is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+from thunder.core.interpreter import _interpret_call
+from thunder.core.jit_ext import register_general_jit_lookaside
+
+__all__ = ["kv_cache_forward"]
+
+
+def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """litgpt's KVCache.forward without data-dependent shapes: new keys and values written at their positions (a
+    sliding-window cache: modulo its length), the whole cache returned."""
+    from litgpt.model import batched_index_copy_
+
+    if cache.k.dtype != k.dtype or cache.v.dtype != v.dtype:
+        raise TypeError(
+            f"litgpt KV cache of dtype {cache.k.dtype} written with {k.dtype} keys: under thunder.jit the cache cannot "
+            f"be converted in place as litgpt does eagerly; create it in the model's dtype: "
+            f"model.set_kv_cache(batch_size, dtype={k.dtype}) before thunder.jit"
+        )
+    positions = input_pos
+    if cache.is_sliding_window:
+        if input_pos.shape[-1] > cache.max_cache_len:
+            raise ValueError(
+                f"Prefill length ({input_pos.shape[-1]}) exceeds the sliding window size ({cache.max_cache_len}): the "
+                f"ring-buffer KV cache would overwrite entries; prefill in chunks of at most {cache.max_cache_len} tokens"
+            )
+        positions = torch.remainder(input_pos, cache.max_cache_len)
+    bs = k.size(0)
+    return (batched_index_copy_(cache.k[:bs, ...], -2, positions, k),
+            batched_index_copy_(cache.v[:bs, ...], -2, positions, v))
+
+
+try:
+    from litgpt.model import KVCache
+except ImportError:  # litgpt is optional: without it there is nothing to divert
+    KVCache = None
+
+if KVCache is not None:
+
+    @register_general_jit_lookaside(KVCache.forward)
+    def _kv_cache_lookaside(cache, input_pos, k, v):
+        """thunder.jit traces `kv_cache_forward` wherever litgpt's KVCache.forward is called."""
+        return _interpret_call(kv_cache_forward, cache, input_pos, k, v)
