@@ -1,0 +1,253 @@
+"""Text generation from a litgpt model split over N ranks: ``torchrun --nproc-per-node N -m thunder_tp.generate``.
+
+The counterpart of litgpt's ``generate``: the model is built on the meta device, its KV cache made, jitted with
+TensorParallel (each rank holds its share of the weights and of the cache) and loaded from ``lit_model.pth`` slice
+by slice; or, with ``--model_name``, built with random weights (token ids are printed). The prompt is prefilled in
+chunks of powers of two, so prompts of any length reuse at most log2(max_seq_length) + 1 compiled programs, the
+one-token chunk being the decode program. Every rank seeds its sampler alike and samples from the same gathered
+logits, so all ranks pick the same tokens; that is checked once per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import thunder
+import torch
+import torch.distributed as dist
+
+import thunder_tp
+import thunder_tp.checkpoint as ck
+from thunder_tp.collectives import comm_executor
+
+PRECISIONS = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, litgpt's generate flags where they apply."""
+    p = argparse.ArgumentParser(prog="python -m thunder_tp.generate", description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint_dir", type=Path, help="litgpt checkpoint: lit_model.pth, model_config.yaml, tokenizer")
+    source.add_argument("--model_name", help="litgpt config name: random weights, token ids printed")
+    p.add_argument("--n_layers", type=int, default=None, help="override the config's n_layer (with --model_name)")
+    p.add_argument("--prompt", default="What food do llamas eat?")
+    p.add_argument("--max_new_tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16-true")
+    p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed, the same on every rank")
+    p.add_argument("--compile", choices=["thunder", "thunder_default", "eager"], default="thunder")
+    p.add_argument("--json_path", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Generate and report; returns what ``--json_path`` gets."""
+    args = parse_args(argv)
+    tp_size = _init_distributed(args)
+    device = _device()
+    config = _config(args)
+    tokenizer = _tokenizer(args)
+    prompt = _encode(args.prompt, tokenizer, config, device)
+    max_seq_length = _check_lengths(config, prompt.numel(), args.max_new_tokens)
+    model = _build(args, config, max_seq_length, device)
+    jm = _jit(model, args.compile, tp_size)
+    if args.checkpoint_dir is not None:
+        ck.load(str(args.checkpoint_dir / "lit_model.pth"), jm)
+    samples = [_sample_once(jm, model, prompt, args, tokenizer) for _ in range(args.num_samples)]
+    report = _report(jm, samples, tp_size, args.compile)
+    if _rank() == 0:
+        _print(report, tokenizer)
+        if args.json_path is not None:
+            args.json_path.write_text(json.dumps(report, indent=2))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return report
+
+
+def _init_distributed(args: argparse.Namespace) -> int:
+    """The TP size: the world size under torchrun (one TP group over all ranks), 1 in a plain process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp_size = args.tp_size or world
+    if args.compile == "eager" and tp_size > 1:
+        raise ValueError("--compile eager runs on one device only (--tp_size 1): TP needs thunder or thunder_default")
+    if tp_size != world:
+        raise ValueError(f"--tp_size {tp_size} must equal the number of processes ({world}): launch with "
+                         f"torchrun --nproc-per-node {tp_size}")
+    if world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return tp_size
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _config(args: argparse.Namespace):
+    from litgpt import Config
+
+    config = Config.from_file(args.checkpoint_dir / "model_config.yaml") if args.checkpoint_dir else Config.from_name(args.model_name)
+    if args.n_layers is not None:
+        config.n_layer = args.n_layers
+    return config
+
+
+def _tokenizer(args: argparse.Namespace):
+    from litgpt.tokenizer import Tokenizer
+
+    return Tokenizer(args.checkpoint_dir) if args.checkpoint_dir is not None else None
+
+
+def _encode(prompt: str, tokenizer, config, device: torch.device) -> torch.Tensor:
+    """The prompt's token ids as int64, the dtype of sampled tokens, so prefill and decode share a program (without a
+    tokenizer: its UTF-8 bytes, modulo the vocabulary)."""
+    if tokenizer is not None:
+        return tokenizer.encode(prompt, device=device).to(torch.int64)
+    return torch.tensor([b % config.vocab_size for b in prompt.encode()], dtype=torch.int64, device=device)
+
+
+def _check_lengths(config, prompt_length: int, new_tokens: int) -> int:
+    """The cache length the sequence needs; a clear error where the model cannot hold it."""
+    needed = prompt_length + new_tokens
+    if needed > config.block_size:
+        raise ValueError(f"a prompt of {prompt_length} tokens plus {new_tokens} new tokens needs {needed} positions, "
+                         f"but the model's block_size is {config.block_size}: shorten the prompt or lower --max_new_tokens")
+    window = config.sliding_window_size if config.sliding_window_indices and any(config.sliding_window_indices) else None
+    if window is not None and prompt_length > window:
+        raise ValueError(f"a prompt of {prompt_length} tokens is longer than the model's sliding window ({window}): "
+                         "litgpt's ring-buffer KV cache cannot prefill it; shorten the prompt")
+    return needed
+
+
+def _build(args: argparse.Namespace, config, max_seq_length: int, device: torch.device):
+    """The GPT with its KV cache: on the meta device when a checkpoint fills it, else seeded random weights."""
+    from litgpt import GPT
+    from litgpt.model import build_mask_cache
+
+    dtype = PRECISIONS[args.precision]
+    torch.manual_seed(args.seed)
+    with torch.device("meta" if args.checkpoint_dir is not None else device):
+        model = GPT(config).to(dtype)
+        model.max_seq_length = max_seq_length
+        model.set_kv_cache(batch_size=1, dtype=dtype)
+    model.mask_cache = build_mask_cache(max_seq_length, device)
+    return model.eval()
+
+
+def _jit(model, compile: str, tp_size: int):
+    if compile == "eager":
+        return model
+    transforms = [thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))] if tp_size > 1 else []
+    executors = thunder_tp.executors() if compile == "thunder" else [comm_executor, *thunder.get_default_executors()]
+    return thunder.jit(model, transforms=transforms, executors=executors)
+
+
+def prefill_chunks(length: int) -> list[int]:
+    """The prompt cut into chunks of powers of two, largest first: few distinct shapes, so few compiles."""
+    return [1 << bit for bit in reversed(range(length.bit_length())) if length >> bit & 1]
+
+
+@torch.inference_mode()
+def prefill(jm, prompt: torch.Tensor) -> torch.Tensor:
+    """Run the prompt (1-D token ids) through the model chunk by chunk; the last position's logits."""
+    start = 0
+    for chunk in prefill_chunks(prompt.numel()):
+        positions = torch.arange(start, start + chunk, device=prompt.device)
+        logits = jm(prompt[None, start:start + chunk], positions)
+        start += chunk
+    return logits
+
+
+@torch.inference_mode()
+def _sample_once(jm, model, prompt: torch.Tensor, args: argparse.Namespace, tokenizer) -> dict[str, Any]:
+    """One sequence: prefill, then one token per step until --max_new_tokens or the end-of-sequence token."""
+    from litgpt.generate.base import sample
+
+    for block in model.transformer.h:
+        block.attn.kv_cache.reset_parameters()
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    eos_id = tokenizer.eos_id if tokenizer is not None else None
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    token = sample(prefill(jm, prompt), **sampling).to(torch.int64)
+    _synchronize(token)
+    first = time.perf_counter()
+    tokens = [token]
+    for position in range(prompt.numel(), prompt.numel() + args.max_new_tokens - 1):
+        if eos_id is not None and int(token) == eos_id:
+            break
+        token = sample(jm(token.view(1, 1), torch.tensor([position], device=prompt.device)), **sampling).to(torch.int64)
+        tokens.append(token)
+    _synchronize(token)
+    end = time.perf_counter()
+    generated = torch.cat(tokens).tolist()
+    _check_ranks_agree(generated)
+    decode_s = end - first
+    return {"prompt_ids": prompt.tolist(), "generated_ids": generated, "time_to_first_token_s": first - t0,
+            "decode_tokens_per_s": (len(generated) - 1) / decode_s if len(generated) > 1 else None}
+
+
+def _synchronize(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+def _check_ranks_agree(tokens: list[int]) -> None:
+    """Every rank must have picked the same tokens (else their caches diverged): raise, never a silent mix."""
+    if not dist.is_initialized():
+        return
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tokens)
+    if any(t != everyone[0] for t in everyone):
+        raise RuntimeError(f"thunder_tp.generate: ranks generated different tokens {everyone}; every rank must sample "
+                           "from the same logits with the same seed")
+
+
+def _report(jm, samples: list[dict[str, Any]], tp_size: int, compile: str) -> dict[str, Any]:
+    """Per-rank bytes, timings and (compiled modes) the collectives of one decode step and the compiles."""
+    buffers = dict(jm.named_buffers())
+    report = {
+        "tp_size": tp_size,
+        "samples": samples,
+        "parameter_bytes_per_rank": sum(p.numel() * p.element_size() for p in jm.parameters()),
+        "kv_cache_bytes_per_rank": sum(b.numel() * b.element_size() for n, b in buffers.items() if ".kv_cache." in n),
+    }
+    if compile != "eager":
+        report["decode_step_collectives"] = thunder_tp.collectives_table(thunder.last_traces(jm)[-1])
+        report["compiles"] = thunder.cache_misses(jm)
+    return report
+
+
+def _print(report: dict[str, Any], tokenizer) -> None:
+    for sample in report["samples"]:
+        ids = sample["prompt_ids"] + sample["generated_ids"]
+        print(tokenizer.decode(torch.tensor(ids)) if tokenizer is not None else f"token ids: {ids}")
+        rate = sample["decode_tokens_per_s"]
+        print(f"Time to first token: {sample['time_to_first_token_s']:.3f} s; decode: "
+              f"{rate:.2f} tokens/s" if rate else "decode: no tokens after the first")
+    print(f"Parameters per rank: {report['parameter_bytes_per_rank'] / 2**20:.2f} MiB; KV cache per rank: "
+          f"{report['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB (TP={report['tp_size']})")
+    for row in report.get("decode_step_collectives", []):
+        print(f"Decode step: {row['count']} x {row['kind']} of {row['bytes_per_call']} bytes")
+    if "compiles" in report:
+        print(f"Compiled programs: {report['compiles']}")
+
+
+if __name__ == "__main__":
+    main()
