@@ -12,6 +12,7 @@ once thunder_tp is imported.
 from __future__ import annotations
 
 import torch
+from thunder.core.dtypes import to_torch_dtype
 from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
 
@@ -24,11 +25,15 @@ def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.T
     from litgpt.model import batched_index_copy_
 
     if cache.k.dtype != k.dtype or cache.v.dtype != v.dtype:
+        cache_dtype, dtype = to_torch_dtype(cache.k.dtype), to_torch_dtype(k.dtype)
         raise TypeError(
-            f"litgpt KV cache of dtype {cache.k.dtype} written with {k.dtype} keys: under thunder.jit the cache cannot "
+            f"litgpt KV cache of dtype {cache_dtype} written with {dtype} keys: under thunder.jit the cache cannot "
             f"be converted in place as litgpt does eagerly; create it in the model's dtype: "
-            f"model.set_kv_cache(batch_size, dtype={k.dtype}) before thunder.jit"
+            f"model.set_kv_cache(batch_size, dtype={dtype}) before thunder.jit"
         )
+    if k.size(0) > cache.k.size(0):
+        raise ValueError(f"a batch of {k.size(0)} sequences, but the KV cache holds {cache.k.size(0)}: "
+                         f"model.set_kv_cache(batch_size={k.size(0)}) before thunder.jit")
     positions = input_pos
     if cache.is_sliding_window:
         if input_pos.shape[-1] > cache.max_cache_len:

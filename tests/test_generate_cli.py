@@ -1,0 +1,81 @@
+"""`python -m thunder_tp.generate` on a litgpt checkpoint directory the test makes (random weights, a tokenizer
+trained on a few sentences): TP=2 under torchrun generates the single-device tokens, at Megatron's decode minimum,
+with half the KV cache per rank and a bounded number of compiles; bad input gets a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from litgpt import GPT, Config
+
+from tests.dist import REPO_ROOT, free_port
+from thunder_tp.generate import main, prefill_chunks
+
+SENTENCES = ["the llama eats grass and hay", "a tensor is split over the ranks", "every rank holds its heads",
+             "the cache grows one token at a time", "what food do llamas eat"]
+PROMPT = "what food do llamas eat"
+
+
+def make_checkpoint_dir(directory) -> Config:
+    """lit_model.pth of a random tiny llama, its model_config.yaml, a word-level tokenizer with an end token."""
+    from litgpt.utils import save_config
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "tokenizer_class": "x"}))
+    config = Config(name="tiny-llama", block_size=64, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=8,
+                    n_query_groups=4, n_embd=64, head_size=8, intermediate_size=128, bias=False,
+                    mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", parallel_residual=False, rotary_percentage=1.0)
+    save_config(config, directory)
+    torch.manual_seed(0)
+    torch.save(GPT(config).double().state_dict(), directory / "lit_model.pth")
+    return config
+
+
+def _run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                 "127.0.0.1", "--master-port", str(free_port())] if nproc > 1 else [sys.executable])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
+    return subprocess.run([*launcher, "-m", "thunder_tp.generate", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO_ROOT, timeout=600)
+
+
+def test_cli_tp2_generates_the_single_device_tokens(tmp_path):
+    config = make_checkpoint_dir(tmp_path)
+    common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "6", "--temperature", "0",
+              "--precision", "64-true"]
+    single = _run([*common, "--compile", "eager", "--json_path", str(tmp_path / "single.json")], 1)
+    assert single.returncode == 0, single.stderr[-3000:]
+    tp = _run([*common, "--json_path", str(tmp_path / "tp.json")], 2)
+    assert tp.returncode == 0, tp.stderr[-3000:]
+    single, tp_report = json.loads((tmp_path / "single.json").read_text()), json.loads((tmp_path / "tp.json").read_text())
+    assert tp_report["samples"][0]["generated_ids"] == single["samples"][0]["generated_ids"]
+    assert tp_report["kv_cache_bytes_per_rank"] * 2 == single["kv_cache_bytes_per_rank"]
+    counts = {row["kind"]: row["count"] for row in tp_report["decode_step_collectives"]}
+    assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts
+    prompt_length = len(tp_report["samples"][0]["prompt_ids"])
+    assert tp_report["compiles"] == len(set(prefill_chunks(prompt_length)) | {1}), tp_report["compiles"]
+
+
+def test_prefill_chunks_are_powers_of_two():
+    assert prefill_chunks(13) == [8, 4, 1] and prefill_chunks(16) == [16] and prefill_chunks(1) == [1]
+    assert all(sum(prefill_chunks(n)) == n for n in range(1, 300))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max_new_tokens", "100"], "block_size is 64: shorten the prompt or lower --max_new_tokens"),
+    (["--compile", "eager", "--tp_size", "2"], "--compile eager runs on one device only (--tp_size 1)"),
+    (["--tp_size", "2"], "--tp_size 2 must equal the number of processes (1)"),
+])
+def test_cli_bad_input(tmp_path, extra, message):
+    make_checkpoint_dir(tmp_path)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        main(["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, *extra])
