@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_xentropy_ex
@@ -44,17 +44,35 @@ def _on_cuda(bsym: BoundSymbol) -> bool:
     return any(isinstance(p, TensorProxy) and p.device.type == "cuda" for p in proxies)
 
 
+def _regionable(bsym: BoundSymbol) -> bool:
+    """Whether a torch.compile region may hold ``bsym``: it computes a tensor (shape queries and number arithmetic
+    of symbolic values are no kernel's work), and neither it nor a subsymbol outputs a plain number, as shape
+    queries do for dims that symbolic values leave constant (Thunder's region would fail on it:
+    ``AttributeError: 'int' object has no attribute 'name'``)."""
+    return any(isinstance(o, TensorProxy) for o in bsym.flat_outs) and _outputs_proxies(bsym)
+
+
+def _outputs_proxies(bsym: BoundSymbol) -> bool:
+    """Whether every output of ``bsym`` and of its subsymbols is a proxy (or None)."""
+    return all(o is None or isinstance(o, Proxy) for o in bsym.flat_outs) and all(map(_outputs_proxies, bsym.subsymbols))
+
+
 class InductorFusionExecutor(TorchCompileExecutor):
     """torch.compile (Inductor) fusions of torchex-executable compute; refuses communication."""
 
     def __init__(self, name: str, *, skip_cuda: bool = False):
         super().__init__(name)
         self.skip_cuda = skip_cuda
-        self.implmap.update({op: ImplInfo() for op in pytorch_ex.implmap if op not in COMM_IDS})
+        # torchex's checkers come along: a region is lowered by torchex alone before torch.compile, so what torchex
+        # refuses (e.g. number-only prims such as the shape arithmetic of symbolic values) is left to pythonex
+        self.implmap.update(
+            {op: ImplInfo(checker=info.checker) for op, info in pytorch_ex.implmap.items() if op not in COMM_IDS}
+        )
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
-        """True for compute Inductor can take; never for communication (or CUDA ops when ``skip_cuda``)."""
-        if is_communication(bsym) or (self.skip_cuda and _on_cuda(bsym)):
+        """True for tensor compute Inductor can take; never for communication (or CUDA ops when ``skip_cuda``), nor
+        for shape queries and number arithmetic (symbolic values), which no kernel computes."""
+        if is_communication(bsym) or not _regionable(bsym) or (self.skip_cuda and _on_cuda(bsym)):
             return False
         return super().can_fuse(bsym)
 

@@ -249,12 +249,17 @@ def _recompute_in_backward(emitted: list[BoundSymbol], outputs: list, local: Loc
 
 
 def _emit_metadata_query(bsym, local: LocalValues) -> None:
-    """Shape/dtype queries: on replicated inputs re-run them; on sharded ones use the logical (global) answer."""
+    """Shape/dtype queries: on replicated inputs, and shapes of any, re-run them (a shape's sharded dim scaled back
+    to its full length, so that symbolic values stay symbolic); other queries of sharded ones take the logical
+    (global) answer."""
     tensors = _tensors(bsym)
-    if all(isinstance(local.layouts[t.name], Replicate) for t in tensors):
+    is_shape = bsym.sym.id == prims.PrimIDs.SHAPE
+    if is_shape or all(isinstance(local.layouts[t.name], Replicate) for t in tensors):
         args, kwargs = tree_map(lambda x: local.values.get(x.name, x) if isinstance(x, Proxy) else x,
                                 (bsym.args, bsym.kwargs))
         result = bsym.sym(*args, **kwargs)
+        if is_shape:
+            result = _full_shape(result, local.layouts[tensors[0].name], local.tp)
         for logical, value in zip(tree_flatten(bsym.output)[0], tree_flatten(result)[0]):
             if isinstance(logical, Proxy):
                 local.values[logical.name] = value
@@ -262,3 +267,10 @@ def _emit_metadata_query(bsym, local: LocalValues) -> None:
     for logical in tree_flatten(bsym.output)[0]:
         if isinstance(logical, NumberProxy):
             local.values[logical.name] = logical.value
+
+
+def _full_shape(shape: tuple, layout: Layout, tp: TPGroup) -> tuple:
+    """The logical shape of a tensor whose local piece has `shape`."""
+    if not isinstance(layout, Shard):
+        return shape
+    return (*shape[: layout.dim], full_length(layout, shape[layout.dim], tp.size), *shape[layout.dim + 1 :])

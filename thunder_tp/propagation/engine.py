@@ -141,7 +141,8 @@ class Propagation:
 
     def choose(self, op: Op) -> Strategy | object:
         """The cheapest valid candidate of the op's rule (ties: the rule's order)."""
-        rule = _RULES.get(op.bsym.sym.id)
+        # rules lay out tensor outputs: number-only ops (the shape arithmetic of symbolic values) have none
+        rule = _RULES.get(op.bsym.sym.id) if op.outputs else None
         candidates = [s for s in rule(op) if self._valid(op, s)] if rule is not None else []
         if candidates:
             return min(candidates, key=lambda s: self._cost(op, s))

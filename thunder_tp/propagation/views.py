@@ -11,10 +11,12 @@ from collections.abc import Sequence
 
 import thunder.core.prims as prims
 import thunder.torch as ltorch
+from thunder.core.proxies import NumberProxy, TensorProxy
+from thunder.core.utils import extract_shape_from_varargs
 
-from thunder_tp.layouts import PARTIAL, Partial, Shard, local_blocks
+from thunder_tp.layouts import PARTIAL, Partial, Shard, local_blocks, local_size
 from thunder_tp.layouts import local_shape as local_shape_of
-from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.propagation.engine import LocalFn, Op, Strategy, register_rule
 
 DimMap = list[int | None]
 
@@ -75,12 +77,33 @@ def reshape(op: Op) -> list[Strategy]:
         if layout.blocks is not None and (len(outer_in) != 1 or len(outer_out) != 1):
             break
         out_layout = layout.moved(target)
-        local_shape = local_shape_of(out.shape, out_layout, op.tp.size)
-        return [
-            Strategy((layout,), (out_layout,), lambda a, *_, **__: ltorch.reshape(a, local_shape)),
-            op.replicated(),
-        ]
+        return [Strategy((layout,), (out_layout,), _local_reshape(op, out_layout)), op.replicated()]
     return [op.replicated()]
+
+
+def _local_reshape(op: Op, out_layout: Shard) -> LocalFn:
+    """The reshape of one rank's piece: to the shape the op asks for (its own arguments, with local values of
+    numbers, so that shapes of symbolic values stay symbolic), the sharded dim divided (a -1 there stays); where
+    it asks for none (flatten, view_as, a dtype view), to the local output shape."""
+    if not _asks_for_shape(op):
+        local_shape = local_shape_of(op.outputs[0].shape, out_layout, op.tp.size)
+        return lambda a, *_, **__: ltorch.reshape(a, local_shape)
+
+    def local(a: TensorProxy, *shape: int | NumberProxy) -> TensorProxy:
+        shape = list(extract_shape_from_varargs(shape))
+        if shape[out_layout.dim] != -1:
+            shape[out_layout.dim] = local_size(shape[out_layout.dim], out_layout, op.tp.size)
+        return ltorch.reshape(a, shape)
+
+    return local
+
+
+def _asks_for_shape(op: Op) -> bool:
+    """Whether the op is a reshape or view called with the shape of its output (sizes, maybe one -1)."""
+    if op.bsym.sym.id not in (ltorch.reshape.id, ltorch.view.id, prims.reshape.id):
+        return False
+    shape = extract_shape_from_varargs(op.bsym.args[1:])
+    return len(shape) == op.outputs[0].ndim and all(isinstance(s, (int, NumberProxy)) for s in shape)
 
 
 def _permutation(op: Op) -> DimMap:

@@ -1,0 +1,69 @@
+"""annotate() programs under cache="symbolic values" with thunder_tp.executors(): exact (float64) vs eager, Inductor
+regions on symbolic shapes, and one compilation for calls of other shapes and numbers."""
+
+import pytest
+import thunder
+import torch
+
+import thunder_tp
+from thunder_tp import Shard, TensorParallel, annotate
+from tests.dist import run_ranks
+
+
+def _matmul(a, b):
+    return annotate(a, Shard(0)) @ annotate(b, Shard(1))
+
+
+def _mlp(x, w1, w2):
+    h = torch.nn.functional.gelu(x @ annotate(w1, Shard(1)))
+    return h @ annotate(w2, Shard(0))  # a Partial product: summed over the sharded hidden dim
+
+
+def _shape_arithmetic(x, w, s):
+    rows = annotate(x, Shard(0))
+    return rows.reshape(rows.shape[0], -1) @ w * (s * x.shape[1])  # sizes of a sharded and a replicated tensor
+
+
+#: each program's calls: a tuple is a float64 tensor of that shape (requiring grad), a float a number
+PROGRAMS = {
+    "matmul": (_matmul, [((4, 6), (6, 8)), ((6, 10), (10, 4))]),
+    "mlp": (_mlp, [((3, 8), (8, 12), (12, 5)), ((5, 6), (6, 16), (16, 3))]),
+    "shape_arithmetic": (_shape_arithmetic, [((4, 3, 2), (6, 5), 1.5), ((6, 2, 2), (4, 3), 2.5)]),
+}
+
+
+def _argument(spec: tuple | float) -> torch.Tensor | float:
+    return torch.randn(*spec, dtype=torch.float64, requires_grad=True) if isinstance(spec, tuple) else spec
+
+
+def _detached(x: torch.Tensor | float) -> torch.Tensor | float:
+    return x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x
+
+
+def _symbolic_calls(name: str) -> dict[str, int]:
+    """Run the program's calls under TP and eagerly; compare outputs and grads; return cache and fusion counts."""
+    fn, calls = PROGRAMS[name]
+    jf = thunder.jit(fn, transforms=[TensorParallel()], executors=thunder_tp.executors(), cache="symbolic values")
+    torch.manual_seed(0)
+    for specs in calls:
+        args = [_argument(s) for s in specs]
+        reference = [_detached(a) for a in args]
+        out, expected = jf(*args), fn(*reference)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        cotangent = torch.randn_like(expected)
+        (out * cotangent).sum().backward()
+        (expected * cotangent).sum().backward()
+        for a, r in zip(args, reference):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a.grad, r.grad, rtol=1e-12, atol=1e-12)
+    traces = (thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1])
+    return {"misses": thunder.cache_misses(jf), "hits": thunder.cache_hits(jf),
+            "fusions": sum(b.sym.is_fusion for t in traces for b in t.bound_symbols)}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_symbolic_values_with_thunder_tp_executors(name):
+    for counts in run_ranks(_symbolic_calls, 2, name):
+        # the second call (other shapes, another number) reuses the first one's compilation
+        assert counts["misses"] == 1 and counts["hits"] == 1, counts
+        assert counts["fusions"] >= 1, counts  # Inductor regions ran on symbolic shapes
