@@ -1,0 +1,458 @@
+"""Decode benchmark: litgpt generation on one device, with thunder_tp TP and with a hand-written TP, side by side.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_generate.py --dtype float32 --batch 1 \\
+        --json_path generate.json
+
+The model is a litgpt llama (RMSNorm, SwiGLU MLP, RoPE, grouped K/V heads, untied embedding and lm_head, no biases)
+with seeded random weights, sized by the flags (the defaults: ~104 M parameters, a decode step reads ~420 MB in
+fp32). Greedy generation of ``--new_tokens`` tokens after ``--prompt_len`` random prompt tokens through litgpt's own
+loops: batch 1 ``litgpt.generate.base.generate_fn`` (the loop ``generate`` runs; timing its yields gives the time to
+the first token), batch > 1 ``batched_generate_fn``. Modes (``--modes``):
+
+- ``single_thunder`` (a): ``thunder.jit(model)`` on rank 0 alone, the other ranks waiting at a barrier (a single
+  device is one core here, as in compare.py; every rank running its own copy would share the memory bandwidth that
+  decode is bound by);
+- ``single_eager`` (b): the same litgpt GPT in eager PyTorch on rank 0: its tokens (from ``generate`` for batch 1)
+  are the reference every mode's tokens must equal, at every generation (else the run exits 1);
+- ``thunder_tp`` (c): ``model.set_kv_cache(batch_size=B)``, then ``thunder.jit(model, transforms=[TensorParallel(
+  plans.litgpt(model))], executors=...)`` on every rank;
+- ``manual_tp`` (d): gpt-fast-style TP in eager PyTorch on every rank (``shard_by_hand``): q|k|v split per block,
+  column/row splits of the MLP, an all_reduce after attention and after the MLP of each block, the KV cache of the
+  local K/V heads only, the embedding replicated (a lookup: sharding it would add an all_reduce), the lm_head split
+  by vocab and its logits all_gathered;
+- ``eager_2threads`` (e), for information: the eager GPT of (b) on rank 0 with ``torch.set_num_threads(2)`` over
+  the cores the process had before ``--pin_cores`` (CPU only).
+
+(a), (b) and (e) share one GPT (weights and KV cache; each generation writes the cache before reading it). Eager
+litgpt reads only the filled part of the cache at batch 1 (``input_pos_maxp1``); Thunder modules and the batched
+loop read all of it, masked. Each round runs one generation of every mode, the order reversed every other round,
+after ``--warmup`` untimed generations per mode (the first compiles). Reported per mode, medians over the rounds:
+time to first token (the prefill, from the call to the first token), decode tokens/s (batch x tokens after the first
+over the time from the first to the last token; a distributed mode's times are its slowest rank's), their ratios to
+(a), the collectives of one decode step ((c): its last trace's ``thunder_tp.collectives_table``; (d): counted at
+runtime), KV-cache and parameter bytes per rank, compiles (``thunder.cache_misses``). Every rank uses one thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
+
+import argparse
+import contextlib
+import copy
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from harness import (
+    EXECUTORS, collectives_lines, exit_without_teardown, fmt_bytes, init_distributed, kv_cache_bytes, log, on_ranks,
+    param_bytes, pin_to_core, random_batch, seeded_model, slowest_rank, tensor_bytes, write_json,
+)
+from litgpt_setup import DTYPES
+
+MODEL_SEED, PROMPT_SEED = 1337, 1234
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A way to generate: ``build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0 only);
+    ``ranks`` 1 runs it on rank 0 alone, with ``threads`` threads."""
+
+    name: str
+    description: str
+    ranks: int
+    build: Callable[[nn.Module | None], nn.Module]
+    threads: int = 1
+
+
+class TokenMismatch(Exception):
+    """A mode generated other tokens than single-device eager litgpt."""
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+
+
+def make_config(args: argparse.Namespace):
+    """The llama of the flags, its context the prompt plus the new tokens."""
+    from litgpt import Config
+
+    return Config(
+        name="bench-llama", block_size=args.prompt_len + args.new_tokens, vocab_size=args.vocab,
+        padded_vocab_size=args.vocab, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+        n_query_groups=args.n_query_groups, intermediate_size=args.intermediate_size, bias=False,
+        mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", parallel_residual=False, rotary_percentage=1.0,
+    )
+
+
+def new_gpt(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The litgpt GPT with seeded random weights (the same on every rank) in ``--dtype``, without a KV cache."""
+    from litgpt import GPT
+
+    return seeded_model(lambda: GPT(make_config(args)), MODEL_SEED, device, DTYPES[args.dtype]).eval()
+
+
+def set_cache(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """``model`` with a KV cache for ``--batch`` sequences, in ``--dtype`` (litgpt's default is torch's, float32)."""
+    model.set_kv_cache(batch_size=args.batch, device=device, dtype=DTYPES[args.dtype])
+    return model
+
+
+# --- (d): tensor parallelism by hand ----------------------------------------------------------------------------
+
+
+def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
+    """Give ``linear`` its own copy of ``weight`` (a slice of the full weight, which is then freed)."""
+    linear.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format), requires_grad=False)
+    linear.out_features, linear.in_features = weight.shape
+
+
+def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, int]]:
+    """gpt-fast-style TP of a litgpt llama, in place (before ``set_kv_cache``, which then builds the cache of the
+    local K/V heads): this rank's heads of each of the q, k and v blocks of ``qkv`` and its columns of ``fc_1`` /
+    ``fc_2`` and of ``lm_head`` (by vocab), its rows of both ``proj``; an all_reduce of the attention's and the MLP's
+    outputs and an all_gather of the logits. The list the collectives of the last forward go to as (kind, bytes)."""
+    c = model.config
+    for name in ("n_head", "n_query_groups", "intermediate_size", "padded_vocab_size"):
+        if getattr(c, name) % world:
+            raise SystemExit(f"manual_tp: {name} {getattr(c, name)} is not divisible by the {world} ranks")
+    calls: list[tuple[str, int]] = []
+
+    def all_reduce(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(out)
+        calls.append(("all_reduce", tensor_bytes(out)))
+        return out
+
+    def all_gather(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(parts, out.contiguous())
+        calls.append(("all_gather", world * tensor_bytes(out)))
+        return torch.cat(parts, dim=-1)
+
+    local = copy.copy(c)  # what each attention reads: its local heads
+    local.n_head, local.n_query_groups = c.n_head // world, c.n_query_groups // world
+    kv = c.n_query_groups * c.head_size
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        blocks = attn.qkv.weight.split((c.n_head * c.head_size, kv, kv))  # litgpt's fused layout: q | k | v
+        _set_weight(attn.qkv, torch.cat([w.chunk(world)[rank] for w in blocks]))
+        _set_weight(attn.proj, attn.proj.weight.chunk(world, dim=1)[rank])
+        attn.config = local
+        for fc in (mlp.fc_1, mlp.fc_2):
+            _set_weight(fc, fc.weight.chunk(world)[rank])
+        _set_weight(mlp.proj, mlp.proj.weight.chunk(world, dim=1)[rank])
+        attn.register_forward_hook(all_reduce)
+        mlp.register_forward_hook(all_reduce)
+    _set_weight(model.lm_head, model.lm_head.weight.chunk(world)[rank])
+    model.lm_head.register_forward_hook(all_gather)
+    model.register_forward_pre_hook(lambda module, inputs: calls.clear())
+    return calls
+
+
+# --- the modes --------------------------------------------------------------------------------------------------
+
+
+def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
+    """Every mode of the module docstring, built for ``args`` on ``device``."""
+    import thunder
+    import thunder_tp
+
+    world = dist.get_world_size()
+    executors = EXECUTORS[args.compile]
+
+    def thunder_tp_build(shared: nn.Module | None) -> nn.Module:
+        model = set_cache(new_gpt(args, device), args, device)
+        plan = thunder_tp.plans.litgpt(model)
+        return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=executors())
+
+    def manual_build(shared: nn.Module | None) -> nn.Module:
+        model = new_gpt(args, device)
+        model.collectives = shard_by_hand(model, dist.get_rank(), world)
+        return set_cache(model, args, device)
+
+    return [
+        Mode("single_thunder", "(a) single device, thunder.jit", 1, lambda shared: thunder.jit(shared, executors=executors())),
+        Mode("single_eager", "(b) single device, eager litgpt", 1, lambda shared: shared),
+        Mode("thunder_tp", f"(c) thunder_tp TP={world}", world, thunder_tp_build),
+        Mode("manual_tp", f"(d) hand-written TP={world}, eager", world, manual_build),
+        Mode("eager_2threads", "(e) eager litgpt, one process, 2 threads", 1, lambda shared: shared, threads=2),
+    ]
+
+
+def select_modes(modes: list[Mode], names: str, device: torch.device) -> list[Mode]:
+    """The modes named in ``--modes`` ('all': every one, (e) on CPU only), in their order; a clear error otherwise."""
+    if names == "all":
+        return [m for m in modes if m.threads == 1 or device.type == "cpu"]
+    known = {m.name: m for m in modes}
+    wanted = [n for n in names.split(",") if n]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; choose from {list(known)}")
+    if device.type != "cpu" and any(known[n].threads != 1 for n in wanted):
+        raise SystemExit("--modes: the two-thread mode is for CPU runs")
+    return [m for m in modes if m.name in wanted]
+
+
+@contextlib.contextmanager
+def threads(count: int, cores: set[int]) -> Iterator[None]:
+    """Run with ``count`` threads on ``cores``, then with the threads and cores of before."""
+    before_threads, before_cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before_threads)
+        os.sched_setaffinity(0, before_cores)
+
+
+# --- generating and timing --------------------------------------------------------------------------------------
+
+
+def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[torch.Tensor]:
+    """litgpt's greedy loop over ``prompts`` (batch, length): each new token of every row, a (batch,) tensor, as
+    soon as it is sampled (litgpt has called ``.item()`` on it: the device has finished it)."""
+    from litgpt.generate.base import batched_generate_fn, generate_fn
+
+    max_returned = prompts.size(1) + new_tokens
+    if prompts.size(0) == 1:
+        yield from generate_fn(model, prompts[0], max_returned, temperature=0.0, include_prompt=False,
+                               include_eos=True)
+    else:
+        for row_tokens in batched_generate_fn(model, prompts, max_returned, sample_args={"temperature": 0.0},
+                                              include_prompt=False, include_eos=True):
+            yield torch.cat(row_tokens)
+
+
+def generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, float]:
+    """One greedy generation: the new tokens (batch, new_tokens), the seconds to the first token and from it to
+    the last."""
+    tokens, stamps = [], []
+    start = time.perf_counter()
+    for token in token_stream(model, prompts, new_tokens):
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+    return torch.stack(tokens, dim=1), stamps[0] - start, stamps[-1] - stamps[0]
+
+
+def reference_tokens(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Single-device eager litgpt's tokens (batch, new_tokens): batch 1 from ``litgpt.generate.base.generate``."""
+    from litgpt.generate.base import generate
+
+    if prompts.size(0) > 1:
+        return generation(model, prompts, new_tokens)[0]
+    out = generate(model, prompts[0], prompts.size(1) + new_tokens, temperature=0.0, include_prompt=False)
+    return out.view(1, -1)
+
+
+def check_tokens(name: str, tokens: torch.Tensor, reference: torch.Tensor) -> None:
+    """Raise ``TokenMismatch`` naming the first position where ``tokens`` differ from the reference."""
+    if torch.equal(tokens, reference):
+        return
+    row, pos = (tokens != reference).nonzero()[0].tolist() if tokens.shape == reference.shape else (0, 0)
+    raise TokenMismatch(f"{name}: tokens differ from single-device eager litgpt's, first at row {row}, new token "
+                        f"{pos}: {tokens[row, pos:pos + 8].tolist()} vs {reference[row, pos:pos + 8].tolist()}")
+
+
+def timed_generation(mode: Mode, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
+                     reference: torch.Tensor, cores: set[int]) -> tuple[float, float]:
+    """One checked generation of ``mode``: its time to the first token and decode tokens/s (the slowest rank's)."""
+    if mode.ranks != 1:
+        dist.barrier()
+    around = threads(mode.threads, cores) if mode.threads != 1 else contextlib.nullcontext()
+    with around:
+        tokens, ttft, decode_s = generation(module, prompts, args.new_tokens)
+    check_tokens(mode.name, tokens, reference)
+    if mode.ranks != 1:
+        ttft, decode_s = slowest_rank([ttft, decode_s])
+    return ttft, prompts.size(0) * (args.new_tokens - 1) / decode_s
+
+
+def decode_collectives(module: nn.Module) -> dict | None:
+    """The collectives of the module's last forward (a decode step) as ``{kind: {count, bytes}}``; None without."""
+    import thunder
+    from thunder_tp import collectives_table
+    from thunder_tp.debug import totals
+
+    if hasattr(module, "collectives"):  # manual_tp: counted by its hooks
+        return totals({"kind": kind, "count": 1, "total_bytes": nbytes} for kind, nbytes in module.collectives)
+    if isinstance(module, thunder.ThunderModule):
+        return totals(collectives_table(thunder.last_traces(module)[-1])) or None
+    return None
+
+
+def prepare(mode: Mode, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
+            reference: torch.Tensor, cores: set[int], result: dict) -> nn.Module | None:
+    """Build ``mode`` and run its untimed, checked generations into ``result``; the module, or None (the error
+    recorded) where it failed."""
+    import thunder
+
+    try:
+        start = time.perf_counter()
+        module = mode.build(shared)
+        timed_generation(mode, module, prompts, args, reference, cores)
+        result["first_generation_s"] = time.perf_counter() - start
+        for _ in range(args.warmup - 1):
+            timed_generation(mode, module, prompts, args, reference, cores)
+    except Exception as e:
+        traceback.print_exc()
+        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+        return None
+    result["param_bytes"], result["kv_cache_bytes"] = param_bytes(module), kv_cache_bytes(module)
+    result["decode_collectives"] = decode_collectives(module)
+    if isinstance(module, thunder.ThunderModule):
+        result["compiles"] = thunder.cache_misses(module)
+    return module
+
+
+def agreed(ok: bool) -> bool:
+    """True where ``ok`` holds on every rank."""
+    flag = torch.tensor([float(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
+    """Build, check and warm up every mode, then time them in alternating rounds; the results by mode name."""
+    prompts = random_batch(args.batch, args.prompt_len, args.vocab, PROMPT_SEED, device)[0]
+    shared = on_ranks(1, lambda: set_cache(new_gpt(args, device), args, device))
+    reference = on_ranks(1, lambda: reference_tokens(shared, prompts, args.new_tokens))
+    if reference is None:
+        reference = torch.empty(args.batch, args.new_tokens, dtype=torch.int64, device=device)
+    dist.broadcast(reference, 0)  # every rank checks the tokens of the modes it runs
+
+    results: dict[str, dict] = {}
+    modules: dict[str, nn.Module] = {}
+    for mode in modes:
+        log(dist.get_rank(), f"[bench_generate] {mode.name}: {mode.description}")
+        result = results[mode.name] = {"description": mode.description, "ranks": mode.ranks, "threads": mode.threads,
+                                       "ttft_s": [], "decode_tokens_per_s": []}
+        module = on_ranks(mode.ranks, lambda: prepare(mode, shared, prompts, args, reference, cores, result))
+        if agreed(module is not None or dist.get_rank() != 0 and mode.ranks == 1):
+            modules[mode.name] = module
+    ready = [m for m in modes if m.name in modules]
+    for r in range(args.rounds):
+        for mode in ready if r % 2 == 0 else ready[::-1]:
+            def run(mode: Mode = mode) -> None:
+                ttft, tokens_per_s = timed_generation(mode, modules[mode.name], prompts, args, reference, cores)
+                results[mode.name]["ttft_s"].append(ttft)
+                results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
+
+            on_ranks(mode.ranks, run)
+    for result in results.values():
+        if result["ttft_s"]:
+            result["ttft_median_s"] = statistics.median(result["ttft_s"])
+            result["decode_tokens_per_s_median"] = statistics.median(result["decode_tokens_per_s"])
+    return results
+
+
+# --- report -----------------------------------------------------------------------------------------------------
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}" if value and base else "–"
+
+
+def _kinds(by_kind: dict | None) -> str:
+    return " + ".join(f"{v['count']} {k}" for k, v in by_kind.items()) if by_kind else "–"
+
+
+def report(args: argparse.Namespace, results: dict, world: int, device: torch.device) -> None:
+    """Print the markdown table and the collectives of a decode step (rank 0)."""
+    c = make_config(args)
+    params = sum(p.numel() for p in new_gpt(args, torch.device("meta")).parameters())
+    print(f"\nllama: {c.n_layer} layers, n_embd {c.n_embd}, {c.n_head} heads / {c.n_query_groups} K/V groups, "
+          f"intermediate {c.intermediate_size}, vocab {c.padded_vocab_size}: {params / 1e6:.1f} M parameters, "
+          f"{args.dtype}; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens (greedy); "
+          f"{args.rounds} rounds, medians; {world} ranks, {device}, --compile {args.compile}\n")
+    base = results.get("single_thunder", {})
+    print("| mode | ranks × threads | time to first token (s) | × (a) | decode tok/s | × (a) | collectives / decode step "
+          "| KV cache / rank | params / rank | compiles | tokens = (b) |")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in results.values():
+        ttft, tps = r.get("ttft_median_s"), r.get("decode_tokens_per_s_median")
+        ok = f"no: {r['error']}" if "error" in r else "yes"
+        print(f"| {r['description']} | {r['ranks']} × {r['threads']} | {f'{ttft:.3f}' if ttft else '–'} | "
+              f"{_ratio(base.get('ttft_median_s'), ttft)} | {f'{tps:.1f}' if tps else '–'} | "
+              f"{_ratio(tps, base.get('decode_tokens_per_s_median'))} | {_kinds(r.get('decode_collectives'))} | "
+              f"{fmt_bytes(r.get('kv_cache_bytes'))} | {fmt_bytes(r.get('param_bytes'))} | {r.get('compiles', '–')} | "
+              f"{ok} |")
+    print("(× (a): (a)'s time to first token over the mode's, the mode's decode tokens/s over (a)'s: higher is faster)")
+    for name, r in results.items():
+        if r.get("decode_collectives"):
+            by_kind = r["decode_collectives"]
+            per_step = {"decode step": {"count": sum(v["count"] for v in by_kind.values()),
+                                        "bytes": sum(v["bytes"] for v in by_kind.values()), "by_kind": by_kind}}
+            print(*collectives_lines(per_step, f"{name}, collectives per rank"), sep="\n")
+
+
+# --- main -------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--n_layer", type=int, default=6)
+    p.add_argument("--n_embd", type=int, default=1024)
+    p.add_argument("--n_head", type=int, default=8)
+    p.add_argument("--n_query_groups", type=int, default=4, help="K/V heads")
+    p.add_argument("--intermediate_size", type=int, default=2816)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--batch", type=int, default=1, help="1: litgpt's generate loop; more: its batched loop")
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5, help="timed generations per mode, one per round, modes alternating")
+    p.add_argument("--warmup", type=int, default=1, help="untimed generations per mode (the first compiles)")
+    p.add_argument("--modes", default="all",
+                   help="comma-separated: single_thunder, single_eager, thunder_tp, manual_tp, eager_2threads")
+    p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS),
+                   help="the thunder modes' executors: thunder_tp.executors() (Inductor fusions on CPU), or "
+                        "Thunder's defaults + thunder_tp's comm executor (no fusion compile: quick)")
+    p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r")
+    p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds")
+    p.add_argument("--json_path", default="")
+    args = p.parse_args(argv)
+    if args.new_tokens < 2 or args.warmup < 1 or args.rounds < 1:
+        p.error("--new_tokens must be at least 2 (a first token and a decode step), --warmup and --rounds at least 1")
+    return args
+
+
+@record  # a failing rank's error and traceback go into torchrun's summary
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected modes (see the module docstring); 0 when every mode ran and generated the reference tokens."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    cores = os.sched_getaffinity(0)
+    if args.pin_cores and not torch.cuda.is_available():
+        pin_to_core()
+    rank, world, device = init_distributed(args.timeout)
+    modes = select_modes(all_modes(args, device), args.modes, device)
+    results = run_modes(modes, args, device, cores)
+    failed = [name for name, r in results.items() if "error" in r]
+    if rank == 0:
+        report(args, results, world, device)
+        if args.json_path:
+            out = {"args": vars(args), "world_size": world, "device": str(device), "results": results}
+            print(f"results written to {write_json(args.json_path, out)}")
+        if failed:
+            print(f"\nERROR: {', '.join(failed)} failed or generated other tokens than single-device eager litgpt "
+                  f"(see the table)", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    exit_without_teardown(main())
