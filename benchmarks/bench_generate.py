@@ -438,8 +438,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin_cores and not torch.cuda.is_available():
         pin_to_core()
     rank, world, device = init_distributed(args.timeout)
-    modes = select_modes(all_modes(args, device), args.modes, device)
-    results = run_modes(modes, args, device, cores)
+    try:
+        return run(args, rank, world, device, cores)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, cores: set[int]) -> int:
+    """Measure and report on this rank (``cores``: the process's before pinning); 0 when every mode ran and
+    generated the reference tokens."""
+    results = run_modes(select_modes(all_modes(args, device), args.modes, device), args, device, cores)
     failed = [name for name, r in results.items() if "error" in r]
     if rank == 0:
         report(args, results, world, device)
@@ -450,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nERROR: {', '.join(failed)} failed or generated other tokens than single-device eager litgpt "
                   f"(see the table)", file=sys.stderr, flush=True)
     dist.barrier()
-    dist.destroy_process_group()
     return 1 if failed else 0
 
 
