@@ -32,7 +32,8 @@ after ``--warmup`` untimed generations per mode (the first compiles). Reported p
 time to first token (the prefill, from the call to the first token), decode tokens/s (batch x tokens after the first
 over the time from the first to the last token; a distributed mode's times are its slowest rank's), their ratios to
 (a), the collectives of one decode step ((c): its last trace's ``thunder_tp.collectives_table``; (d): counted at
-runtime), KV-cache and parameter bytes per rank, compiles (``thunder.cache_misses``). Every rank uses one thread.
+runtime), KV-cache and parameter bytes per rank, compiles over all the generations of the run
+(``thunder.cache_misses``). Every rank uses one thread.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, in
     c = model.config
     for name in ("n_head", "n_query_groups", "intermediate_size", "padded_vocab_size"):
         if getattr(c, name) % world:
-            raise SystemExit(f"manual_tp: {name} {getattr(c, name)} is not divisible by the {world} ranks")
+            raise ValueError(f"manual_tp: {name} {getattr(c, name)} is not divisible by the {world} ranks")
     calls: list[tuple[str, int]] = []
 
     def all_reduce(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -187,8 +188,11 @@ def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
         model.collectives = shard_by_hand(model, dist.get_rank(), world)
         return set_cache(model, args, device)
 
+    def thunder_build(shared: nn.Module | None) -> nn.Module:
+        return thunder.jit(shared, executors=executors())
+
     return [
-        Mode("single_thunder", "(a) single device, thunder.jit", 1, lambda shared: thunder.jit(shared, executors=executors())),
+        Mode("single_thunder", "(a) single device, thunder.jit", 1, thunder_build),
         Mode("single_eager", "(b) single device, eager litgpt", 1, lambda shared: shared),
         Mode("thunder_tp", f"(c) thunder_tp TP={world}", world, thunder_tp_build),
         Mode("manual_tp", f"(d) hand-written TP={world}, eager", world, manual_build),
@@ -339,8 +343,6 @@ def prepare(mode: Mode, shared: nn.Module | None, prompts: torch.Tensor, args: a
             ref: Reference | None, cores: set[int], result: dict) -> nn.Module | None:
     """Build ``mode`` and run its first generation (compiles, checked) into ``result``; the module, or None (the
     error recorded) where it failed."""
-    import thunder
-
     try:
         start = time.perf_counter()
         module = mode.build(shared)
@@ -352,8 +354,6 @@ def prepare(mode: Mode, shared: nn.Module | None, prompts: torch.Tensor, args: a
         return None
     result["param_bytes"], result["kv_cache_bytes"] = param_bytes(module), kv_cache_bytes(module)
     result["decode_collectives"] = decode_collectives(module)
-    if isinstance(module, thunder.ThunderModule):
-        result["compiles"] = thunder.cache_misses(module)
     return module
 
 
@@ -367,6 +367,8 @@ def agreed(ok: bool) -> bool:
 def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
     """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating
     rounds; the results by mode name (rank 0's complete)."""
+    import thunder
+
     rank = dist.get_rank()
     prompts = random_batch(args.batch, args.prompt_len, args.vocab, PROMPT_SEED, device)[0]
     shared = on_ranks(1, lambda: set_cache(new_gpt(args, device), args, device))
@@ -390,6 +392,9 @@ def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device,
                     results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
 
             on_ranks(mode.ranks, run)
+    for name, module in modules.items():  # over every generation of the run
+        if isinstance(module, thunder.ThunderModule):
+            results[name]["compiles"] = thunder.cache_misses(module)
     for result in results.values():
         if result["ttft_s"]:
             result["ttft_median_s"] = statistics.median(result["ttft_s"])
@@ -401,6 +406,7 @@ def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device,
 
 
 def _ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` to two decimals, '–' where either is missing."""
     return f"{value / base:.2f}" if value and base else "–"
 
 
@@ -414,6 +420,7 @@ def _tokens_cell(result: dict) -> str:
 
 
 def _kinds(by_kind: dict | None) -> str:
+    """'12 all_reduce + 1 all_gather', '–' for none."""
     return " + ".join(f"{v['count']} {k}" for k, v in by_kind.items()) if by_kind else "–"
 
 
@@ -426,17 +433,18 @@ def report(args: argparse.Namespace, results: dict, world: int, device: torch.de
           f"{args.dtype}; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens (greedy); "
           f"{args.rounds} rounds, medians; {world} ranks, {device}, --compile {args.compile}\n")
     base = results.get("single_thunder", {})
-    print("| mode | ranks × threads | time to first token (s) | × (a) | decode tok/s | × (a) | collectives / decode step "
-          "| KV cache / rank | params / rank | compiles | tokens = (b) |")
+    print("| mode | ranks × threads | time to first token (s) | × (a) | decode tok/s | × (a) "
+          "| collectives / decode step | KV cache / rank | params / rank | compiles | tokens = (b) |")
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
     for r in results.values():
         ttft, tps = r.get("ttft_median_s"), r.get("decode_tokens_per_s_median")
         print(f"| {r['description']} | {r['ranks']} × {r['threads']} | {f'{ttft:.3f}' if ttft else '–'} | "
               f"{_ratio(base.get('ttft_median_s'), ttft)} | {f'{tps:.1f}' if tps else '–'} | "
               f"{_ratio(tps, base.get('decode_tokens_per_s_median'))} | {_kinds(r.get('decode_collectives'))} | "
-              f"{fmt_bytes(r.get('kv_cache_bytes'))} | {fmt_bytes(r.get('param_bytes'))} | {r.get('compiles', '–')} | "
-              f"{_tokens_cell(r)} |")
-    print("(× (a): (a)'s time to first token over the mode's, the mode's decode tokens/s over (a)'s: higher is faster)")
+              f"{fmt_bytes(r.get('kv_cache_bytes'))} | {fmt_bytes(r.get('param_bytes'))} | "
+              f"{r.get('compiles', '–')} | {_tokens_cell(r)} |")
+    print("(× (a): (a)'s time to first token over the mode's, the mode's decode tokens/s over (a)'s: "
+          "higher is faster)")
     for name, r in results.items():
         if r.get("decode_collectives"):
             by_kind = r["decode_collectives"]

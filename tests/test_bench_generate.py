@@ -31,6 +31,7 @@ def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
     for name, r in results.items():
         assert "error" not in r, (name, r)
         assert r["ttft_median_s"] > 0 and r["decode_tokens_per_s_median"] > 0, (name, r)
+        assert r.get("compiles", 2) == 2, (name, r)  # Thunder modes: prefill and decode, over both generations
     act, logits = batch * 64 * itemsize, batch * 256 * itemsize  # one decode step's (batch, 1, n_embd) and logits
     assert results["manual_tp"]["decode_collectives"] == {"all_reduce": {"count": 2, "bytes": 2 * act},
                                                           "all_gather": {"count": 1, "bytes": logits}}, results
