@@ -25,7 +25,7 @@ pytest.importorskip("litgpt")
 def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
     """Every mode timed with the reference tokens; (d) at Megatron's decode collectives, minus the embedding's
     all_reduce (its embedding is replicated), and with half the KV cache; (c), where it ran, at least at the minimum
-    (its cache is replicated and re-gathered on main today)."""
+    (exactly it, 1 all_gather and half the cache, with the sharded KV cache; a replicated cache is re-gathered)."""
     results = res["results"]
     assert list(results) == modes, results
     for name, r in results.items():
