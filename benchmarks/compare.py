@@ -61,8 +61,9 @@ from compare_modes import Mode, all_modes, make_model, select_modes
 from compare_report import report, summary_line
 from gate import GradientMismatch, check_gradients, full_grads
 from harness import (
-    exit_without_teardown, init_distributed, param_bytes, peak_step_bytes, random_batch, saved_for_backward,
-    set_other_threads_scheduling, slowest_rank, step_context, sync, tensor_bytes, time_stats, timed, train_step,
+    exit_without_teardown, init_distributed, on_ranks, param_bytes, peak_step_bytes, pin_to_core, random_batch,
+    saved_for_backward, set_other_threads_scheduling, slowest_rank, step_context, sync, tensor_bytes, time_stats,
+    timed, train_step,
 )
 from llama import LlamaConfig, transform_scaling
 from transport import communication_cost, steps_without_transport
@@ -341,15 +342,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def pin_to_core() -> None:
-    """One core per rank (local rank r on core r), when there are cores enough: otherwise the scheduler lets
-    ranks share a core for a while, and every collective waits for the rank that fell behind."""
-    cores = sorted(os.sched_getaffinity(0))
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if local_world <= len(cores):
-        os.sched_setaffinity(0, {cores[local_rank]})
-
-
 def prioritize_transport_threads(device: torch.device) -> int:
     """Give every thread of this process but the calling one the lowest real-time priority (SCHED_FIFO 1): on CPU,
     gloo's device loop and worker threads, which otherwise wait for the core behind the compute after each wake-up.
@@ -362,15 +354,6 @@ def prioritize_transport_threads(device: torch.device) -> int:
     except PermissionError as e:
         raise SystemExit(f"--transport_threads fifo: this process may not give its threads real-time priority ({e}); "
                          "run it with CAP_SYS_NICE (e.g. as root) or drop the option") from e
-
-
-def on_ranks(mode: Mode, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on the ranks that run ``mode`` (all, or rank 0 alone while the others wait at a barrier)."""
-    if mode.ranks != 1:
-        return fn()
-    out = fn() if dist.get_rank() == 0 else None
-    dist.barrier()
-    return out
 
 
 def prepare_all(modes: list[Mode], cfg: LlamaConfig, idx, targets, args, results: dict) -> dict:
@@ -400,7 +383,7 @@ def prepare_all(modes: list[Mode], cfg: LlamaConfig, idx, targets, args, results
         if dist.get_rank() == 0:
             print(f"[compare] {mode.name}: {mode.description}", file=sys.stderr, flush=True)
         results[mode.name] = {"description": mode.description}
-        on_ranks(mode, lambda: prepare(mode))
+        on_ranks(mode.ranks, lambda: prepare(mode))
     return states
 
 
@@ -425,7 +408,7 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
                 record["round_medians_s"].append(statistics.median(times))
                 record["minor_faults"] += faults
 
-            on_ranks(mode, run)
+            on_ranks(mode.ranks, run)
     return timed_modes
 
 
@@ -465,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[compare] --transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)",
                   file=sys.stderr, flush=True)
     for mode in time_rounds(modes, states, idx, targets, args, results):
-        on_ranks(mode, lambda: finish_mode(mode, states.pop(mode.name), idx, targets, args, results[mode.name]))
+        on_ranks(mode.ranks, lambda: finish_mode(mode, states.pop(mode.name), idx, targets, args, results[mode.name]))
         if rank == 0:
             print(f"[compare] {mode.name}: {summary_line(results[mode.name])}", file=sys.stderr, flush=True)
         gc.collect()

@@ -65,6 +65,28 @@ def set_other_threads_scheduling(policy: int, priority: int = 0) -> int:
     return len(others)
 
 
+def pin_to_core() -> set[int]:
+    """One core per rank (local rank r on core r), when there are cores enough: otherwise the scheduler lets
+    ranks share a core for a while, and every collective waits for the rank that fell behind. The cores the
+    process had before."""
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local_world <= len(cores):
+        os.sched_setaffinity(0, {cores[local_rank]})
+    return before
+
+
+def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the ranks that run a mode of ``ranks`` ranks (all, or for 1 rank 0 alone while the others wait
+    at a barrier)."""
+    if ranks != 1:
+        return fn()
+    out = fn() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out
+
+
 def exit_without_teardown(code: int | None) -> NoReturn:
     """Exit with ``code`` after flushing output and running the exit handlers, skipping the interpreter's teardown.
 
@@ -202,6 +224,11 @@ def tensor_bytes(t) -> int:
 def param_bytes(module: nn.Module) -> int:
     """Bytes of the parameters this rank holds (its shards under TP)."""
     return sum(tensor_bytes(p) for p in module.parameters())
+
+
+def kv_cache_bytes(module: nn.Module) -> int:
+    """Bytes of the litgpt KV-cache buffers (``attn.kv_cache.k`` / ``.v``) this rank holds."""
+    return sum(tensor_bytes(b) for name, b in module.named_buffers() if ".kv_cache." in name)
 
 
 def saved_for_backward(forward_trace) -> dict | None:

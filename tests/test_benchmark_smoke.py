@@ -279,7 +279,7 @@ def test_options():
         setup.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
 
 
-@pytest.mark.parametrize("script", ["benchmark_litgpt.py", "compare.py"])
+@pytest.mark.parametrize("script", ["benchmark_litgpt.py", "compare.py", "bench_generate.py"])
 def test_help_exits_zero(script):
     """``--help`` prints the usage and exits 0 (torchrun's ``@record`` returns None for a ``SystemExit(0)``)."""
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / script), "--help"], env=_env(), capture_output=True,

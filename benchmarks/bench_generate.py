@@ -1,0 +1,523 @@
+"""Decode benchmark: litgpt generation on one device, with thunder_tp TP and with a hand-written TP, side by side.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_generate.py --dtype float32 --batch 1 \\
+        --json_path generate.json
+
+The model is a litgpt llama (RMSNorm, SwiGLU MLP, RoPE, grouped K/V heads, untied embedding and lm_head, no biases)
+with seeded random weights, sized by the flags (the defaults: ~104 M parameters, a decode step reads ~420 MB in
+fp32). Greedy generation of ``--new_tokens`` tokens after ``--prompt_len`` random prompt tokens through litgpt's own
+loops: batch 1 ``litgpt.generate.base.generate_fn`` (the loop ``generate`` runs; timing its yields gives the time to
+the first token), batch > 1 ``batched_generate_fn``. Modes (``--modes``):
+
+- ``single_thunder`` (a): ``thunder.jit(model)`` on rank 0 alone, the other ranks waiting at a barrier (a single
+  device is one core here, as in compare.py; every rank running its own copy would share the memory bandwidth that
+  decode is bound by);
+- ``single_eager`` (b): the same litgpt GPT in eager PyTorch on rank 0: its tokens (from ``generate`` for batch 1)
+  are the reference every mode's tokens must equal, at every generation, else the run exits 1; except where a row
+  first leaves them at a near-tie (``NEAR_TIE_EPS``: (b)'s teacher-forced logits of the two tokens within rounding,
+  frequent in bf16 with random weights), reported in the table;
+- ``thunder_tp`` (c): ``model.set_kv_cache(batch_size=B)``, then ``thunder.jit(model, transforms=[TensorParallel(
+  plans.litgpt(model))], executors=...)`` on every rank;
+- ``manual_tp`` (d): gpt-fast-style TP in eager PyTorch on every rank (``shard_by_hand``): q|k|v split per block,
+  column/row splits of the MLP, an all_reduce after attention and after the MLP of each block, the KV cache of the
+  local K/V heads only, the embedding replicated (a lookup: sharding it would add an all_reduce), the lm_head split
+  by vocab and its logits all_gathered;
+- ``eager_2threads`` (e), for information: the eager GPT of (b) on rank 0 with ``torch.set_num_threads(2)`` over
+  the cores the process had before ``--pin_cores`` (CPU only).
+
+(a), (b) and (e) share one GPT (weights and KV cache; each generation writes the cache before reading it). Eager
+litgpt reads only the filled part of the cache at batch 1 (``input_pos_maxp1``); Thunder modules and the batched
+loop read all of it, masked. Each round runs one generation of every mode, the order reversed every other round,
+after ``--warmup`` untimed generations per mode (the first compiles). Reported per mode, medians over the rounds:
+time to first token (the prefill, from the call to the first token), decode tokens/s (batch x tokens after the first
+over the time from the first to the last token; a distributed mode's times are its slowest rank's), their ratios to
+(a), the collectives of one decode step ((c): its last trace's ``thunder_tp.collectives_table``; (d): counted at
+runtime), KV-cache and parameter bytes per rank, compiles over all the generations of the run
+(``thunder.cache_misses``). Every rank uses one thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
+
+import argparse
+import contextlib
+import copy
+import functools
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from harness import (
+    EXECUTORS, collectives_lines, exit_without_teardown, fmt_bytes, init_distributed, kv_cache_bytes, log, on_ranks,
+    param_bytes, pin_to_core, random_batch, seeded_model, slowest_rank, tensor_bytes, write_json,
+)
+from litgpt_setup import DTYPES
+
+MODEL_SEED, PROMPT_SEED = 1337, 1234
+#: a mode's token may leave the reference's where their reference logits are this many eps of the dtype (times the
+#: largest logit) apart or closer: a near-tie, which rounding decides. Random weights give flat logits (in bf16 the
+#: top two are often 0-2 ulps apart); at the default size eager litgpt's logits are within 6 (fp32) and 1.1 (bf16)
+#: eps x the largest logit of float64's, so two implementations' within ~12, and two tokens' gaps within ~24
+NEAR_TIE_EPS = 32
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A way to generate: ``build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0 only);
+    ``ranks`` 1 runs it on rank 0 alone, with ``threads`` threads."""
+
+    name: str
+    description: str
+    ranks: int
+    build: Callable[[nn.Module | None], nn.Module]
+    threads: int = 1
+
+
+class TokenMismatch(Exception):
+    """A mode generated other tokens than single-device eager litgpt."""
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+
+
+def make_config(args: argparse.Namespace):
+    """The llama of the flags, its context the prompt plus the new tokens."""
+    from litgpt import Config
+
+    return Config(
+        name="bench-llama", block_size=args.prompt_len + args.new_tokens, vocab_size=args.vocab,
+        padded_vocab_size=args.vocab, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+        n_query_groups=args.n_query_groups, intermediate_size=args.intermediate_size, bias=False,
+        mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", parallel_residual=False, rotary_percentage=1.0,
+    )
+
+
+def new_gpt(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The litgpt GPT with seeded random weights (the same on every rank) in ``--dtype``, without a KV cache."""
+    from litgpt import GPT
+
+    return seeded_model(lambda: GPT(make_config(args)), MODEL_SEED, device, DTYPES[args.dtype]).eval()
+
+
+def set_cache(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """``model`` with a KV cache for ``--batch`` sequences, in ``--dtype`` (litgpt's default is torch's, float32)."""
+    model.set_kv_cache(batch_size=args.batch, device=device, dtype=DTYPES[args.dtype])
+    return model
+
+
+# --- (d): tensor parallelism by hand ----------------------------------------------------------------------------
+
+
+def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
+    """Give ``linear`` its own copy of ``weight`` (a slice of the full weight, which is then freed)."""
+    linear.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format), requires_grad=False)
+    linear.out_features, linear.in_features = weight.shape
+
+
+def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, int]]:
+    """gpt-fast-style TP of a litgpt llama, in place (before ``set_kv_cache``, which then builds the cache of the
+    local K/V heads): this rank's heads of each of the q, k and v blocks of ``qkv`` and its columns of ``fc_1`` /
+    ``fc_2`` and of ``lm_head`` (by vocab), its rows of both ``proj``; an all_reduce of the attention's and the MLP's
+    outputs and an all_gather of the logits. The list the collectives of the last forward go to as (kind, bytes)."""
+    c = model.config
+    for name in ("n_head", "n_query_groups", "intermediate_size", "padded_vocab_size"):
+        if getattr(c, name) % world:
+            raise ValueError(f"manual_tp: {name} {getattr(c, name)} is not divisible by the {world} ranks")
+    calls: list[tuple[str, int]] = []
+
+    def all_reduce(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(out)
+        calls.append(("all_reduce", tensor_bytes(out)))
+        return out
+
+    def all_gather(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(parts, out.contiguous())
+        calls.append(("all_gather", world * tensor_bytes(out)))
+        return torch.cat(parts, dim=-1)
+
+    local = copy.copy(c)  # what each attention reads: its local heads
+    local.n_head, local.n_query_groups = c.n_head // world, c.n_query_groups // world
+    kv = c.n_query_groups * c.head_size
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        blocks = attn.qkv.weight.split((c.n_head * c.head_size, kv, kv))  # litgpt's fused layout: q | k | v
+        _set_weight(attn.qkv, torch.cat([w.chunk(world)[rank] for w in blocks]))
+        _set_weight(attn.proj, attn.proj.weight.chunk(world, dim=1)[rank])
+        attn.config = local
+        for fc in (mlp.fc_1, mlp.fc_2):
+            _set_weight(fc, fc.weight.chunk(world)[rank])
+        _set_weight(mlp.proj, mlp.proj.weight.chunk(world, dim=1)[rank])
+        attn.register_forward_hook(all_reduce)
+        mlp.register_forward_hook(all_reduce)
+    _set_weight(model.lm_head, model.lm_head.weight.chunk(world)[rank])
+    model.lm_head.register_forward_hook(all_gather)
+    model.register_forward_pre_hook(lambda module, inputs: calls.clear())
+    return calls
+
+
+# --- the modes --------------------------------------------------------------------------------------------------
+
+
+def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
+    """Every mode of the module docstring, built for ``args`` on ``device``."""
+    import thunder
+    import thunder_tp
+
+    world = dist.get_world_size()
+    executors = EXECUTORS[args.compile]
+
+    def thunder_tp_build(shared: nn.Module | None) -> nn.Module:
+        model = set_cache(new_gpt(args, device), args, device)
+        plan = thunder_tp.plans.litgpt(model)
+        return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=executors())
+
+    def manual_build(shared: nn.Module | None) -> nn.Module:
+        model = new_gpt(args, device)
+        model.collectives = shard_by_hand(model, dist.get_rank(), world)
+        return set_cache(model, args, device)
+
+    def thunder_build(shared: nn.Module | None) -> nn.Module:
+        return thunder.jit(shared, executors=executors())
+
+    return [
+        Mode("single_thunder", "(a) single device, thunder.jit", 1, thunder_build),
+        Mode("single_eager", "(b) single device, eager litgpt", 1, lambda shared: shared),
+        Mode("thunder_tp", f"(c) thunder_tp TP={world}", world, thunder_tp_build),
+        Mode("manual_tp", f"(d) hand-written TP={world}, eager", world, manual_build),
+        Mode("eager_2threads", "(e) eager litgpt, one process, 2 threads", 1, lambda shared: shared, threads=2),
+    ]
+
+
+def select_modes(modes: list[Mode], names: str, device: torch.device) -> list[Mode]:
+    """The modes named in ``--modes`` ('all': every one, (e) on CPU only), in their order; a clear error otherwise."""
+    if names == "all":
+        return [m for m in modes if m.threads == 1 or device.type == "cpu"]
+    known = {m.name: m for m in modes}
+    wanted = [n for n in names.split(",") if n]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; choose from {list(known)}")
+    if device.type != "cpu" and any(known[n].threads != 1 for n in wanted):
+        raise SystemExit("--modes: the two-thread mode is for CPU runs")
+    return [m for m in modes if m.name in wanted]
+
+
+@contextlib.contextmanager
+def threads(count: int, cores: set[int]) -> Iterator[None]:
+    """Run with ``count`` threads on ``cores``, then with the threads and cores of before."""
+    before_threads, before_cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before_threads)
+        os.sched_setaffinity(0, before_cores)
+
+
+# --- generating and timing --------------------------------------------------------------------------------------
+
+
+def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[torch.Tensor]:
+    """litgpt's greedy loop over ``prompts`` (batch, length): each new token of every row, a (batch,) tensor, as
+    soon as it is sampled (litgpt has called ``.item()`` on it: the device has finished it)."""
+    from litgpt.generate.base import batched_generate_fn, generate_fn
+
+    max_returned = prompts.size(1) + new_tokens
+    if prompts.size(0) == 1:
+        yield from generate_fn(model, prompts[0], max_returned, temperature=0.0, include_prompt=False,
+                               include_eos=True)
+    else:
+        for row_tokens in batched_generate_fn(model, prompts, max_returned, sample_args={"temperature": 0.0},
+                                              include_prompt=False, include_eos=True):
+            yield torch.cat(row_tokens)
+
+
+def generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, float]:
+    """One greedy generation: the new tokens (batch, new_tokens), the seconds to the first token and from it to
+    the last."""
+    tokens, stamps = [], []
+    start = time.perf_counter()
+    for token in token_stream(model, prompts, new_tokens):
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+    return torch.stack(tokens, dim=1), stamps[0] - start, stamps[-1] - stamps[0]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Single-device eager litgpt's greedy tokens (batch, new_tokens) and, computed on first use, its teacher-forced
+    logits at each of them (batch, new_tokens, vocab; float32); ``eps``: the model dtype's."""
+
+    tokens: torch.Tensor
+    logits: Callable[[], torch.Tensor]
+    eps: float
+
+
+def reference(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Reference:
+    """The reference of ``model`` (eager): batch 1's tokens from ``litgpt.generate.base.generate``."""
+    from litgpt.generate.base import generate
+
+    if prompts.size(0) > 1:
+        tokens = generation(model, prompts, new_tokens)[0]
+    else:
+        tokens = generate(model, prompts[0], prompts.size(1) + new_tokens, temperature=0.0, include_prompt=False)
+        tokens = tokens.view(1, -1)
+
+    @functools.cache
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():  # one forward over prompt and tokens, without the KV cache
+            out = model(torch.cat([prompts, tokens[:, :-1]], dim=1))
+        return out[:, prompts.size(1) - 1:].float()
+
+    return Reference(tokens, logits, torch.finfo(next(model.parameters()).dtype).eps)
+
+
+def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
+    """Where a row of ``tokens`` first leaves the reference's, the two tokens' reference logits must be a near-tie
+    (within ``NEAR_TIE_EPS`` eps of the dtype times the largest logit there: rounding decides, and the rest of the
+    row is another generation): those ties, as {row, token, gap, tolerance}. ``TokenMismatch`` at any other
+    difference."""
+    if tokens.shape != ref.tokens.shape:
+        raise TokenMismatch(f"{name}: {tuple(tokens.shape)} tokens, expected {tuple(ref.tokens.shape)}")
+    ties = []
+    for row in range(tokens.size(0)):
+        differ = (tokens[row] != ref.tokens[row]).nonzero()
+        if not len(differ):
+            continue
+        pos = differ[0].item()
+        logits = ref.logits()[row, pos]
+        gap = (logits[ref.tokens[row, pos]] - logits[tokens[row, pos]]).abs().item()
+        tolerance = NEAR_TIE_EPS * ref.eps * logits.abs().max().item()
+        if gap > tolerance:
+            raise TokenMismatch(
+                f"{name}: tokens differ from single-device eager litgpt's, first at row {row}, new token {pos}: "
+                f"{tokens[row, pos:pos + 8].tolist()} vs {ref.tokens[row, pos:pos + 8].tolist()}; their reference "
+                f"logits differ by {gap:.3g} > {tolerance:.3g}, not a near-tie")
+        ties.append({"row": row, "token": pos, "gap": gap, "tolerance": tolerance})
+    return ties
+
+
+def timed_generation(mode: Mode, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
+                     ref: Reference | None, cores: set[int]) -> tuple[float, float, list[dict]]:
+    """One generation of ``mode``: its time to the first token and decode tokens/s (the slowest rank's) and its
+    near-ties with the reference (checked on rank 0, ``ref`` None elsewhere: a TP mode's ranks sample the same
+    gathered logits)."""
+    if mode.ranks != 1:
+        dist.barrier()
+    around = threads(mode.threads, cores) if mode.threads != 1 else contextlib.nullcontext()
+    with around:
+        tokens, ttft, decode_s = generation(module, prompts, args.new_tokens)
+    ties = check_tokens(mode.name, tokens, ref) if ref is not None else []
+    if mode.ranks != 1:
+        ttft, decode_s = slowest_rank([ttft, decode_s])
+    return ttft, prompts.size(0) * (args.new_tokens - 1) / decode_s, ties
+
+
+def decode_collectives(module: nn.Module) -> dict | None:
+    """The collectives of the module's last forward (a decode step) as ``{kind: {count, bytes}}``; None without."""
+    import thunder
+    from thunder_tp import collectives_table
+    from thunder_tp.debug import totals
+
+    if hasattr(module, "collectives"):  # manual_tp: counted by its hooks
+        return totals({"kind": kind, "count": 1, "total_bytes": nbytes} for kind, nbytes in module.collectives)
+    if isinstance(module, thunder.ThunderModule):
+        return totals(collectives_table(thunder.last_traces(module)[-1])) or None
+    return None
+
+
+def prepare(mode: Mode, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
+            ref: Reference | None, cores: set[int], result: dict) -> nn.Module | None:
+    """Build ``mode`` and run its first generation (compiles, checked) into ``result``; the module, or None (the
+    error recorded) where it failed."""
+    try:
+        start = time.perf_counter()
+        module = mode.build(shared)
+        result["near_ties"] = timed_generation(mode, module, prompts, args, ref, cores)[2]
+        result["first_generation_s"] = time.perf_counter() - start
+    except Exception as e:
+        traceback.print_exc()
+        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+        return None
+    result["param_bytes"], result["kv_cache_bytes"] = param_bytes(module), kv_cache_bytes(module)
+    result["decode_collectives"] = decode_collectives(module)
+    return module
+
+
+def agreed(ok: bool) -> bool:
+    """True where ``ok`` holds on every rank."""
+    flag = torch.tensor([float(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
+    """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating
+    rounds; the results by mode name (rank 0's complete)."""
+    import thunder
+
+    rank = dist.get_rank()
+    prompts = random_batch(args.batch, args.prompt_len, args.vocab, PROMPT_SEED, device)[0]
+    shared = on_ranks(1, lambda: set_cache(new_gpt(args, device), args, device))
+    ref = on_ranks(1, lambda: reference(shared, prompts, args.new_tokens))
+    results: dict[str, dict] = {}
+    modules: dict[str, nn.Module] = {}
+    for mode in modes:
+        log(rank, f"[bench_generate] {mode.name}: {mode.description}")
+        result = results[mode.name] = {"description": mode.description, "ranks": mode.ranks, "threads": mode.threads,
+                                       "ttft_s": [], "decode_tokens_per_s": []}
+        module = on_ranks(mode.ranks, lambda: prepare(mode, shared, prompts, args, ref, cores, result))
+        if agreed(module is not None or rank != 0 and mode.ranks == 1):
+            modules[mode.name] = module
+    ready = [m for m in modes if m.name in modules]
+    for r in range(args.warmup - 1 + args.rounds):  # the order reversed every other round
+        for mode in ready if r % 2 == 0 else ready[::-1]:
+            def run(mode: Mode = mode, timed: bool = r >= args.warmup - 1) -> None:
+                ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref, cores)
+                if timed:
+                    results[mode.name]["ttft_s"].append(ttft)
+                    results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
+
+            on_ranks(mode.ranks, run)
+    for name, module in modules.items():  # over every generation of the run
+        if isinstance(module, thunder.ThunderModule):
+            results[name]["compiles"] = thunder.cache_misses(module)
+    for result in results.values():
+        if result["ttft_s"]:
+            result["ttft_median_s"] = statistics.median(result["ttft_s"])
+            result["decode_tokens_per_s_median"] = statistics.median(result["decode_tokens_per_s"])
+    return results
+
+
+# --- report -----------------------------------------------------------------------------------------------------
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    """``value / base`` to two decimals, '–' where either is missing."""
+    return f"{value / base:.2f}" if value and base else "–"
+
+
+def _tokens_cell(result: dict) -> str:
+    """'yes', 'up to a near-tie ...' or 'no: the error'."""
+    if "error" in result:
+        return f"no: {result['error']}"
+    ties = "; ".join(f"row {t['row']} to new token {t['token']}, then a near-tie (logits {t['gap']:.2g} apart)"
+                     for t in result.get("near_ties", []))
+    return f"yes, {ties}" if ties else "yes"
+
+
+def _kinds(by_kind: dict | None) -> str:
+    """'12 all_reduce + 1 all_gather', '–' for none."""
+    return " + ".join(f"{v['count']} {k}" for k, v in by_kind.items()) if by_kind else "–"
+
+
+def report(args: argparse.Namespace, results: dict, world: int, device: torch.device) -> None:
+    """Print the markdown table and the collectives of a decode step (rank 0)."""
+    c = make_config(args)
+    params = sum(p.numel() for p in new_gpt(args, torch.device("meta")).parameters())
+    print(f"\nllama: {c.n_layer} layers, n_embd {c.n_embd}, {c.n_head} heads / {c.n_query_groups} K/V groups, "
+          f"intermediate {c.intermediate_size}, vocab {c.padded_vocab_size}: {params / 1e6:.1f} M parameters, "
+          f"{args.dtype}; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens (greedy); "
+          f"{args.rounds} rounds, medians; {world} ranks, {device}, --compile {args.compile}\n")
+    base = results.get("single_thunder", {})
+    print("| mode | ranks × threads | time to first token (s) | × (a) | decode tok/s | × (a) "
+          "| collectives / decode step | KV cache / rank | params / rank | compiles | tokens = (b) |")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in results.values():
+        ttft, tps = r.get("ttft_median_s"), r.get("decode_tokens_per_s_median")
+        print(f"| {r['description']} | {r['ranks']} × {r['threads']} | {f'{ttft:.3f}' if ttft else '–'} | "
+              f"{_ratio(base.get('ttft_median_s'), ttft)} | {f'{tps:.1f}' if tps else '–'} | "
+              f"{_ratio(tps, base.get('decode_tokens_per_s_median'))} | {_kinds(r.get('decode_collectives'))} | "
+              f"{fmt_bytes(r.get('kv_cache_bytes'))} | {fmt_bytes(r.get('param_bytes'))} | "
+              f"{r.get('compiles', '–')} | {_tokens_cell(r)} |")
+    print("(× (a): (a)'s time to first token over the mode's, the mode's decode tokens/s over (a)'s: "
+          "higher is faster)")
+    for name, r in results.items():
+        if r.get("decode_collectives"):
+            by_kind = r["decode_collectives"]
+            per_step = {"decode step": {"count": sum(v["count"] for v in by_kind.values()),
+                                        "bytes": sum(v["bytes"] for v in by_kind.values()), "by_kind": by_kind}}
+            print(*collectives_lines(per_step, f"{name}, collectives per rank"), sep="\n")
+
+
+# --- main -------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--n_layer", type=int, default=6)
+    p.add_argument("--n_embd", type=int, default=1024)
+    p.add_argument("--n_head", type=int, default=8)
+    p.add_argument("--n_query_groups", type=int, default=4, help="K/V heads")
+    p.add_argument("--intermediate_size", type=int, default=2816)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--batch", type=int, default=1, help="1: litgpt's generate loop; more: its batched loop")
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5, help="timed generations per mode, one per round, modes alternating")
+    p.add_argument("--warmup", type=int, default=1, help="untimed generations per mode (the first compiles)")
+    p.add_argument("--modes", default="all",
+                   help="comma-separated: single_thunder, single_eager, thunder_tp, manual_tp, eager_2threads")
+    p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS),
+                   help="the thunder modes' executors: thunder_tp.executors() (Inductor fusions on CPU), or "
+                        "Thunder's defaults + thunder_tp's comm executor (no fusion compile: quick)")
+    p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r")
+    p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds")
+    p.add_argument("--json_path", default="")
+    args = p.parse_args(argv)
+    if args.new_tokens < 2 or args.warmup < 1 or args.rounds < 1:
+        p.error("--new_tokens must be at least 2 (a first token and a decode step), --warmup and --rounds at least 1")
+    return args
+
+
+@record  # a failing rank's error and traceback go into torchrun's summary
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected modes (see the module docstring); 0 when every mode ran and generated the reference tokens."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    cores = os.sched_getaffinity(0)
+    if args.pin_cores and not torch.cuda.is_available():
+        pin_to_core()
+    rank, world, device = init_distributed(args.timeout)
+    try:
+        return run(args, rank, world, device, cores)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, cores: set[int]) -> int:
+    """Measure and report on this rank (``cores``: the process's before pinning); 0 when every mode ran and
+    generated the reference tokens."""
+    results = run_modes(select_modes(all_modes(args, device), args.modes, device), args, device, cores)
+    failed = [name for name, r in results.items() if "error" in r]
+    if rank == 0:
+        report(args, results, world, device)
+        if args.json_path:
+            out = {"args": vars(args), "world_size": world, "device": str(device), "results": results}
+            print(f"results written to {write_json(args.json_path, out)}")
+        if failed:
+            print(f"\nERROR: {', '.join(failed)} failed or generated other tokens than single-device eager litgpt "
+                  f"(see the table)", file=sys.stderr, flush=True)
+    dist.barrier()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    exit_without_teardown(main())

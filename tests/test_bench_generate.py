@@ -1,0 +1,103 @@
+"""Smoke test of benchmarks/bench_generate.py: a 1-layer llama, a few tokens, 2 ranks (torchrun, and the warm gloo
+ranks of tests/dist.py), ``--compile thunder_default`` (no Inductor compile: quick on a small CPU machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.dist import REPO_ROOT, benchmark_module, free_port
+
+SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_generate.py"
+TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "4", "--n_query_groups", "2", "--intermediate_size", "128",
+        "--vocab", "256", "--prompt_len", "8", "--new_tokens", "3", "--rounds", "1", "--compile", "thunder_default"]
+TIMEOUT_S = 300
+
+pytest.importorskip("litgpt")
+
+
+def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
+    """Every mode timed with the reference tokens; (d) at Megatron's decode collectives, minus the embedding's
+    all_reduce (its embedding is replicated), and with half the KV cache; (c), where it ran, at least at the minimum
+    (exactly it, 1 all_gather and half the cache, with the sharded KV cache; a replicated cache is re-gathered)."""
+    results = res["results"]
+    assert list(results) == modes, results
+    for name, r in results.items():
+        assert "error" not in r, (name, r)
+        assert r["ttft_median_s"] > 0 and r["decode_tokens_per_s_median"] > 0, (name, r)
+        assert r.get("compiles", 2) == 2, (name, r)  # Thunder modes: prefill and decode, over both generations
+    act, logits = batch * 64 * itemsize, batch * 256 * itemsize  # one decode step's (batch, 1, n_embd) and logits
+    assert results["manual_tp"]["decode_collectives"] == {"all_reduce": {"count": 2, "bytes": 2 * act},
+                                                          "all_gather": {"count": 1, "bytes": logits}}, results
+    full_kv = 2 * batch * 2 * (8 + 3) * 16 * itemsize  # k and v: (batch, 2 K/V groups, context, head size)
+    assert results["manual_tp"]["kv_cache_bytes"] == full_kv // 2, results
+    if "thunder_tp" in results:
+        tp = results["thunder_tp"]["decode_collectives"]
+        assert tp["all_reduce"] == {"count": 3, "bytes": 3 * act} and tp["all_gather"]["count"] >= 1, tp
+        assert results["thunder_tp"]["kv_cache_bytes"] in (full_kv // 2, full_kv), results  # full: replicated cache
+        assert results["thunder_tp"]["param_bytes"] < results["single_eager"]["param_bytes"], results
+
+
+def test_torchrun(tmp_path):
+    """Batch 1 (litgpt's generate loop), fp32, from the command line; one Thunder build (each costs ~20 s here:
+    single_thunder runs in test_batched_bf16)."""
+    modes = ["single_eager", "thunder_tp", "manual_tp", "eager_2threads"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    json_path = tmp_path / "results.json"
+    cmd = [*launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(SCRIPT), *TINY, "--modes", ",".join(modes), "--json_path", str(json_path)]
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}: {' '.join(cmd)}\n{output[-8000:]}"
+    _check(json.loads(json_path.read_text()), modes, 1, 4)
+    assert "| (c) thunder_tp TP=2 | 2 × 1 |" in output and "manual_tp, collectives per rank" in output, output[-4000:]
+
+
+def _run(argv: list[str]) -> tuple[int, dict]:
+    """The benchmark on this gloo rank of tests/dist.py (no pinning: the pool's processes keep their cores)."""
+    import torch
+    import torch.distributed as dist
+
+    bench = benchmark_module("bench_generate")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "results.json") if dist.get_rank() == 0 else ""
+        args = bench.parse_args([*TINY, *argv, "--pin_cores", "0", "--json_path", path])
+        code = bench.run(args, dist.get_rank(), dist.get_world_size(), torch.device("cpu"), os.sched_getaffinity(0))
+        return code, json.loads(Path(path).read_text()) if path else {}
+
+
+def test_batched_bf16():
+    """Batch 2 (litgpt's batched loop), bf16, on the warm gloo ranks of tests/dist.py; the Thunder build is
+    single_thunder's (thunder_tp runs in test_torchrun)."""
+    from tests.dist import run_ranks
+
+    modes = ["single_thunder", "single_eager", "manual_tp"]
+    (code, res), (code1, _) = run_ranks(_run, 2, ["--batch", "2", "--dtype", "bfloat16", "--modes", ",".join(modes)])
+    assert code == code1 == 0
+    _check(res, modes, 2, 2)
+
+
+def test_tokens_must_match_up_to_a_near_tie():
+    import torch
+
+    bench = benchmark_module("bench_generate")
+    tokens = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    logits = torch.zeros(2, 3, 8)
+    logits[1, 1, 2], logits[1, 1, 5] = 4.0, 3.9999  # row 1's second token: 2 by a hair over 5
+    ref = bench.Reference(tokens, lambda: logits, eps=1e-6)  # tolerance: 32 eps * largest logit 4 = 1.28e-4
+    assert bench.check_tokens("x", tokens.clone(), ref) == []
+    ties = bench.check_tokens("x", torch.tensor([[1, 2, 3], [1, 5, 0]]), ref)
+    assert [(t["row"], t["token"]) for t in ties] == [(1, 1)] and ties[0]["gap"] < ties[0]["tolerance"], ties
+    with pytest.raises(bench.TokenMismatch, match=r"x: .* row 1, new token 1: \[6, 0\] vs \[2, 3\]"):
+        bench.check_tokens("x", torch.tensor([[1, 2, 3], [1, 6, 0]]), ref)
