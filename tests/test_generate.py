@@ -235,3 +235,25 @@ def test_batch_larger_than_the_cache_is_a_clear_error():
     _, model = _models(gen_config("gqa"), 1)
     with pytest.raises(ValueError, match=r"a batch of 2 sequences, but the KV cache holds 1: model.set_kv_cache\(batch_size=2\)"):
         greedy(thunder.jit(model), torch.randint(0, VOCAB, (2, PROMPT)), 1)
+
+
+def _compiles_for_prompts(lengths: list[int]) -> list[int]:
+    """thunder_tp.generate's chunked prefill, then a decode step, for prompts of several lengths: the programs
+    compiled after each."""
+    from thunder_tp.generate import prefill
+
+    _, model = _models(gen_config("gqa"), 1)
+    jm = _jit(model)
+    misses = []
+    for length in lengths:
+        prompt = torch.randint(0, VOCAB, (length,))
+        token = prefill(jm, prompt)[:, -1:].argmax(-1)
+        with torch.inference_mode():
+            jm(token, torch.tensor([length]))
+        misses.append(thunder.cache_misses(jm))
+    return misses
+
+
+def test_chunked_prefill_bounds_the_compiles():
+    # chunks: 5 = 4 + 1, 7 = 4 + 2 + 1, 6 = 4 + 2, 3 = 2 + 1, 12 = 8 + 4: programs for 1, 2, 4, 8 tokens, 1 = decode
+    assert run_ranks(_compiles_for_prompts, 2, [5, 7, 6, 3, 12])[0] == [2, 3, 3, 3, 4]

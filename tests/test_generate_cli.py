@@ -79,3 +79,21 @@ def test_cli_bad_input(tmp_path, extra, message):
     make_checkpoint_dir(tmp_path)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         main(["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, *extra])
+
+
+def test_cli_tp2_bf16_with_sampling(tmp_path):
+    """The meta-device model loaded from lit_model.pth in bf16, sampling with temperature, top-k and top-p: it runs,
+    every rank picks the same tokens (the CLI checks), at the decode minimum with half the cache."""
+    config = make_checkpoint_dir(tmp_path)
+    args = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "8", "--temperature", "0.9",
+            "--top_k", "20", "--top_p", "0.95", "--num_samples", "2", "--precision", "bf16-true",
+            "--compile", "thunder_default", "--json_path", str(tmp_path / "bf16.json")]
+    proc = _run(args, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bf16.json").read_text())
+    assert len(report["samples"]) == 2 and all(s["generated_ids"] for s in report["samples"])
+    context = len(report["samples"][0]["prompt_ids"]) + 8
+    full_cache = 2 * config.n_layer * config.n_query_groups * context * config.head_size * 2  # k and v, 2-byte bf16
+    assert report["kv_cache_bytes_per_rank"] * 2 == full_cache, report["kv_cache_bytes_per_rank"]
+    counts = {row["kind"]: row["count"] for row in report["decode_step_collectives"]}
+    assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts

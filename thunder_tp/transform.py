@@ -81,11 +81,10 @@ class TensorParallel(Transform):
             style.check(module_name, self.tp.size)
             for tname, layout in style.tensor_layouts(submodule, self.tp.size).items():
                 name = f"{module_name}.{tname}"
-                tensor = getattr(submodule, tname)
+                tensor, is_parameter = getattr(submodule, tname), tname in submodule._parameters
                 check_distparallel_type(name, tensor, layout)
-                check_shardable(tensor.shape, layout, self.tp.size, f"{_kind_of(submodule, tname)} {name!r}")
-                layouts = self.parameter_layouts if tname in submodule._parameters else self.buffer_layouts
-                layouts[name] = layout
+                check_shardable(tensor.shape, layout, self.tp.size, f"{'parameter' if is_parameter else 'buffer'} {name!r}")
+                (self.parameter_layouts if is_parameter else self.buffer_layouts)[name] = layout
             self.weight_styles[f"{module_name}.weight"] = style
         for name, layout in self._local_layouts(model).items():
             param = model.get_parameter(name)
@@ -158,6 +157,7 @@ class TensorParallel(Transform):
         if self.tp.size == 1:  # every layout is the whole tensor: nothing to rewrite or communicate
             return prologue, computation, epilogue
         param_names = _parameter_names(prologue)
+        _check_known(param_names, self._tensors_at_jit)
         layouts = self._initial_layouts(computation, param_names)
         styles = {proxy: self.weight_styles[name] for proxy, name in param_names.items() if name in self.weight_styles}
         logical = constrain_styled_ops(computation, styles)
@@ -177,7 +177,6 @@ class TensorParallel(Transform):
 
     def _initial_layouts(self, computation: TraceCtx, param_names: dict[str, str]) -> dict[str, Layout]:
         layouts: dict[str, Layout] = {}
-        _check_known(param_names, self._tensors_at_jit)
         tensor_layouts = self.parameter_layouts | self.buffer_layouts
         for a in _flat_args(computation):
             layout = tensor_layouts.get(param_names.get(a.name, ""), REPLICATE)
@@ -186,10 +185,6 @@ class TensorParallel(Transform):
             if kind is not None and a.distparallel_type not in _DATA_PARALLEL_TYPES:
                 set_proxy_distparallel_type(a, kind)
         return layouts
-
-
-def _kind_of(module: nn.Module, name: str) -> str:
-    return "parameter" if name in module._parameters else "buffer"
 
 
 def _zero_all(tensors: list[torch.Tensor]) -> None:
