@@ -15,6 +15,7 @@ import warnings
 
 import torch.nn as nn
 
+from thunder_tp import hf_moe
 from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
 
@@ -54,7 +55,7 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
         style = _style(model, name, kind, block_output)
         if style is not None:
             plan[name] = style
-    plan |= _moe_plan(model, block_output)
+    plan |= _moe_plan(model)
     plan[_name_of(model, model.get_input_embeddings())] = RowwiseParallel(
         output_layout=None if parallel and sequence_parallel else reduced
     )
@@ -212,9 +213,24 @@ def _residual_norms(model: nn.Module) -> list[str]:
 
 def _in_moe_block(model: nn.Module, name: str) -> bool:
     """Whether `name` lies inside a sparse MoE block (planned by `_moe_plan`, whatever HF's plan says)."""
-    return False
+    return any(name.startswith(f"{block}.") for block in _moe_blocks(model))
 
 
-def _moe_plan(model: nn.Module, block_output: Layout | None) -> dict[str, Style]:
-    """MoE blocks: every expert (and the shared expert) sharded like a dense MLP; router replicated."""
-    return {}
+def _moe_blocks(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if hf_moe.is_moe_block(module)]
+
+
+def _moe_plan(model: nn.Module) -> dict[str, Style]:
+    """Sparse MoE blocks, traced as one `moe_layer` op: every expert (and the shared expert) sharded like a dense
+    MLP, router (and shared-expert gate) replicated; the op's rule reduces the block's output once."""
+    hf_moe.register_lookasides(model)
+    plan: dict[str, Style] = {}
+    for block in _moe_blocks(model):
+        module = model.get_submodule(block)
+        hf_moe.check_supported(module, block)
+        gate, up, down = hf_moe.expert_layers(module)
+        experts = [f"{block}.experts.*"] + ([f"{block}.shared_expert"] if hasattr(module, "shared_expert") else [])
+        for expert in experts:
+            plan |= {f"{expert}.{gate}": ColwiseParallel(), f"{expert}.{up}": ColwiseParallel(),
+                     f"{expert}.{down}": RowwiseParallel()}
+    return plan
