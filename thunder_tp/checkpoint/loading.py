@@ -23,6 +23,7 @@ from thunder_tp.checkpoint.tensors import (
 )
 from thunder_tp.layouts import REPLICATE, group_device
 from thunder_tp.thunder_private import original_module
+from thunder_tp.transform import tied_parameters
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -189,24 +190,13 @@ def _complete(path: str, model: nn.Module, tensors: dict[str, HeldTensor], full:
     and shapes checked."""
     prefix = _submodule_prefix(set(tensors), set(full))
     full = {prefix + k: v for k, v in full.items()}
-    for name, tied_to in _tied(model).items():
+    for name, tied_to in tied_parameters(original_module(model)).items():
         if name not in full and tied_to in full:
             full[name] = full[tied_to]
     _check_keys(path, set(tensors), set(full))
     for name, t in tensors.items():
         _check_shape(path, name, t.global_shape, tuple(full[name].shape))
     return full
-
-
-def _tied(model: nn.Module) -> dict[str, str]:
-    """State-dict name -> the first name of the same tensor, for every name of a tensor that has several."""
-    first: dict[int, str] = {}
-    tied = {}
-    for name, t in original_module(model).state_dict(keep_vars=True).items():
-        if id(t) in first:
-            tied[name] = first[id(t)]
-        first.setdefault(id(t), name)
-    return tied
 
 
 def _submodule_prefix(names: set[str], found: set[str]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import warnings
 
+import torch
 import torch.nn as nn
 
 from thunder_tp import hf_moe
@@ -46,6 +47,7 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
     the model returns are still gathered, so jit a module that returns only the loss to skip that gather.
     """
     _check_version()
+    prefix, model = _hf_model(model)
     config = model.config
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
     parallel = _parallel_residual(config)
@@ -65,7 +67,32 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
     plan |= {name: FeatureShardedNorm() for name in _all_head_norms(model)}
     if sequence_parallel:
         plan |= {name: SequenceParallel(SEQUENCE_DIM) for name in _residual_norms(model)}
-    return plan
+    return {prefix + name: style for name, style in plan.items()}
+
+
+class CausalLMLoss(nn.Module):
+    """An HF CausalLM that returns only its loss: the logits, which the model would return whole, are then never
+    gathered (with loss_parallel, never whole anywhere). Plan it with `hf(CausalLMLoss(model), ...)`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def _hf_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """The HF model in `model` (itself, or a submodule of a wrapper such as CausalLMLoss) and its name prefix."""
+    from transformers import PreTrainedModel
+
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return (f"{name}." if name else ""), module
+    raise TypeError(
+        f"thunder_tp.plans.hf needs a HuggingFace transformers PreTrainedModel (or a module containing one), got "
+        f"{type(model).__name__}; for a litgpt GPT use thunder_tp.plans.litgpt"
+    )
 
 
 def _check_version() -> None:
