@@ -64,13 +64,13 @@ def tp_sizes(name: str, up_to: int = 8) -> list[int]:
 def expected_counts(name: str, mode: str, size: int) -> tuple[dict[str, int], dict[str, int]]:
     """Megatron's minimum, as tests/litgpt_models.expected_counts: 2 activation all_reduces per block each way
     (TP+SP: 2 all_gather + 2 reduce_scatter), the embedding's and the head's; a parallel-residual block's forward
-    reduces once (GPT-NeoX, Cohere), and Cohere's attention and MLP read one norm (one entry into the TP region);
+    reduces once (Cohere), and Cohere's attention and MLP read one norm (one entry into the TP region);
     OLMo-2's q/k norm statistics (b*s numbers, each way); the grads of the replicated parameters used on sharded
     values summed in one all_reduce per dtype. Loss parallel: the logits are still gathered, as the model returns
     them, besides the loss's (log-sum-exp, target logit) per token."""
     config = make_config(name)
     model_type = ARCHITECTURES[name][0]
-    parallel = model_type == "cohere" or getattr(config, "use_parallel_residual", False)
+    parallel = model_type == "cohere"  # GPT-NeoX's parallel residual applies dropout to each branch: reduced apart
     blocks = 2 * LAYERS + 1
     olmo2 = 2 * LAYERS if model_type == "olmo2" else 0
     gathers = blocks - LAYERS * (model_type == "cohere")
@@ -102,7 +102,7 @@ def _replicated_grad_dtypes(name: str, mode: str, size: int) -> set[str]:
     if mode == "tp_sp":
         dtypes.add(norm)
         biased = getattr(config, "use_bias", False) or getattr(config, "attention_bias", False)
-        if biased and model_type not in ("gpt_neox", "cohere"):
+        if biased and model_type != "cohere":
             dtypes.add("float64")
     return dtypes
 

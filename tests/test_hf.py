@@ -56,12 +56,37 @@ def test_hf_model_matches_single_device(world, name, mode):
     _check(world, name, mode)
 
 
+MOE = [(2, "mixtral", "tp"), (2, "qwen2_moe", "tp")]
+
+
+@pytest.mark.parametrize("world, name, mode", MOE, ids=[f"tp{w}-{n}-{m}" for w, n, m in MOE])
+def test_hf_moe_matches_single_device_with_one_reduction_per_moe_block(world, name, mode):
+    _check(world, name, mode)
+
+
+def test_plain_jit_of_an_hf_moe_model_matches_eager():
+    reference, model = make_model("qwen2_moe"), make_model("qwen2_moe")
+    thunder_tp.hf_moe.register_lookasides(model)
+    jm = thunder.jit(model)
+    idx = batch()
+    expected = reference(input_ids=idx, labels=idx, use_cache=False).loss
+    actual = jm(input_ids=idx, labels=idx, use_cache=False).loss
+    assert_close_scaled(actual, expected, rtol=1e-12, atol=1e-12, what="loss")
+    expected.backward()
+    actual.backward()
+    for n, p in reference.named_parameters():
+        assert_close_scaled(jm.get_parameter(n).grad, p.grad, rtol=1e-10, atol=1e-10, what=f"grad of {n}")
+    names = [b.sym.name for b in thunder.last_traces(jm)[-1].bound_symbols]
+    assert names.count("moe_layer") == 2, names
+
+
 SWEEP = [(w, n, m) for n in DENSE for w in (2, 4) if w in tp_sizes(n) for m in MODES if (w, n, m) not in FAST]
+SWEEP += [(w, n, m) for w, n, _ in MOE for m in MODES if (w, n, m) not in MOE]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, name, mode", SWEEP, ids=[f"tp{w}-{n}-{m}" for w, n, m in SWEEP])
-def test_every_dense_architecture_matches_single_device(world, name, mode):
+def test_every_architecture_matches_single_device(world, name, mode):
     _check(world, name, mode)
 
 

@@ -201,8 +201,9 @@ def _head_style(model: nn.Module, name: str) -> ColwiseParallel | None:
 
 
 def _parallel_residual(config) -> bool:
-    """Attention and MLP of a block read the same input and are added together (GPT-NeoX, Cohere)."""
-    return config.model_type == "cohere" or bool(getattr(config, "use_parallel_residual", False))
+    """Attention and MLP of a block read the same input and their outputs go straight into one sum (Cohere), so
+    they are reduced together; GPT-NeoX's parallel residual applies dropout to each first, so each is reduced."""
+    return config.model_type == "cohere"
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:
