@@ -70,7 +70,8 @@ def expected_counts(name: str, mode: str, size: int) -> tuple[dict[str, int], di
     them, besides the loss's (log-sum-exp, target logit) per token."""
     config = make_config(name)
     model_type = ARCHITECTURES[name][0]
-    parallel = model_type == "cohere"  # GPT-NeoX's parallel residual applies dropout to each branch: reduced apart
+    # GPT-NeoX's parallel residual applies dropout to each branch (reduced apart); under SP, Cohere's too (plans.hf)
+    parallel = model_type == "cohere" and mode != "tp_sp"
     blocks = 2 * LAYERS + 1
     olmo2 = 2 * LAYERS if model_type == "olmo2" else 0
     gathers = blocks - LAYERS * (model_type == "cohere")

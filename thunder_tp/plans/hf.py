@@ -51,7 +51,9 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
     hf_attention.register_lookasides(model)
     config = model.config
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
-    parallel = _parallel_residual(config)
+    # under SP a Partial stream is reduce-scattered where a SequenceParallel norm reads it, which needs the norm's
+    # weight consumed as it is; Cohere's LayerNorm casts it first, so its block outputs are reduce-scattered apart
+    parallel = _parallel_residual(config) and not sequence_parallel
     block_output = None if parallel else reduced  # a parallel-residual block's two outputs are reduced together
     plan: dict[str, Style] = {}
     for name, kind in _module_kinds(model).items():
@@ -59,9 +61,7 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
         if style is not None:
             plan[name] = style
     plan |= _moe_plan(model)
-    plan[_name_of(model, model.get_input_embeddings())] = RowwiseParallel(
-        output_layout=None if parallel and sequence_parallel else reduced
-    )
+    plan[_name_of(model, model.get_input_embeddings())] = RowwiseParallel(output_layout=reduced)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         plan[_name_of(model, head)] = ColwiseParallel(output_layout=None if loss_parallel else REPLICATE)
