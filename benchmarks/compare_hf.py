@@ -8,7 +8,8 @@ backward, SGD) on the same batch (4 x 256 by default):
 
 - ``hf_tp``: ``AutoModelForCausalLM.from_pretrained(dir, tp_plan="auto")``, HF's DTensor TP, eager (needs accelerate);
 - ``thunder_tp`` / ``thunder_tp_lp``: ``thunder.jit`` of ``plans.CausalLMLoss(model)`` (only the loss returned)
-  with ``TensorParallel(plans.hf(model))`` (loss parallel for the second), ``thunder_tp.executors()``.
+  with ``TensorParallel(plans.hf(model))`` (loss parallel for the second), ``thunder_tp.executors()`` (or
+  ``--executors thunder_default``).
 
 Before timing, each mode's first-step loss and gradients (gathered to full tensors) are gated against one device's
 eager step (``gate.py``). Reported per mode: median step time over ``--steps`` (after ``--warmup``), collectives per
@@ -32,7 +33,7 @@ import torch.nn as nn
 from compare import comm_mode, hooked_saved_bytes, summarize_records
 from gate import check_gradients, full_grads
 from harness import (
-    collectives_per_iteration, exit_without_teardown, init_distributed, log, peak_step_bytes, random_batch,
+    EXECUTORS, collectives_per_iteration, exit_without_teardown, init_distributed, log, peak_step_bytes, random_batch,
     saved_for_backward, timed, write_json,
 )
 from litgpt_setup import HF_SIZES
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n_layers", type=int, default=HF_SIZES["num_hidden_layers"])
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--grad_rtol", type=float, default=1e-4, help="gate: grads within this of their largest entry")
+    p.add_argument("--executors", default="thunder", choices=sorted(EXECUTORS),
+                   help="thunder: thunder_tp.executors(); thunder_default: Thunder's defaults + thunder_tp's comm executor")
     p.add_argument("--json_path", default="")
     return p.parse_args(argv)
 
@@ -67,7 +70,7 @@ def save_model(args: argparse.Namespace, rank: int) -> str:
     return directory[0]
 
 
-def build(mode: str, directory: str) -> nn.Module:
+def build(mode: str, directory: str, executors: str) -> nn.Module:
     """The module a mode trains: called as module(idx, targets) -> loss."""
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +82,7 @@ def build(mode: str, directory: str) -> nn.Module:
         return CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", torch_dtype=torch.float32))
     model = CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32))
     plan = thunder_tp.plans.hf(model, loss_parallel=mode == "thunder_tp_lp")
-    return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=thunder_tp.executors())
+    return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=EXECUTORS[executors]())
 
 
 def step(module: nn.Module, optimizer, idx, targets) -> torch.Tensor:
@@ -92,7 +95,7 @@ def step(module: nn.Module, optimizer, idx, targets) -> torch.Tensor:
 
 def run_mode(mode: str, directory: str, idx, targets, reference: dict, args) -> dict:
     """Gate the first step against one device, then time; memory and collectives of one more step."""
-    module = build(mode, directory)
+    module = build(mode, directory, args.executors)
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     loss = module(idx, targets)
     loss.backward()
