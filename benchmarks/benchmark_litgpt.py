@@ -52,7 +52,8 @@ from harness import (
     param_bytes, peak_memory_bytes, saved_for_backward, slowest_rank, timed, train_step, write_json,
 )
 from litgpt_setup import (
-    DTYPES, FP8_MODES, MODES, Groups, accumulation_steps, make_batch, make_config, make_model, resolve_groups,
+    DTYPES, FP8_MODES, MODES, Groups, accumulation_steps, make_batch, make_config, make_model, model_info,
+    resolve_groups,
 )
 
 # --------------------------------------------------------------------------------------------------------------
@@ -78,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model_name", default="pythia-14m", help="litgpt Config.from_name (builtin configs, random weights)")
+    p.add_argument("--hf_model_type", default="",
+                   help="train this HuggingFace transformers architecture instead (e.g. llama: AutoConfig.for_model, "
+                        "random weights, plans.hf; needs transformers==4.52.4), sizes from --hf_config")
+    p.add_argument("--hf_config", default="",
+                   help="JSON of HF config fields over the default sizes (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
+                        "vocab 8192), e.g. '{\"hidden_size\": 1024}'")
     p.add_argument("--n_layers", type=int, default=None, help="override the config's n_layer")
     p.add_argument("--block_size", type=int, default=128, help="sequence length (overrides the config's block_size)")
     p.add_argument("--micro_batch_size", type=int, default=2)
@@ -124,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.low_precision_mode != "none":
         p.error(f"--low_precision_mode {args.low_precision_mode}: fp8 through TransformerEngine is not supported by "
                 "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
+    if args.hf_model_type and args.checkpoint_activations:
+        p.error("--checkpoint_activations checkpoints litgpt blocks; it is not available with --hf_model_type")
     if args.compile == "eager" and args.distributed_mode != "none":
         p.error("--compile eager runs plain PyTorch, which has no tensor parallelism: use --distributed_mode none, "
                 "or --compile thunder / thunder_default")
@@ -198,13 +207,14 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     """Build, train and report on this rank."""
     groups = resolve_groups(args, rank, world)
     config, model, jm = build(args, groups, device)
-    log(rank, f"model {config.name}: {config.n_layer} layers, n_embd {config.n_embd}, vocab {config.padded_vocab_size}, "
+    info = model_info(args, config)
+    log(rank, f"model {info.name}: {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.vocab_size}, "
               f"{sum(p.numel() for p in model.parameters())} parameters ({sum(p.numel() for p in jm.parameters())} "
               f"on rank 0); block_size {args.block_size}, "
               f"micro_batch_size {args.micro_batch_size}; world {world}, tp {groups.tp_size}, dp {groups.dp_size}; "
               f"mode {args.distributed_mode}, compile {args.compile}, loss_parallel {args.loss_parallel}, device {device}")
 
-    losses, times = train(args, groups, device, jm, config.padded_vocab_size)
+    losses, times = train(args, groups, device, jm, info.vocab_size)
     if not all(math.isfinite(x) for x in losses):
         log(rank, f"ERROR: non-finite loss: {losses}")
         return 1
@@ -213,8 +223,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     steps = accumulation_steps(args, groups.dp_size)
     tokens_per_iter = steps * args.micro_batch_size * args.block_size * groups.dp_size
     results: dict[str, Any] = {
-        "model_name": args.model_name,
-        "n_layers": config.n_layer,
+        "model_name": info.name,
+        "n_layers": info.n_layer,
         "block_size": args.block_size,
         "micro_batch_size": args.micro_batch_size,
         "global_batch_size": steps * args.micro_batch_size * groups.dp_size,
@@ -321,8 +331,9 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--simulate {n} simulates a TP group of {n} ranks; drop --tp_size or set it to {n}")
     # model and batch as plain tensors, before the simulation: inside it, factories make per-rank LocalTensors
     config = make_config(args)
+    info = model_info(args, config)
     model = make_model(args, config, torch.device("cpu"))
-    idx, targets = make_batch(args, config.padded_vocab_size, 0, 0, torch.device("cpu"))
+    idx, targets = make_batch(args, info.vocab_size, 0, 0, torch.device("cpu"))
     with thunder_tp.simulate(world_size=n):
         transforms = MODES[args.distributed_mode].transforms(model, args, Groups(0, n, n, 0, None, 1, 0, None))
         jm = thunder.jit(model, transforms=transforms, executors=thunder_tp.executors())  # torch executor here
@@ -340,8 +351,8 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
             rank_bytes[r] += piece.numel() * piece.element_size()
     full_bytes = param_bytes(model)
     lines = [
-        f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {config.name}, "
-        f"{config.n_layer} layers, mode {args.distributed_mode}, loss_parallel {args.loss_parallel}, "
+        f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {info.name}, "
+        f"{info.n_layer} layers, mode {args.distributed_mode}, loss_parallel {args.loss_parallel}, "
         f"block_size {args.block_size}, micro_batch_size {args.micro_batch_size}",
         f"forward + backward: {seconds:.2f} s (simulated, all ranks)",
         *(f"rank {r}: loss {losses[r].item():.6f}, parameters {fmt_bytes(rank_bytes[r])}" for r in range(n)),
@@ -352,7 +363,7 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
         lines.append(f"traces of every simulated rank written to {Path(args.trace_dir).resolve()}")
     print("\n".join(lines), flush=True)
     if args.json_path:
-        results = {"simulate": n, "model_name": args.model_name, "n_layers": config.n_layer,
+        results = {"simulate": n, "model_name": info.name, "n_layers": info.n_layer,
                    "distributed_mode": args.distributed_mode, "loss_parallel": args.loss_parallel,
                    "losses": {r: v.item() for r, v in losses.items()}, "param_bytes_per_rank": rank_bytes,
                    "param_bytes_full_model": full_bytes, "collectives": collectives}

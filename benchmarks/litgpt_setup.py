@@ -85,7 +85,8 @@ def _none(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
 def _tp(model: nn.Module, args: argparse.Namespace, groups: Groups, *, sequence_parallel: bool = False) -> list:
     import thunder_tp
 
-    plan = thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
+    plans = thunder_tp.plans.hf if args.hf_model_type else thunder_tp.plans.litgpt
+    plan = plans(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
     return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group)]
 
 
@@ -126,13 +127,49 @@ MODES["tp_fsdp"] = Mode(_tp_fsdp, data_parallel=True)
 # --------------------------------------------------------------------------------------------------------------
 
 
+#: --hf_model_type's sizes unless --hf_config overrides them: the Llama of the comparison with HF's own TP
+HF_SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=1536, vocab_size=8192)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the report says about the model, litgpt's or HF's."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    vocab_size: int
+
+
+def model_info(args: argparse.Namespace, config) -> ModelInfo:
+    """Name, layers, width and vocabulary of a litgpt Config or an HF config."""
+    if args.hf_model_type:
+        return ModelInfo(f"hf:{args.hf_model_type}", config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    return ModelInfo(config.name, config.n_layer, config.n_embd, config.padded_vocab_size)
+
+
 def make_config(args: argparse.Namespace):
+    """The litgpt Config of --model_name, or the HF config of --hf_model_type (sizes HF_SIZES | --hf_config)."""
+    if args.hf_model_type:
+        return _hf_config(args)
     from litgpt import Config
 
     overrides: dict[str, Any] = {"block_size": args.block_size}
     if args.n_layers is not None:
         overrides["n_layer"] = args.n_layers
     return Config.from_name(args.model_name, **overrides)
+
+
+def _hf_config(args: argparse.Namespace):
+    import json
+
+    from transformers import AutoConfig
+
+    sizes = HF_SIZES | json.loads(args.hf_config or "{}") | {"max_position_embeddings": args.block_size}
+    if args.n_layers is not None:
+        sizes["num_hidden_layers"] = args.n_layers
+    return AutoConfig.for_model(args.hf_model_type, **sizes)
 
 
 #: tokens are drawn from [0, DATA_VOCAB), as in Thunder's benchmark, so that the loss visibly goes down
@@ -168,13 +205,25 @@ def checkpoint_blocks(model: nn.Module) -> None:
 
 
 def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Module:
-    """The litgpt GPT with its loss, seeded random weights in ``--dtype``, blocks checkpointed if asked."""
+    """The litgpt GPT (or HF CausalLM) with its loss, seeded random weights in ``--dtype``, blocks checkpointed if
+    asked."""
+    if args.hf_model_type:
+        return seeded_model(lambda: _hf_with_loss(config), args.seed, device, DTYPES[args.dtype])
     from thunder_tp.plans.litgpt import GPTWithLoss
 
     model = seeded_model(lambda: GPTWithLoss(config), args.seed, device, DTYPES[args.dtype])
     if args.checkpoint_activations:
         checkpoint_blocks(model)
     return model
+
+
+def _hf_with_loss(config) -> nn.Module:
+    """An HF CausalLM returning only its loss (the logits are never returned, so never gathered)."""
+    from transformers import AutoModelForCausalLM
+
+    from thunder_tp.plans.hf import CausalLMLoss
+
+    return CausalLMLoss(AutoModelForCausalLM.from_config(config))
 
 
 def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:

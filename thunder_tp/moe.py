@@ -30,7 +30,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import register_grad
 from thunder.extend import OperatorExecutor, add_default_executor, register_executor
 
-__all__ = ["Routing", "moe_executor", "moe_layer", "moe_layer_backward", "moe_layer_torch"]
+__all__ = ["Routing", "mlp_parameters", "moe_executor", "moe_layer", "moe_layer_backward", "moe_layer_torch"]
 
 #: Runs the MoE symbols (opaque: never fused). A Thunder default executor, so `executors()`, tests' executor
 #: lists and a plain `thunder.jit` all include it.
@@ -44,7 +44,9 @@ OptionalTensors = Sequence[torch.Tensor] | None
 
 @dataclass(frozen=True)
 class Routing:
-    """The router's settings from a litgpt Config: k experts per token, expert groups, routed scaling."""
+    """The router's settings: k experts per token, expert groups, routed scaling (a litgpt Config's), or
+    `softmax_first` (HF's routers: softmax over all experts in float32, then top-k, renormalized when
+    `norm_topk_prob`)."""
 
     k: int
     n_expert_groups: int | None = None
@@ -52,6 +54,7 @@ class Routing:
     n_topk_scores_per_group: int | None = None
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    softmax_first: bool = False
 
     @classmethod
     def of(cls, config) -> Routing:
@@ -79,8 +82,13 @@ def _grouped_choice(scores: torch.Tensor, score_bias: torch.Tensor, r: Routing) 
 
 
 def route(tokens: torch.Tensor, gate_weight: torch.Tensor, score_bias, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing weights and expert indices (tokens x k) as litgpt's LLaMAMoE computes them."""
-    if not r.n_expert_groups:
+    """Routing weights and expert indices (tokens x k) as litgpt's LLaMAMoE (or HF's sparse MoE block) computes them."""
+    if r.softmax_first:
+        weights, indices = torch.topk(F.linear(tokens, gate_weight).softmax(dim=1, dtype=torch.float), r.k, dim=-1)
+        if r.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(tokens.dtype)
+    elif not r.n_expert_groups:
         logits, indices = torch.topk(F.linear(tokens, gate_weight), r.k)
         weights = logits.softmax(dim=1, dtype=torch.float).to(tokens.dtype)
     else:  # litgpt's GroupedTopkRouter: sigmoid scores in float32, choice without grad
@@ -123,14 +131,19 @@ def moe_layer_torch(
     proj_bias: OptionalTensors,
     shared: OptionalTensors,
     shared_bias: OptionalTensors,
+    shared_gate: OptionalTensors,
     routing: Routing,
 ) -> torch.Tensor:
-    """litgpt's LLaMAMoE on x (B, T, C): routed experts plus shared experts (torch implementation)."""
+    """A MoE layer on x (B, T, C): routed experts plus shared experts, these scaled by sigmoid(x @ shared_gate)
+    where given (Qwen2-MoE) (torch implementation)."""
     tokens = x.reshape(-1, x.shape[-1])
     weights, indices = route(tokens, gate_weight, score_bias, routing)
     y = _routed_experts(tokens, weights, indices, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias)
     if shared is not None:
-        y = y + _expert_mlp(tokens, *shared, *(shared_bias or (None,) * 3))
+        shared_out = _expert_mlp(tokens, *shared, *(shared_bias or (None,) * 3))
+        if shared_gate is not None:
+            shared_out = torch.sigmoid(F.linear(tokens, shared_gate[0])) * shared_out
+        y = y + shared_out
     return y.view(x.shape)
 
 
@@ -152,7 +165,7 @@ def _moe_layer_backward(grad: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
 
 
 def _forward_meta(x, gate_weight, score_bias, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias, shared, shared_bias,
-                  routing) -> TensorProxy:
+                  shared_gate, routing) -> TensorProxy:
     """Same signature as `moe_layer_torch`: propagation rules read the arguments by name."""
     return TensorProxy(like=x)
 
@@ -176,23 +189,23 @@ def _moe_layer_grad(*args) -> TensorProxy:
 register_grad(moe_layer, _moe_layer_grad)
 
 
-# --- litgpt ----------------------------------------------------------------------------------------------
-
-
-def _mlp_parameters(experts) -> tuple:
-    """fc_1, fc_2 and proj weights of every MLP in `experts`, then their biases (None without biases)."""
-    layers = ("fc_1", "fc_2", "proj")
+def mlp_parameters(experts, layers: tuple[str, str, str] = ("fc_1", "fc_2", "proj")) -> tuple:
+    """The gate, up and down projections' weights of every MLP in `experts` (named `layers`), then their biases
+    (None without biases)."""
     weights = tuple([getattr(e, layer).weight for e in experts] for layer in layers)
-    biased = experts[0].fc_1.bias is not None
+    biased = getattr(experts[0], layers[0]).bias is not None
     biases = tuple([getattr(e, layer).bias for e in experts] if biased else None for layer in layers)
     return (*weights, *biases)
+
+
+# --- litgpt ----------------------------------------------------------------------------------------------
 
 
 def _shared_parameters(module) -> tuple:
     """The shared experts' [fc_1, fc_2, proj] weights and biases (None where absent)."""
     if not module.config.n_shared_expert:
         return None, None
-    fc_1, fc_2, proj, *biases = _mlp_parameters([module.shared_experts])
+    fc_1, fc_2, proj, *biases = mlp_parameters([module.shared_experts])
     return [fc_1[0], fc_2[0], proj[0]], (None if biases[0] is None else [b[0] for b in biases])
 
 
@@ -200,7 +213,7 @@ def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
     """litgpt's LLaMAMoE.forward as one `moe_layer` call (same router, same result)."""
     gate = module.gate
     score_bias = getattr(gate, "e_score_correction_bias", None)
-    return moe_layer(x, gate.weight, score_bias, *_mlp_parameters(module.experts), *_shared_parameters(module),
+    return moe_layer(x, gate.weight, score_bias, *mlp_parameters(module.experts), *_shared_parameters(module), None,
                      Routing.of(module.config))
 
 

@@ -74,7 +74,8 @@ class ColwiseParallel:
         if _kind(module, "ColwiseParallel") == "embedding":
             return {"weight": Shard(1)}
         replicas = tuple(size // u if r and u < size else 1 for u, r in self._units())
-        layout = Shard(0, self.blocks, replicas if any(r > 1 for r in replicas) else None)
+        blocks = self.blocks if len(self.blocks or ()) > 1 else None  # one block: a plain split (by whole units)
+        layout = Shard(0, blocks, replicas if any(r > 1 for r in replicas) else None)
         layouts = {"weight": layout}
         if module.bias is not None:
             layouts["bias"] = layout

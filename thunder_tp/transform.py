@@ -86,10 +86,16 @@ class TensorParallel(Transform):
                 check_shardable(tensor.shape, layout, self.tp.size, f"{'parameter' if is_parameter else 'buffer'} {name!r}")
                 (self.parameter_layouts if is_parameter else self.buffer_layouts)[name] = layout
             self.weight_styles[f"{module_name}.weight"] = style
-        for name, layout in self._local_layouts(model).items():
+        tied = tied_parameters(module)
+        _check_tied_layouts(tied, self.parameter_layouts)
+        local = self._local_layouts(model)
+        for name, layout in local.items():
             param = model.get_parameter(name)
             shard = local_piece(param.detach(), layout, self.tp.rank, self.tp.size, self.tp.group).clone()
             set_parameter(model, name, nn.Parameter(shard, requires_grad=param.requires_grad))
+        for name, first in tied.items():  # one shard under every name (a tied embedding and head)
+            if first in local:
+                set_parameter(model, name, model.get_parameter(first))
         self._shard_caches(model)
         self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
                                                *module.named_buffers(remove_duplicate=False))}
@@ -187,6 +193,26 @@ class TensorParallel(Transform):
         return layouts
 
 
+def tied_parameters(module: nn.Module) -> dict[str, str]:
+    """Name -> the first name of the same parameter, for a parameter registered under several names (tied)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            tied[name] = first[id(p)]
+    return tied
+
+
+def _check_tied_layouts(tied: dict[str, str], layouts: dict[str, Layout]) -> None:
+    """A tied parameter is one tensor: the plan must split it the same way under each of its names."""
+    for name, first in tied.items():
+        a, b = layouts.get(first, REPLICATE), layouts.get(name, REPLICATE)
+        if a != b:
+            raise ValueError(
+                f"thunder_tp.TensorParallel: {name!r} is tied to {first!r} (one tensor), but the plan gives them "
+                f"different layouts ({b} and {a}); plan their modules so that the tensor is split one way (e.g. a "
+                "RowwiseParallel embedding with a ColwiseParallel head both split the vocabulary)"
+            )
 def _zero_all(tensors: list[torch.Tensor]) -> None:
     """A sharded cache's reset_parameters(): zero this rank's pieces."""
     for t in tensors:

@@ -1,4 +1,5 @@
-"""load: a DCP directory saved at any TP size, or a full state-dict file, into the model's current layout."""
+"""load: a DCP directory saved at any TP size, a full state-dict file or an HF safetensors directory, into the
+model's current layout."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from thunder_tp.checkpoint.materialize import install, materialize, tensor_device
+from thunder_tp.checkpoint.safetensors_dir import is_hf_directory, read_hf_directory
 from thunder_tp.checkpoint.state_dict import optimized_parameters, param_groups_by_name
 from thunder_tp.checkpoint.tensors import (
     HeldTensor,
@@ -20,6 +22,8 @@ from thunder_tp.checkpoint.tensors import (
     state_like,
 )
 from thunder_tp.layouts import REPLICATE, group_device
+from thunder_tp.thunder_private import original_module
+from thunder_tp.transform import tied_parameters
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -27,17 +31,19 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     path = os.fspath(path)
     tensors = model_tensors(model)
     materialize(tensors)  # meta-device tensors get empty local buffers (installed only after loading)
-    error = None
+    error, full = None, None
     try:
-        if os.path.isdir(path):
+        if is_hf_directory(path):
+            full = _complete(path, model, tensors, read_hf_directory(path))
+        elif os.path.isdir(path):
             metadata = read_metadata(path)
             optim_targets = _check_directory(path, metadata, model, tensors, optimizer)
         else:
-            full = _read_file(path, tensors)
+            full = _complete(path, model, tensors, _read_file(path))
     except (ValueError, FileNotFoundError, TypeError, RuntimeError) as e:
         error = e
     _agree(error, path)
-    if os.path.isdir(path):
+    if full is None:
         with sharded_tensor_without_deprecation_warnings():
             _load_directory(path, model, tensors, optimizer, optim_targets)
     else:
@@ -165,7 +171,7 @@ def _load_directory(path: str, model, tensors: dict[str, HeldTensor], optimizer,
         optimizer._thunder_tp_loaded_state = optim_targets  # installed by install once params are final
 
 
-def _read_file(path: str, tensors: dict[str, HeldTensor]) -> dict[str, torch.Tensor]:
+def _read_file(path: str) -> dict:
     """A full state dict, memory-mapped: nothing is read until a rank copies its slices."""
     try:
         full = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
@@ -175,8 +181,18 @@ def _read_file(path: str, tensors: dict[str, HeldTensor]) -> dict[str, torch.Ten
         raise ValueError(f"thunder_tp.checkpoint.load: {path!r} is not a torch.save'd state dict ({e})") from e
     if not isinstance(full, dict):
         raise ValueError(f"thunder_tp.checkpoint.load: {path!r} holds a {type(full).__name__}, expected a state dict")
+    return full
+
+
+def _complete(path: str, model: nn.Module, tensors: dict[str, HeldTensor], full: dict) -> dict:
+    """A full state dict (tensors, or slices read on indexing) keyed like the model: a submodule's keys prefixed,
+    a tied weight that the file leaves out (save_pretrained's lm_head.weight) read as the one it is tied to; keys
+    and shapes checked."""
     prefix = _submodule_prefix(set(tensors), set(full))
     full = {prefix + k: v for k, v in full.items()}
+    for name, tied_to in tied_parameters(original_module(model)).items():
+        if name not in full and tied_to in full:
+            full[name] = full[tied_to]
     _check_keys(path, set(tensors), set(full))
     for name, t in tensors.items():
         _check_shape(path, name, t.global_shape, tuple(full[name].shape))

@@ -59,7 +59,7 @@ def install(model: nn.Module, tensors: dict[str, HeldTensor], optimizer) -> None
 
 
 def _materialize_non_persistent(model: nn.Module) -> None:
-    """Buffers outside the state dict (litgpt's rope cache) are rebuilt by their module's reset_parameters."""
+    """Buffers outside the state dict (litgpt's rope cache, HF's rotary inv_freq) are rebuilt by their module."""
     plain = original_module(model)
     for module_name, module in plain.named_modules():
         names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
@@ -68,14 +68,36 @@ def _materialize_non_persistent(model: nn.Module) -> None:
             continue
         fresh = _shallow_copy(module)
         fresh.to_empty(device=group_device(None), recurse=False)
-        fresh.reset_parameters()
+        _rebuild_buffers(fresh)
         for n in names:
             value = fresh._buffers[n].to(module._buffers[n].dtype)  # reset_parameters may use default dtypes
+            _replace_aliases(module, module._buffers[n], value)
             if plain is model:
                 module._buffers[n] = value
             else:
                 model.set_buffer(prefix + n, value)
                 set_trace_device(module._buffers[n], value.device)
+
+
+def _replace_aliases(module: nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Plain attributes that are the old buffer (HF rotary's original_inv_freq) become the new one."""
+    for attr, value in list(vars(module).items()):
+        if value is old:
+            setattr(module, attr, new)
+
+
+def _rebuild_buffers(module: nn.Module) -> None:
+    """Recompute a module's buffers: its reset_parameters, or for HF's rotary embeddings (which have none) the
+    inverse frequencies from its config, as its __init__ computes them."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    elif hasattr(module, "rope_init_fn") and hasattr(module, "config"):
+        module.inv_freq, _ = module.rope_init_fn(module.config, module.inv_freq.device)
+    else:
+        raise NotImplementedError(
+            f"thunder_tp.checkpoint: {type(module).__name__} has buffers outside the state dict but no "
+            "reset_parameters to rebuild them on a meta-device model; build this model on a real device"
+        )
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:

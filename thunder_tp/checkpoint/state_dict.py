@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from thunder_tp.checkpoint.safetensors_dir import save_config
 from thunder_tp.checkpoint.tensors import (
     HeldTensor,
     model_tensor,
@@ -17,6 +19,7 @@ from thunder_tp.checkpoint.tensors import (
     sharded_tensor_without_deprecation_warnings,
     state_like,
 )
+from thunder_tp.thunder_private import original_module
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
@@ -83,3 +86,5 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd} | ({"optim": optim_sd} if optimizer is not None else {})
         dcp.save(state, checkpoint_id=os.fspath(path))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_config(original_module(model), os.fspath(path))  # an HF model's config, for export --hf

@@ -1,5 +1,6 @@
 """Ready-made TP plans for model families."""
 
+from thunder_tp.plans.hf import hf
 from thunder_tp.plans.litgpt import litgpt
 
-__all__ = ["litgpt"]
+__all__ = ["hf", "litgpt"]

@@ -7,20 +7,30 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_tp.collectives import rank_offset
 from thunder_tp.layouts import PARTIAL, REPLICATE, Shard, TPGroup
+from thunder_tp.simulate import is_simulating
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 
-def _vocab_parallel_lookup(tp: TPGroup):
-    """Each rank looks up the ids in its vocabulary range; other rows are zero (a Partial sum)."""
+def _vocab_parallel_lookup(tp: TPGroup, padding_idx: int | None):
+    """Each rank looks up the ids in its vocabulary range; other rows are zero (a Partial sum). The padding row
+    (whose grad stays zero) is padding on the rank that holds it."""
 
     def lookup(ids: TensorProxy, weight: TensorProxy, *args, **kwargs) -> TensorProxy:
         rows = weight.shape[0]
-        shifted = ltorch.sub(ids, rank_offset(tp, rows, ids))
+        offset = rank_offset(tp, rows, ids)
+        shifted = ltorch.sub(ids, offset)
         outside = ltorch.logical_or(ltorch.lt(shifted, 0), ltorch.ge(shifted, rows))
-        found = ltorch.embedding(ltorch.where(outside, 0, shifted), weight)
+        found = ltorch.embedding(ltorch.where(outside, 0, shifted), weight, _local_row(padding_idx, offset, rows))
         return ltorch.where(ltorch.unsqueeze(outside, -1), 0.0, found)
 
     return lookup
+
+
+def _local_row(row: int | None, offset: int, rows: int) -> int | None:
+    """A global row index as this rank's local one, None where another rank holds it."""
+    if row is None or not 0 <= row - offset < rows:
+        return None
+    return row - offset
 
 
 @register_rule(ltorch.embedding)
@@ -32,6 +42,11 @@ def embedding(op: Op) -> list[Strategy]:
         *(Strategy((Shard(d), REPLICATE), (Shard(d),)) for d in range(ids.ndim)),
         op.replicated(),
     ]
-    if op.arg("padding_idx") is None and op.arg("max_norm") is None:
-        strategies.insert(0, Strategy((REPLICATE, Shard(0)), (PARTIAL,), _vocab_parallel_lookup(op.tp)))
+    padding_idx = op.arg("padding_idx")
+    # a padding row needs the rank as a constant, which a simulation (one trace for every rank) does not have
+    if op.arg("max_norm") is None and (padding_idx is None or not is_simulating()):
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += op.tensors[1].shape[0]
+        lookup = _vocab_parallel_lookup(op.tp, padding_idx)
+        strategies.insert(0, Strategy((REPLICATE, Shard(0)), (PARTIAL,), lookup))
     return strategies

@@ -192,8 +192,10 @@ def _local_target(op: Op, dim_map: DimMap, call):
     return lambda a, *_, **__: call(a, shape)
 
 
-def _getitem_map(ndim: int, key) -> DimMap | None:
-    """Output->input dims of basic indexing; dims that are sliced map to None (not shard-preserving)."""
+def _getitem_map(shape: Sequence[int], key) -> DimMap | None:
+    """Output->input dims of basic indexing; dims that are sliced map to None (not shard-preserving), dims taken
+    whole (`:`, or e.g. HF's `0:` of logits_to_keep=0) to themselves."""
+    ndim = len(shape)
     key = key if isinstance(key, tuple) else (key,)
     consumed = sum(1 for k in key if k is not None and k is not Ellipsis)
     dim_map: DimMap = []
@@ -205,7 +207,7 @@ def _getitem_map(ndim: int, key) -> DimMap | None:
         elif k is None:
             dim_map.append(None)
         elif isinstance(k, slice):
-            dim_map.append(i if k == slice(None) else None)
+            dim_map.append(i if k.indices(shape[i]) == (0, shape[i], 1) else None)
             i += 1
         elif isinstance(k, int):
             i += 1
@@ -218,7 +220,7 @@ def _getitem_map(ndim: int, key) -> DimMap | None:
 @register_rule(ltorch.getitem)
 def getitem(op: Op) -> list[Strategy]:
     """Basic indexing keeps a shard on a dim it takes whole."""
-    dim_map = _getitem_map(op.tensors[0].ndim, op.bsym.args[1])
+    dim_map = _getitem_map(op.tensors[0].shape, op.bsym.args[1])
     if dim_map is None or len(op.tensors) != 1:
         return [op.replicated()]
     return _through(op, dim_map)

@@ -1,0 +1,112 @@
+"""HuggingFace transformers models under plans.hf (TP / TP+SP / loss parallel) vs one device: loss, logits, every
+grad and the collective counts; the plan's errors."""
+
+import pytest
+import thunder
+import torch
+
+import thunder_tp
+from thunder_tp import TensorParallel
+from thunder_tp.layouts import REPLICATE, shard_tensor
+from tests.dist import run_ranks
+from tests.hf_models import DENSE, MODES, batch, expected_counts, make_model, tp_sizes
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
+
+# HF computes its loss (and most norms) in float32 even for float64 models
+LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5
+
+pytest.importorskip("transformers")
+
+
+def _train(name: str, mode: str) -> dict:
+    """One step single-device and under TP on the same batch: loss, logits, every grad; the collectives."""
+    rank, size = rank_and_size()
+    reference = make_model(name)
+    model = make_model(name)
+    model.load_state_dict(reference.state_dict())
+    transform = TensorParallel(thunder_tp.plans.hf(model, **MODES[mode]))
+    jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+    idx = batch()
+    expected = reference(input_ids=idx, labels=idx, use_cache=False)
+    actual = jm(input_ids=idx, labels=idx, use_cache=False)
+    assert_close_scaled(actual.loss, expected.loss, rtol=LOSS_RTOL, atol=LOSS_RTOL, what="loss")
+    assert_close_scaled(actual.logits, expected.logits, rtol=GRAD_ATOL, atol=GRAD_ATOL, what="logits")
+    expected.loss.backward()
+    actual.loss.backward()
+    for n, p in reference.named_parameters():
+        want = shard_tensor(p.grad, transform.parameter_layouts.get(n, REPLICATE), rank, size)
+        assert_close_scaled(jm.get_parameter(n).grad, want, rtol=GRAD_ATOL, atol=GRAD_ATOL, what=f"grad of {n}")
+    return {"forward": collective_counts(thunder.last_traces(jm)[-1]),
+            "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
+
+
+def _check(world: int, name: str, mode: str) -> None:
+    counts = run_ranks(_train, world, name, mode)[0]
+    forward, backward = expected_counts(name, mode, world)
+    assert counts["forward"] == forward, counts
+    assert counts["backward"] == backward, counts
+
+
+#: the CI subset: every mode on Llama, tied embeddings (Gemma), K/V heads replicated at TP=4 (Qwen2, 2 K/V heads)
+FAST = [(2, "llama", mode) for mode in MODES] + [(2, "gemma", "tp"), (4, "qwen2_kv2", "tp")]
+
+
+@pytest.mark.parametrize("world, name, mode", FAST, ids=[f"tp{w}-{n}-{m}" for w, n, m in FAST])
+def test_hf_model_matches_single_device(world, name, mode):
+    _check(world, name, mode)
+
+
+MOE = [(2, "mixtral", "tp"), (2, "qwen2_moe", "tp")]
+
+
+@pytest.mark.parametrize("world, name, mode", MOE, ids=[f"tp{w}-{n}-{m}" for w, n, m in MOE])
+def test_hf_moe_matches_single_device_with_one_reduction_per_moe_block(world, name, mode):
+    _check(world, name, mode)
+
+
+def test_plain_jit_of_an_hf_moe_model_matches_eager():
+    reference, model = make_model("qwen2_moe"), make_model("qwen2_moe")
+    thunder_tp.hf_moe.register_lookasides(model)
+    jm = thunder.jit(model)
+    idx = batch()
+    expected = reference(input_ids=idx, labels=idx, use_cache=False).loss
+    actual = jm(input_ids=idx, labels=idx, use_cache=False).loss
+    assert_close_scaled(actual, expected, rtol=1e-12, atol=1e-12, what="loss")
+    expected.backward()
+    actual.backward()
+    for n, p in reference.named_parameters():
+        assert_close_scaled(jm.get_parameter(n).grad, p.grad, rtol=1e-10, atol=1e-10, what=f"grad of {n}")
+    names = [b.sym.name for b in thunder.last_traces(jm)[-1].bound_symbols]
+    assert names.count("moe_layer") == 2, names
+
+
+SWEEP = [(w, n, m) for n in DENSE for w in (2, 4) if w in tp_sizes(n) for m in MODES if (w, n, m) not in FAST]
+SWEEP += [(w, n, m) for w, n, _ in MOE for m in MODES if (w, n, m) not in MOE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, name, mode", SWEEP, ids=[f"tp{w}-{n}-{m}" for w, n, m in SWEEP])
+def test_every_architecture_matches_single_device(world, name, mode):
+    _check(world, name, mode)
+
+
+def test_unknown_style_string_is_a_clear_error(monkeypatch):
+    model = make_model("llama")
+    monkeypatch.setitem(model.config.base_model_tp_plan, "layers.*.mlp.down_proj", "local_packed_rowwise")
+    with pytest.raises(NotImplementedError) as excinfo:
+        thunder_tp.plans.hf(model)
+    message = str(excinfo.value)
+    assert "'model.layers.0.mlp.down_proj'" in message and "'local_packed_rowwise'" in message, message
+    assert "pass a hand plan" in message, message
+
+
+def test_model_without_a_plan_is_a_clear_error():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("stablelm", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=64)
+    with pytest.raises(ValueError) as excinfo:
+        thunder_tp.plans.hf(AutoModelForCausalLM.from_config(config))
+    message = str(excinfo.value)
+    assert "StableLmForCausalLM has no tp_plan" in message and "pass a hand plan" in message, message
+
