@@ -192,7 +192,7 @@ def _returned_values(args: tuple, local: LocalValues, unpacked: dict[str, Any]) 
     as_returned = lambda tree: tree_map(lambda x: _returned(x, local, unpacked), tree)  # noqa: E731
     if not (args and isinstance(args[0], dict) and "flat_args" in args[0]):
         return as_returned(args)
-    held = lambda x: local.values.get(x.name, x) if isinstance(x, Proxy) else x  # noqa: E731
+    held = lambda x: unpacked.get(x.name, local.values.get(x.name, x)) if isinstance(x, Proxy) else x  # noqa: E731
     first = {k: tree_map(held, v) if k == "flat_args" else as_returned(v) for k, v in args[0].items()}
     return (first, *as_returned(args[1:]))
 
