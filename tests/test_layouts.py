@@ -46,10 +46,11 @@ def test_view_groups_pair_dims_with_equal_products():
 
 
 def test_getitem_maps_whole_dims_only():
-    assert _getitem_map(4, (Ellipsis, slice(None, 8))) == [0, 1, 2, None]
-    assert _getitem_map(2, (slice(None), None, 0)) == [0, None]
-    assert _getitem_map(3, (0,)) == [1, 2]
-    assert _getitem_map(2, (torch.tensor([1]),)) is None
+    assert _getitem_map((2, 3, 4, 16), (Ellipsis, slice(None, 8))) == [0, 1, 2, None]
+    assert _getitem_map((2, 3), (slice(None), None, 0)) == [0, None]
+    assert _getitem_map((2, 3, 4), (0,)) == [1, 2]
+    assert _getitem_map((2, 3), (torch.tensor([1]),)) is None
+    assert _getitem_map((5, 7), (slice(0, None), slice(None, 7))) == [0, 1]  # `0:` and `:7` of 7 take whole dims
 
 
 def _proxy(shape):
