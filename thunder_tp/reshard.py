@@ -24,28 +24,38 @@ def nbytes(t: TensorProxy) -> int:
     return math.prod(int(s) for s in t.shape) * t.dtype.bytes
 
 
+def collective_cost(kind: str, t: TensorProxy, size: int) -> float:
+    """Alpha-beta cost of one collective of `kind` on `t` (its full size) over `size` ranks."""
+    moved = nbytes(t) * (size - 1) / size
+    return ALPHA_BYTES + moved * {"all_reduce": 2.0, "all_to_all": 1.0 / size}.get(kind, 1.0)
+
+
+def collective_kind(src: Layout, dst: Layout) -> str | None:
+    """The collective that turns `src` into `dst` (None: nothing, or a local slice)."""
+    match src, dst:
+        case _ if src == dst:
+            return None
+        case Partial(), Replicate():
+            return "all_reduce"
+        case Partial(), Shard():
+            return "reduce_scatter"
+        case Shard(), Shard() if _all_to_all_applies(src, dst):
+            return "all_to_all"
+        case Shard(), Replicate() | Shard():  # Shard -> Shard otherwise: gather, then slice
+            return "all_gather"
+    return None
+
+
 def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is_parameter: bool = False) -> float:
     """Alpha-beta cost of turning `t` from `src` into `dst` over `size` ranks."""
     if src == dst:
         return 0.0
-    if _replicated_shard(src, dst):
+    if _replicated_shard(src, dst) or isinstance(dst, Partial):  # -> Partial is never chosen
         return math.inf
-    moved = nbytes(t) * (size - 1) / size
-    match src, dst:
-        case Replicate(), Shard():
-            cost = SLICE_COST
-        case Shard(), Replicate():
-            cost = ALPHA_BYTES + moved
-        case Partial(), Replicate():
-            cost = ALPHA_BYTES + 2 * moved
-        case Partial(), Shard():
-            cost = ALPHA_BYTES + moved
-        case Shard(), Shard() if _all_to_all_applies(src, dst):  # each rank keeps 1/size of its piece
-            cost = ALPHA_BYTES + moved / size
-        case Shard(), Shard():  # gather, then slice
-            cost = ALPHA_BYTES + moved + SLICE_COST
-        case _:  # -> Partial is never chosen
-            return math.inf
+    kind = collective_kind(src, dst)
+    cost = collective_cost(kind, t, size) if kind else 0.0
+    if isinstance(dst, Shard) and kind in (None, "all_gather"):  # a local slice (of the gathered tensor)
+        cost += SLICE_COST
     return cost * (PARAMETER_PENALTY if is_parameter else 1.0)
 
 

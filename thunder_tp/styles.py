@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 from thunder.core.proxies import DistParallelType
 
-from thunder_tp.layouts import REPLICATE, Layout, Shard
+from thunder_tp.layouts import REPLICATE, Layout, Shard, check_shardable
 
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 
@@ -193,7 +193,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     names = [name for name, _ in model.named_modules() if name]
     matched: dict[str, Style] = {}
     for pattern, style in plan.items():
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        hits = plan_key_matches(pattern, names)
         if not hits:
             close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
             hint = f"; close names: {', '.join(close)}" if close else ""
@@ -203,6 +203,38 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
                 raise ValueError(f"Module {name!r} matches two plan keys with different styles")
             matched[name] = style
     return matched
+
+
+@dataclass
+class PlannedTensors:
+    """What a plan does to a module's tensors: each styled parameter's and buffer's layout, and the style of each
+    styled module's weight (its op gets the style's input/output constraints)."""
+
+    parameters: dict[str, Layout]
+    buffers: dict[str, Layout]
+    weight_styles: dict[str, Style]
+
+
+def planned_tensors(module: nn.Module, styles: Mapping[str, Style], size: int) -> PlannedTensors:
+    """The layout of every tensor that `styles` (module name -> style) covers on `size` ranks, each checked: whole
+    units (heads) per rank, divisibility, agreement with a `distparallel_type` already on the parameter."""
+    planned = PlannedTensors({}, {}, {})
+    for module_name, style in styles.items():
+        submodule = module.get_submodule(module_name)
+        style.check(module_name, size)
+        for tname, layout in style.tensor_layouts(submodule, size).items():
+            name = f"{module_name}.{tname}"
+            tensor, is_parameter = getattr(submodule, tname), tname in submodule._parameters
+            check_distparallel_type(name, tensor, layout)
+            check_shardable(tensor.shape, layout, size, f"{'parameter' if is_parameter else 'buffer'} {name!r}")
+            (planned.parameters if is_parameter else planned.buffers)[name] = layout
+        planned.weight_styles[f"{module_name}.weight"] = style
+    return planned
+
+
+def plan_key_matches(pattern: str, names: list[str]) -> list[str]:
+    """The module names a plan key (a name or a glob) matches."""
+    return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
 def styles_from_distparallel_type(model: nn.Module) -> dict[str, Style]:

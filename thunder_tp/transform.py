@@ -21,7 +21,6 @@ from thunder_tp.layouts import (
     Layout,
     Shard,
     TPGroup,
-    check_shardable,
     group_device,
     local_shape,
 )
@@ -31,7 +30,7 @@ from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
 from thunder_tp.saved_values import recompute_matmul_inputs
-from thunder_tp.styles import Style, check_distparallel_type, match_plan, styles_from_distparallel_type
+from thunder_tp.styles import Style, match_plan, planned_tensors, styles_from_distparallel_type
 from thunder_tp.thunder_private import (
     original_module,
     set_parameter,
@@ -46,10 +45,21 @@ _UNPACK_PARAMETER = ("unpack_parameter", "unpack_buffer")
 
 
 class TensorParallel(Transform):
-    """Tensor parallelism from a plan of styles, `distparallel_type` on parameters and `annotate` calls."""
+    """Tensor parallelism from a plan of styles, `distparallel_type` on parameters and `annotate` calls.
 
-    def __init__(self, plan: Mapping[str, Style] | None = None, process_group: dist.ProcessGroup | None = None):
-        self.plan = dict(plan or {})
+    `plan="auto"`: the plan `thunder_tp.plans.auto` searches for on a trace of the model made from
+    `example_inputs` (args, kwargs), at jit, on every rank alike (the TP size is the process group's).
+    """
+
+    def __init__(
+        self,
+        plan: Mapping[str, Style] | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        example_inputs: tuple[tuple, dict] | None = None,
+    ):
+        self.plan = _checked_plan(plan, example_inputs)
+        self.example_inputs = example_inputs
         self.process_group = process_group
         self.parameter_layouts: dict[str, Layout] = {}
         #: cache buffers (KVCacheParallel): each rank computes with its piece, zeroed at jit
@@ -75,17 +85,10 @@ class TensorParallel(Transform):
         module = original_module(model)
         self._module = model
         _trace_meta_tensors_on(module, self.tp.group)
-        styles = styles_from_distparallel_type(module) | match_plan(module, self.plan)
-        for module_name, style in styles.items():
-            submodule = module.get_submodule(module_name)
-            style.check(module_name, self.tp.size)
-            for tname, layout in style.tensor_layouts(submodule, self.tp.size).items():
-                name = f"{module_name}.{tname}"
-                tensor, is_parameter = getattr(submodule, tname), tname in submodule._parameters
-                check_distparallel_type(name, tensor, layout)
-                check_shardable(tensor.shape, layout, self.tp.size, f"{'parameter' if is_parameter else 'buffer'} {name!r}")
-                (self.parameter_layouts if is_parameter else self.buffer_layouts)[name] = layout
-            self.weight_styles[f"{module_name}.weight"] = style
+        styles = styles_from_distparallel_type(module) | match_plan(module, self._resolved_plan(module))
+        planned = planned_tensors(module, styles, self.tp.size)
+        self.parameter_layouts, self.buffer_layouts = planned.parameters, planned.buffers
+        self.weight_styles = planned.weight_styles
         tied = tied_parameters(module)
         _check_tied_layouts(tied, self.parameter_layouts)
         local = self._local_layouts(model)
@@ -102,6 +105,15 @@ class TensorParallel(Transform):
         if self.tp.size > 1 and not is_simulating():
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
+
+    def _resolved_plan(self, module: nn.Module) -> Mapping[str, Style]:
+        """The plan; "auto" is searched for here, once, before any parameter is sharded."""
+        if self.plan == "auto":
+            from thunder_tp.plans.auto import auto
+
+            args, kwargs = self.example_inputs
+            self.plan = auto(module, *args, tp_size=self.tp.size, **kwargs)
+        return self.plan
 
     def _local_layouts(self, model) -> dict[str, Layout]:
         """The parameters that get a local piece: the sharded ones; in a simulation, all (a LocalTensor each)."""
@@ -191,6 +203,22 @@ class TensorParallel(Transform):
             if kind is not None and a.distparallel_type not in _DATA_PARALLEL_TYPES:
                 set_proxy_distparallel_type(a, kind)
         return layouts
+
+
+def _checked_plan(plan, example_inputs) -> dict[str, Style] | str:
+    """A plan mapping, or "auto" with its example inputs."""
+    if not isinstance(plan, str):
+        if example_inputs is not None:
+            raise ValueError("thunder_tp.TensorParallel: example_inputs= is for plan=\"auto\"; a given plan needs none")
+        return dict(plan or {})
+    if plan != "auto":
+        raise ValueError(f"thunder_tp.TensorParallel: plan must be a mapping of module names to styles or \"auto\", got {plan!r}")
+    if not (isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict)):
+        raise ValueError(
+            "thunder_tp.TensorParallel(\"auto\") needs example_inputs=(args, kwargs), e.g. ((idx,), {}): the plan is "
+            "searched on a trace of the model at jit, before any call (meta tensors are fine)"
+        )
+    return plan
 
 
 def tied_parameters(module: nn.Module) -> dict[str, str]:

@@ -1,0 +1,419 @@
+"""An automatic plan: the styles that minimize a training step's communication under a parameter-memory budget.
+
+The model is traced once from example inputs (Thunder's interpreter, stopped before anything runs, so meta tensors
+and meta-device models work). Every module that owns parameters is a decision; modules that differ only in their
+block index (`transformer.h.3.mlp.fc`) are one decision, searched once. Each decision picks a style (or none) for
+its modules; propagation lays out everything in between, and `communication.py` prices the result: the forward
+and backward collectives of one step under reshard.py's alpha-beta cost. The search is coordinate descent from
+"every weight matrix sharded" (plain column splits, by whole heads where the trace splits the output into heads),
+deterministic, so every rank finds the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+import torch.nn as nn
+import thunder
+import thunder.torch as ltorch
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+from thunder.core.transform_common import Transform
+
+from thunder_tp.communication import Communication, communication
+from thunder_tp.constraints import constrain_styled_ops
+from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
+from thunder_tp.propagation import Propagation
+from thunder_tp.styles import (
+    ColwiseParallel,
+    FeatureShardedNorm,
+    RowwiseParallel,
+    Style,
+    match_plan,
+    plan_key_matches,
+    planned_tensors,
+)
+from thunder_tp.thunder_private import original_module
+
+_SWEEPS = 4
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Modules planned alike (one per block, or tied ones) and the styles they may get, one per module."""
+
+    modules: tuple[str, ...]
+    choices: tuple[tuple[Style | None, ...], ...]
+
+
+class AutoPlan(dict):
+    """A plan (module name or glob -> style) found by `auto`, with what the search measured."""
+
+    def __init__(self, plan: dict[str, Style], *, tp_size: int, comm: Communication, bytes_per_rank: int,
+                 budget: int, seconds: float, trace_seconds: float, evaluated: int):
+        super().__init__(plan)
+        self.tp_size, self.communication, self.bytes_per_rank, self.budget = tp_size, comm, bytes_per_rank, budget
+        self.seconds, self.trace_seconds, self.evaluated = seconds, trace_seconds, evaluated
+
+    def __str__(self) -> str:
+        head = (
+            f"thunder_tp.plans.auto (TP={self.tp_size}): parameters {self.bytes_per_rank / 2**20:.2f} MiB per rank "
+            f"(budget {self.budget / 2**20:.2f} MiB); per step {self.communication}; search {self.seconds:.2f} s "
+            f"(trace {self.trace_seconds:.2f} s, {self.evaluated} plans priced)"
+        )
+        return "\n".join([head, *(f"  {k!r}: {v!r}" for k, v in self.items())])
+
+
+def auto(model: nn.Module, *example_args, tp_size: int, memory: int | None = None, for_inference: bool = False,
+         **example_kwargs) -> AutoPlan:
+    """The plan with the least communication per step (forward and backward; forward only `for_inference`) whose
+    parameters fit `memory` bytes per rank (default: every weight matrix sharded, K/V heads replicated where a
+    block has fewer heads than ranks, 1-D parameters whole), searched on a trace of `model(*example_args,
+    **example_kwargs)` (shapes only: meta tensors and meta-device models are fine)."""
+    start = time.perf_counter()
+    module = original_module(model)
+    trace = traced(module, example_args, example_kwargs)
+    trace_seconds = time.perf_counter() - start
+    pricing = _Pricing(module, trace, TPGroup(None, tp_size, 0), training=not for_inference)
+    decisions = _decisions(module, trace, tp_size)
+    budget = memory if memory is not None else _default_budget(module, decisions, pricing)
+    choice, (comm, used) = _search(decisions, pricing, budget)
+    plan = _plan(module, decisions, choice)
+    return AutoPlan(plan, tp_size=tp_size, comm=comm, bytes_per_rank=used, budget=budget,
+                    seconds=time.perf_counter() - start, trace_seconds=trace_seconds, evaluated=pricing.evaluated)
+
+
+def price(model: nn.Module, plan: dict[str, Style], *example_args, tp_size: int, for_inference: bool = False,
+          **example_kwargs) -> tuple[Communication, int]:
+    """The communication per step and parameter bytes per rank of any plan, as `auto` prices its candidates."""
+    module = original_module(model)
+    pricing = _Pricing(module, traced(module, example_args, example_kwargs), TPGroup(None, tp_size, 0),
+                       training=not for_inference)
+    priced = pricing._price(match_plan(module, plan))
+    if priced is None:
+        raise ValueError("thunder_tp.plans.auto.price: this plan does not run on this model at this TP size")
+    return priced
+
+
+# --- the trace ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Traced:
+    """The logical computation trace of a module call, and parameter proxy name -> qualified parameter name."""
+
+    computation: TraceCtx
+    names: dict[str, str]
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Capture(Transform):
+    """Keeps the computation trace and stops the compile before anything else happens."""
+
+    def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
+        from thunder_tp.transform import _parameter_names
+
+        self.traced = Traced(computation, _parameter_names(prologue))
+        raise _Stop
+
+
+def traced(module: nn.Module, args: tuple, kwargs: dict) -> Traced:
+    """Trace `module(*args, **kwargs)` with Thunder's interpreter, running nothing; a meta-device model is traced with
+    its example tensors moved to the meta device."""
+    if any(p.is_meta for p in module.parameters()):
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    capture = _Capture()
+    try:
+        thunder.jit(module, transforms=[capture])(*args, **kwargs)
+    except _Stop:
+        return capture.traced
+    raise RuntimeError("thunder_tp.plans.auto: Thunder compiled the model without reaching the TP transform stage")
+
+
+# --- decisions ------------------------------------------------------------------------------------------------
+
+
+def _decisions(module: nn.Module, trace: Traced, size: int) -> list[Decision]:
+    """One decision per kind of parameter-owning module (modules differing only in block indices alike), tied
+    modules together, in the order their parameters enter the trace."""
+    owners: dict[str, list[str]] = {}
+    for name, m in module.named_modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            owners.setdefault(_block_pattern(name), []).append(name)
+    groups = _merge_tied(module, list(owners.values()))
+    order = {n.rpartition(".")[0]: i for i, n in enumerate(trace.names.values())}
+    groups.sort(key=lambda g: min(order.get(m, math.inf) for m in g))
+    return [_decision(module, trace, g, size) for g in groups]
+
+
+def _merge_tied(module: nn.Module, groups: list[list[str]]) -> list[list[str]]:
+    """Groups sharing a parameter (a tied embedding and head) merged: one tensor has one layout."""
+    merged: list[list[str]] = []
+    index: dict[int, int] = {}  # parameter id -> its merged group
+    for group in groups:
+        ids = [id(p) for name in group for p in module.get_submodule(name).parameters(recurse=False)]
+        i = next((index[p] for p in ids if p in index), len(merged))
+        if i == len(merged):
+            merged.append([])
+        merged[i].extend(group)
+        index.update((p, i) for p in ids)
+    return merged
+
+
+def _decision(module: nn.Module, trace: Traced, group: list[str], size: int) -> Decision:
+    """The styles each module of `group` may get (a style per module; tied modules: the combinations that split
+    their shared parameter one way)."""
+    kinds = {}
+    for name in group:
+        kinds.setdefault(_signature(module.get_submodule(name)), name)
+    per_kind = {sig: _choices(module.get_submodule(first), first, trace, size) for sig, first in kinds.items()}
+    names = list(kinds)
+    combos = []
+    for combo in product(*(per_kind[n] for n in names)):
+        by_kind = dict(zip(names, combo))
+        combos.append(tuple(by_kind[_signature(module.get_submodule(m))] for m in group))
+    return Decision(tuple(group), tuple(combos))
+
+
+def _signature(m: nn.Module) -> tuple:
+    return (type(m).__name__, tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False)))
+
+
+def _choices(m: nn.Module, name: str, trace: Traced, size: int) -> list[Style | None]:
+    """The styles worth trying for one module (None: replicated), sharded ones first."""
+    if isinstance(m, nn.Linear):
+        column = _column_style(name, trace, size)
+        return [column, RowwiseParallel(), RowwiseParallel(output_layout=None), None]
+    if isinstance(m, nn.Embedding):
+        return [RowwiseParallel(), ColwiseParallel(output_layout=None), RowwiseParallel(output_layout=None), None]
+    if all(p.ndim == 1 for p in m.parameters(recurse=False)):
+        return [None, FeatureShardedNorm()]
+    return [None]
+
+
+def _column_style(name: str, trace: Traced, size: int) -> ColwiseParallel:
+    """Column-parallel by whole heads where the trace cuts the output into blocks (a split) and heads (a view to
+    (..., heads, head_size)); a block with fewer heads than ranks may be replicated."""
+    weight = next((p for p, n in trace.names.items() if n == f"{name}.weight"), None)
+    blocks = _output_blocks(trace.computation, weight) if weight else None
+    if blocks is None:
+        return ColwiseParallel()
+    sizes = tuple(n for n, _ in blocks)
+    unit = math.gcd(*(d for _, (h, d) in blocks))
+    replicable = tuple(h < size for _, (h, _d) in blocks)
+    return ColwiseParallel(blocks=sizes, unit=unit, replicable=replicable)
+
+
+def _output_blocks(trace: TraceCtx, weight: str) -> list[tuple[int, tuple[int, int]]] | None:
+    """[(block size, (heads, head size))] of the first linear that uses `weight`, when its output is viewed as
+    heads (after a split into blocks, if any)."""
+    users: dict[str, list] = {}
+    for b in trace.bound_symbols:
+        for a in b.flat_proxy_args:
+            users.setdefault(a.name, []).append(b)
+    linear = next((b for b in users.get(weight, []) if b.sym.id == ltorch.linear.id), None)
+    if linear is None:
+        return None
+    y = linear.output
+    parts = [y]
+    for b in users.get(y.name, []):
+        if b.sym.id == ltorch.split.id and _last_dim(b, y):
+            parts = [o for o in b.output if isinstance(o, TensorProxy)]
+    heads = [_heads(p, users) for p in parts]
+    if any(h is None for h in heads):
+        return None
+    return [(p.shape[-1], h) for p, h in zip(parts, heads)]
+
+
+def _last_dim(split, t: TensorProxy) -> bool:
+    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    return dim in (-1, t.ndim - 1)
+
+
+def _heads(t: TensorProxy, users: dict, depth: int = 3) -> tuple[int, int] | None:
+    """(heads, head size) of the first view of `t` that cuts its last dim in two, through same-shape ops."""
+    for b in users.get(t.name, []):
+        out = b.output
+        if not isinstance(out, TensorProxy):
+            continue
+        if b.sym.id in (ltorch.reshape.id, ltorch.view.id) and out.ndim == t.ndim + 1 and \
+                tuple(out.shape[: t.ndim - 1]) == tuple(t.shape[:-1]) and out.shape[-2] * out.shape[-1] == t.shape[-1]:
+            return out.shape[-2], out.shape[-1]
+        if depth and tuple(out.shape) == tuple(t.shape):
+            found = _heads(out, users, depth - 1)
+            if found:
+                return found
+    return None
+
+
+# --- pricing --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pricing:
+    """Prices a choice of styles: (communication per step, parameter bytes per rank), memoized."""
+
+    module: nn.Module
+    trace: Traced
+    tp: TPGroup
+    training: bool
+    evaluated: int = 0
+    _memo: dict = field(default_factory=dict)
+
+    def styles(self, decisions: list[Decision], choice: tuple[int, ...]) -> dict[str, Style]:
+        """Module name -> style for a choice (an index into each decision's combinations)."""
+        styles = {}
+        for d, i in zip(decisions, choice):
+            styles.update((m, s) for m, s in zip(d.modules, d.choices[i]) if s is not None)
+        return styles
+
+    def price(self, decisions: list[Decision], choice: tuple[int, ...]) -> tuple[Communication, int] | None:
+        """None where the choice cannot run (a split that does not divide, two layouts for a tied tensor)."""
+        if choice not in self._memo:
+            self._memo[choice] = self._price(self.styles(decisions, choice))
+        return self._memo[choice]
+
+    def _price(self, styles: dict[str, Style]) -> tuple[Communication, int] | None:
+        from thunder_tp.transform import _check_tied_layouts, tied_parameters
+
+        try:
+            planned = planned_tensors(self.module, styles, self.tp.size)
+            _check_tied_layouts(tied_parameters(self.module), planned.parameters)
+        except (ValueError, TypeError):
+            return None
+        self.evaluated += 1
+        comm = self.communication(planned.parameters | planned.buffers, planned.weight_styles)
+        return None if comm is None else (comm, self.memory(planned.parameters))
+
+    def communication(self, layouts: dict[str, Layout], weight_styles: dict[str, Style]) -> Communication | None:
+        """The collectives of one step with these tensor layouts and styles (None: propagation refuses)."""
+        computation, names = self.trace.computation, self.trace.names
+        inputs = [b.output for b in computation.bound_symbols
+                  if b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL and isinstance(b.output, TensorProxy)]
+        initial = {a.name: layouts.get(names.get(a.name, ""), REPLICATE) for a in inputs}
+        styled = {p: weight_styles[n] for p, n in names.items() if n in weight_styles}
+        logical = constrain_styled_ops(computation, styled)
+        body = [b for b in logical.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
+        propagation = Propagation(dict(initial), self.tp, frozenset(names))
+        try:
+            steps = propagation.run(body)
+        except NotImplementedError:
+            return None
+        returned = logical.bound_symbols[-1].args
+        return communication(steps, returned, propagation.layouts, self.tp, inputs, training=self.training)
+
+    def memory(self, layouts: dict[str, Layout], only: str | None = None) -> int:
+        """Parameter bytes per rank (of parameter `only`, if given)."""
+        return sum(
+            math.prod(local_shape(p.shape, layouts.get(n, REPLICATE), self.tp.size)) * p.element_size()
+            for n, p in self.module.named_parameters() if only in (None, n)
+        )
+
+
+def _default_budget(module: nn.Module, decisions: list[Decision], pricing: _Pricing) -> int:
+    """Every weight matrix of a Linear / Embedding split by its first valid style (column / vocabulary first; K/V
+    heads replicated where a block has fewer heads than ranks), every other parameter whole."""
+    layouts: dict[str, Layout] = {}
+    for d in decisions:
+        for j, name in enumerate(d.modules):
+            if isinstance(module.get_submodule(name), (nn.Linear, nn.Embedding)):
+                layouts |= next(filter(None, (_split_alone(pricing, name, c[j]) for c in d.choices)), {})
+    return pricing.memory({n: x for n, x in layouts.items() if n.endswith(".weight")})
+
+
+def _split_alone(pricing: _Pricing, name: str, style: Style | None) -> dict[str, Layout] | None:
+    """The layouts of module `name`'s parameters under `style`, if it shards them validly on its own."""
+    if style is None:
+        return None
+    try:
+        return planned_tensors(pricing.module, {name: style}, pricing.tp.size).parameters
+    except (ValueError, TypeError):
+        return None
+
+
+def _search(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[tuple[int, ...], tuple]:
+    """Coordinate descent over the decisions: each in turn takes its cheapest combination (communication cost, then
+    memory, then the earlier choice), the others fixed, until nothing changes."""
+    choice = _most_sharded(decisions, pricing, budget)
+    best = _score(pricing.price(decisions, choice))
+    for _ in range(_SWEEPS):
+        changed = False
+        for i, d in enumerate(decisions):
+            for j in range(len(d.choices)):
+                trial = (*choice[:i], j, *choice[i + 1:])
+                priced = pricing.price(decisions, trial)
+                if priced is not None and priced[1] <= budget and _score(priced) < best:
+                    choice, best, changed = trial, _score(priced), True
+        if not changed:
+            break
+    return choice, pricing.price(decisions, choice)
+
+
+def _score(priced: tuple[Communication, int]) -> tuple[float, int]:
+    return priced[0].cost, priced[1]
+
+
+def _most_sharded(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[int, ...]:
+    """Each decision's first combination that splits its own parameters validly; an error if that is over budget."""
+    choice = tuple(
+        next((j for j, c in enumerate(d.choices) if all(s is None or _split_alone(pricing, m, s) is not None
+                                                         for m, s in zip(d.modules, c))), len(d.choices) - 1)
+        for d in decisions
+    )
+    priced = pricing.price(decisions, choice)
+    if priced is None:
+        raise RuntimeError("thunder_tp.plans.auto: the plan with every weight matrix sharded does not run on this model "
+                           "(propagation refused it); please report the model, and pass a hand plan meanwhile")
+    if priced[1] > budget:
+        raise MemoryError(_over_budget(pricing, pricing.styles(decisions, choice), priced[1], budget))
+    return choice
+
+
+def _over_budget(pricing: _Pricing, styles: dict[str, Style], used: int, budget: int) -> str:
+    """Which parameters dominate when even the most sharded plan does not fit."""
+    layouts = planned_tensors(pricing.module, styles, pricing.tp.size).parameters
+    sizes = sorted(((pricing.memory({n: layouts.get(n, REPLICATE)}, only=n), n) for n, _ in pricing.module.named_parameters()),
+                   reverse=True)
+    top = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for b, n in sizes[:5])
+    return (f"thunder_tp.plans.auto: no plan fits {budget / 2**20:.2f} MiB of parameters per rank on {pricing.tp.size} "
+            f"ranks: the most sharded one needs {used / 2**20:.2f} MiB; the largest per rank: {top}. Raise memory=, use "
+            "more ranks, or also shard the data-parallel way (FSDP)")
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+
+def _plan(module: nn.Module, decisions: list[Decision], choice: tuple[int, ...]) -> dict[str, Style]:
+    """Module names -> styles, a glob per decision where it matches exactly its modules."""
+    names = [n for n, _ in module.named_modules() if n]
+    plan: dict[str, Style] = {}
+    for d, i in zip(decisions, choice):
+        styled = {m: s for m, s in zip(d.modules, d.choices[i]) if s is not None}
+        for style in dict.fromkeys(styled.values()):
+            members = [m for m, s in styled.items() if s == style]
+            plan.update(_keys(members, style, names))
+    return plan
+
+
+def _keys(members: list[str], style: Style, names: list[str]) -> Iterator[tuple[str, Style]]:
+    """One glob for modules that differ only in block indices, when it matches nothing else; else their names."""
+    pattern = _block_pattern(members[0])
+    if len(members) > 1 and sorted(plan_key_matches(pattern, names)) == sorted(members):
+        yield pattern, style
+        return
+    yield from ((m, style) for m in members)
+
+
+def _block_pattern(name: str) -> str:
+    """`name` with every block index a glob: transformer.h.3.mlp.fc -> transformer.h.*.mlp.fc."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
