@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
     p.add_argument("--dp_size", type=int, default=None,
                    help="data-parallel size of the 2-D modes (tp_ddp, tp_fsdp); dp * tp = world (default: world // tp)")
+    p.add_argument("--plan", default="hand", choices=["hand", "auto"],
+                   help="hand: plans.litgpt / plans.hf; auto: plans.auto searches the plan (printed by rank 0)")
     p.add_argument("--loss_parallel", type=str2bool, default=False, help="cross-entropy over vocab-sharded logits")
     p.add_argument("--dump_thunder_traces", type=str2bool, default=False,
                    help="rank 0 prints the final traces; every rank writes them to --trace_dir")

@@ -85,9 +85,24 @@ def _none(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
 def _tp(model: nn.Module, args: argparse.Namespace, groups: Groups, *, sequence_parallel: bool = False) -> list:
     import thunder_tp
 
+    if args.plan == "auto":
+        return [thunder_tp.TensorParallel(_auto_plan(model, args, groups, sequence_parallel), process_group=groups.tp_group)]
     plans = thunder_tp.plans.hf if args.hf_model_type else thunder_tp.plans.litgpt
     plan = plans(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
     return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group)]
+
+
+def _auto_plan(model: nn.Module, args: argparse.Namespace, groups: Groups, sequence_parallel: bool):
+    """--plan auto: plans.auto searched on a batch of meta tensors; rank 0 prints it."""
+    import thunder_tp
+
+    if sequence_parallel or args.loss_parallel:
+        raise SystemExit("--plan auto chooses every layout itself: leave out --loss_parallel and use --distributed_mode tp")
+    batch = torch.zeros(args.micro_batch_size, args.block_size, dtype=torch.int64, device="meta")
+    plan = thunder_tp.plans.auto(model, batch, batch, tp_size=groups.tp_size)
+    if groups.rank == 0:
+        print(plan, flush=True)
+    return plan
 
 
 MODES: dict[str, Mode] = {

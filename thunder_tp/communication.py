@@ -16,7 +16,7 @@ from thunder.core.pytree import tree_flatten
 
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
-from thunder_tp.reshard import ALPHA_BYTES, collective_cost, collective_kind
+from thunder_tp.reshard import ALPHA_BYTES, collective_cost, collective_kind, nbytes
 
 @dataclass
 class Communication:
@@ -31,10 +31,10 @@ class Communication:
         """Collectives per step, both ways."""
         return sum(self.forward.values()) + sum(self.backward.values())
 
-    def add(self, kind: str, t: TensorProxy, size: int, *, backward: bool = False) -> None:
-        """One collective of `kind` on `t`."""
+    def add(self, kind: str, t: TensorProxy | int, size: int, *, backward: bool = False) -> None:
+        """One collective of `kind` on `t` (or on a tensor of `t` bytes)."""
         (self.backward if backward else self.forward)[kind] += 1
-        self.cost += collective_cost(kind, t, size)
+        self.cost += collective_cost(kind, t if isinstance(t, int) else nbytes(t), size)
 
     def __str__(self) -> str:
         each = lambda c: " + ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
@@ -76,7 +76,7 @@ class _Walk:
             first = t.dtype not in self.coalesced
             self.coalesced.add(t.dtype)
             self.result.backward["all_reduce"] += first
-            self.result.cost += collective_cost("all_reduce", t, self.tp.size) - (0 if first else ALPHA_BYTES)
+            self.result.cost += collective_cost("all_reduce", nbytes(t), self.tp.size) - (0 if first else ALPHA_BYTES)
         else:
             self.result.add("all_reduce", t, self.tp.size, backward=True)
 
@@ -95,6 +95,8 @@ def communication(
             continue
         for t, required in zip(tensors, step.strategy.inputs):
             walk.need(t, required, step.strategy.enters_tp_region)
+        for kind, full_bytes in step.strategy.issues:
+            walk.result.add(kind, full_bytes, tp.size)
         if any(t.name in needs_grad for t in tensors):
             needs_grad.update(o.name for o in outputs)
         if tensors and all(t.name in walk.from_inputs and layouts[t.name] == normalize(r, t.ndim)

@@ -24,9 +24,9 @@ def nbytes(t: TensorProxy) -> int:
     return math.prod(int(s) for s in t.shape) * t.dtype.bytes
 
 
-def collective_cost(kind: str, t: TensorProxy, size: int) -> float:
-    """Alpha-beta cost of one collective of `kind` on `t` (its full size) over `size` ranks."""
-    moved = nbytes(t) * (size - 1) / size
+def collective_cost(kind: str, full_bytes: int, size: int) -> float:
+    """Alpha-beta cost of one collective of `kind` on a tensor of `full_bytes` over `size` ranks."""
+    moved = full_bytes * (size - 1) / size
     return ALPHA_BYTES + moved * {"all_reduce": 2.0, "all_to_all": 1.0 / size}.get(kind, 1.0)
 
 
@@ -53,7 +53,7 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
     if _replicated_shard(src, dst) or isinstance(dst, Partial):  # -> Partial is never chosen
         return math.inf
     kind = collective_kind(src, dst)
-    cost = collective_cost(kind, t, size) if kind else 0.0
+    cost = collective_cost(kind, nbytes(t), size) if kind else 0.0
     if isinstance(dst, Shard) and kind in (None, "all_gather"):  # a local slice (of the gathered tensor)
         cost += SLICE_COST
     return cost * (PARAMETER_PENALTY if is_parameter else 1.0)

@@ -36,6 +36,19 @@ def set_trace_device(t: torch.Tensor, device: torch.device) -> None:
     t._thunder_device = device
 
 
+@contextlib.contextmanager
+def meta_traced_on(tensors: list[torch.Tensor], device: torch.device) -> Iterator[None]:
+    """Trace the meta-device `tensors` that have no trace device yet as on `device`, for the duration only."""
+    unset = [t for t in tensors if t.is_meta and trace_device(t) is None]
+    for t in unset:
+        set_trace_device(t, device)
+    try:
+        yield
+    finally:
+        for t in unset:
+            del t._thunder_device
+
+
 def set_proxy_shape(proxy: TensorProxy, shape: tuple[int, ...]) -> None:
     """Change a trace input's shape in place, as Thunder's FSDPTransform does (``replace`` makes a new proxy, but the
     prologue and the computation share this one)."""

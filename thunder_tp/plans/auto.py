@@ -40,7 +40,7 @@ from thunder_tp.styles import (
     plan_key_matches,
     planned_tensors,
 )
-from thunder_tp.thunder_private import original_module
+from thunder_tp.thunder_private import meta_traced_on, original_module
 
 _SWEEPS = 4
 
@@ -128,16 +128,22 @@ class _Capture(Transform):
 
 
 def traced(module: nn.Module, args: tuple, kwargs: dict) -> Traced:
-    """Trace `module(*args, **kwargs)` with Thunder's interpreter, running nothing; a meta-device model is traced with
-    its example tensors moved to the meta device."""
-    if any(p.is_meta for p in module.parameters()):
-        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    """Trace `module(*args, **kwargs)` with Thunder's interpreter, running nothing. Meta-device tensors are traced as
+    CPU ones (HF's rotary embedding, for one, opens an autocast region on its inputs' device, which meta is not)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, _off_meta, (args, kwargs))
     capture = _Capture()
-    try:
-        thunder.jit(module, transforms=[capture])(*args, **kwargs)
-    except _Stop:
-        return capture.traced
+    with meta_traced_on(tensors, torch.device("cpu")):
+        try:
+            thunder.jit(module, transforms=[capture])(*args, **kwargs)
+        except _Stop:
+            return capture.traced
     raise RuntimeError("thunder_tp.plans.auto: Thunder compiled the model without reaching the TP transform stage")
+
+
+def _off_meta(t: torch.Tensor) -> torch.Tensor:
+    """An example input on the CPU (a meta one becomes zeros of its shape: only shapes are traced)."""
+    return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t
 
 
 # --- decisions ------------------------------------------------------------------------------------------------
@@ -407,7 +413,8 @@ def _plan(module: nn.Module, decisions: list[Decision], choice: tuple[int, ...])
 
 def _keys(members: list[str], style: Style, names: list[str]) -> Iterator[tuple[str, Style]]:
     """One glob for modules that differ only in block indices, when it matches nothing else; else their names."""
-    pattern = _block_pattern(members[0])
+    parts = [m.split(".") for m in members]
+    pattern = ".".join(p[0] if len(set(p)) == 1 else "*" for p in zip(*parts)) if len({len(p) for p in parts}) == 1 else ""
     if len(members) > 1 and sorted(plan_key_matches(pattern, names)) == sorted(members):
         yield pattern, style
         return

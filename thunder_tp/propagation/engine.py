@@ -19,7 +19,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
 
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, TPGroup, check_shardable, normalize
-from thunder_tp.reshard import redistribute_cost
+from thunder_tp.reshard import collective_cost, redistribute_cost
 
 LocalFn = Callable[..., Any]
 
@@ -30,12 +30,14 @@ class Strategy:
 
     `local` computes the op on local pieces, called like the op (tensors replaced by local ones);
     None means the op itself does. `whole_grads`: its Replicate inputs get whole grads on every rank.
+    `issues`: (kind, bytes of the full result) of each collective `local` issues itself (priced by plans.auto).
     """
 
     inputs: tuple[Layout, ...]
     outputs: tuple[Layout, ...]
     local: LocalFn | None = None
     whole_grads: bool = False
+    issues: tuple[tuple[str, int], ...] = ()
 
     @property
     def enters_tp_region(self) -> bool:
@@ -164,7 +166,8 @@ class Propagation:
             else redistribute_cost(cur, normalize(req, t.ndim), t, self.tp.size, is_parameter=t.name in self.parameters)
             for t, cur, req in zip(op.tensors, op.layouts, s.inputs)
         )
-        return inputs + PENDING_SUM_COST * sum(isinstance(x, Partial) for x in s.outputs)
+        issued = sum(collective_cost(kind, full_bytes, self.tp.size) for kind, full_bytes in s.issues)
+        return inputs + issued + PENDING_SUM_COST * sum(isinstance(x, Partial) for x in s.outputs)
 
 
 def _check_written_in_place(op: Op, strategy: Strategy) -> None:

@@ -105,4 +105,6 @@ def cross_entropy(op: Op) -> list[Strategy]:
     ignore_index, reduction = op.arg("ignore_index"), op.arg("reduction")
     vocab_parallel = _vocab_parallel_cross_entropy(op.tp, ignore_index, reduction)
     replicated = _replicated_cross_entropy(ignore_index, reduction)
-    return [Strategy((Shard(1), REPLICATE), (REPLICATE,), vocab_parallel), replace(op.replicated(), local=replicated)]
+    stats = ("all_gather", 2 * logits.shape[0] * logits.dtype.bytes * op.tp.size)  # (log-sum-exp, target logit) pairs
+    return [Strategy((Shard(1), REPLICATE), (REPLICATE,), vocab_parallel, issues=(stats,)),
+            replace(op.replicated(), local=replicated)]

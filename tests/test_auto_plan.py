@@ -1,0 +1,149 @@
+"""plans.auto: a plan searched on a trace, exact against one device, no worse than the hand plans, and far cheaper
+than gathering around every layer on models nobody wrote a plan for.
+
+Each case plans on a meta-device copy of the model (shapes only), jits the real model with that plan on real gloo
+ranks (float64), checks the loss and every grad against one device, and checks that the collectives the program
+issues are the ones the search priced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import thunder
+import torch
+
+import thunder_tp
+from thunder_tp import TensorParallel
+from thunder_tp.layouts import REPLICATE, shard_tensor
+from thunder_tp.plans.auto import price
+from thunder_tp.plans.litgpt import GPTWithLoss
+from tests import custom_models
+from tests.dist import run_ranks
+from tests.litgpt_models import batch, zoo_config
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
+
+
+@dataclass
+class Case:
+    """A model to plan: its factory, example inputs, its hand plan (or the naive one), how to read its loss."""
+
+    make: Callable[[], torch.nn.Module]
+    args: tuple
+    kwargs: dict
+    other_plan: Callable[[torch.nn.Module], dict]
+    loss: Callable = lambda out: out  # noqa: E731
+    tolerance: float = 2e-6  # litgpt's RMSNorm runs in float32; everything else is exact to ~1e-12
+
+
+def _case(family: str, name: str) -> Case:
+    if family == "litgpt":
+        config = zoo_config(name)
+        return Case(lambda: GPTWithLoss(config).double(), batch(0), {}, thunder_tp.plans.litgpt)
+    if family == "hf":
+        from tests import hf_models
+
+        idx = hf_models.batch()
+        return Case(lambda: hf_models.make_model(name), (), dict(input_ids=idx, labels=idx, use_cache=False),
+                    thunder_tp.plans.hf, lambda out: out.loss, 1e-5)  # HF's loss and norms run in float32
+    return Case(lambda: custom_models.MODELS[name]().double(), custom_models.inputs(name), {}, custom_models.naive_plan)
+
+
+def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
+    """Plan on the meta device, train one step with the plan against one device; counts priced and run."""
+    rank, size = rank_and_size()
+    case = _case(family, name)
+    torch.manual_seed(0)
+    reference = case.make()
+    with torch.device("meta"):
+        meta = case.make()
+    plan = thunder_tp.plans.auto(meta, *case.args, tp_size=size, **case.kwargs)
+    model = case.make()
+    model.load_state_dict(reference.state_dict())
+    example = (case.args, case.kwargs)
+    transform = TensorParallel("auto", example_inputs=example) if shorthand else TensorParallel(plan)
+    jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+    expected, actual = case.loss(reference(*case.args, **case.kwargs)), case.loss(jm(*case.args, **case.kwargs))
+    assert_close_scaled(actual, expected, rtol=0, atol=case.tolerance, what=f"{name} loss")
+    expected.backward()
+    actual.backward()
+    for n, p in reference.named_parameters():
+        want = shard_tensor(p.grad, transform.parameter_layouts.get(n, REPLICATE), rank, size)
+        assert_close_scaled(jm.get_parameter(n).grad, want, rtol=0, atol=case.tolerance, what=f"{name} grad of {n}")
+    return {
+        "ran": (collective_counts(thunder.last_traces(jm)[-1]), collective_counts(thunder.last_backward_traces(jm)[-1])),
+        "priced": (dict(plan.communication.forward), dict(plan.communication.backward)),
+        "auto": (plan.communication.count, plan.communication.cost, plan.bytes_per_rank),
+        "other": _priced(price(meta, case.other_plan(meta), *case.args, tp_size=size, **case.kwargs)),
+        "same_plan": dict(transform.plan) == dict(plan),
+        "plan": str(plan),
+    }
+
+
+def _priced(priced) -> tuple[int, float, int]:
+    comm, used = priced
+    return comm.count, comm.cost, used
+
+
+CUSTOM = ["mlp", "vit", "t5", "conv_vit"]
+
+
+@pytest.mark.parametrize("name", CUSTOM)
+def test_models_without_a_plan_get_one_cheaper_than_gathering_around_every_layer(name):
+    info = run_ranks(_run_auto, 2, "custom", name)[0]
+    assert info["ran"] == info["priced"], info
+    count, cost, _ = info["auto"]
+    naive_count, naive_cost, _ = info["other"]
+    assert count < naive_count and cost < naive_cost, info
+
+
+LITGPT = [("llama-like GQA", "Llama-3.2-1B", 2), ("neox parallel residual", "pythia-14m", 2), ("replicated K/V heads", "Qwen2.5-1.5B", 4)]
+
+
+@pytest.mark.parametrize("what,name,world", LITGPT, ids=[f"{n}-tp{w}" for _, n, w in LITGPT])
+def test_litgpt_auto_plan_is_no_worse_than_the_hand_plan(what, name, world):
+    info = run_ranks(_run_auto, world, "litgpt", name)[0]
+    assert info["ran"] == info["priced"], info
+    (count, cost, used), (hand_count, hand_cost, hand_used) = info["auto"], info["other"]
+    assert count <= hand_count and cost <= hand_cost and used <= 1.01 * hand_used, info
+
+
+HF = [("llama", 2), ("gemma", 2), ("qwen2_kv2", 4)]
+
+
+@pytest.mark.parametrize("name,world", HF, ids=[f"{n}-tp{w}" for n, w in HF])
+def test_hf_auto_plan_is_no_worse_than_plans_hf(name, world):
+    pytest.importorskip("transformers")
+    info = run_ranks(_run_auto, world, "hf", name)[0]
+    assert info["ran"] == info["priced"], info
+    (count, cost, used), (hand_count, hand_cost, hand_used) = info["auto"], info["other"]
+    assert count <= hand_count and cost <= hand_cost and used <= 1.01 * hand_used, info
+
+
+def test_tensor_parallel_auto_searches_at_jit():
+    info = run_ranks(_run_auto, 2, "custom", "mlp", True)[0]
+    assert info["same_plan"] and info["ran"] == info["priced"], info
+
+
+def test_auto_plan_is_readable_and_a_plan_tensor_parallel_takes():
+    model = custom_models.MLPStack().double()
+    plan = thunder_tp.plans.auto(model, *custom_models.inputs("mlp"), tp_size=2)
+    text = str(plan)
+    assert "'blocks.*.0': ColwiseParallel" in text and "'blocks.*.2': RowwiseParallel" in text, text
+    assert "per step forward 3 all_reduce; backward 2 all_reduce" in text and "search" in text, text
+    assert dict(TensorParallel(plan).plan) == dict(plan)
+
+
+def test_a_budget_no_plan_fits_is_a_clear_error():
+    model = custom_models.MLPStack().double()
+    with pytest.raises(MemoryError, match=r"no plan fits 0.01 MiB .* blocks\.\d\.0\.weight"):
+        thunder_tp.plans.auto(model, *custom_models.inputs("mlp"), tp_size=2, memory=10_000)
+
+
+def test_auto_without_example_inputs_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"example_inputs=\(args, kwargs\)"):
+        TensorParallel("auto")
+    with pytest.raises(ValueError, match="mapping of module names to styles or \"auto\""):
+        TensorParallel("automatic", example_inputs=((), {}))
