@@ -83,6 +83,14 @@ def _thunder_tp(plan_fn, executors_fn):
     return build
 
 
+def _auto_plan(model: nn.Module) -> dict:
+    """plans.auto searched on meta tensors of a batch 4 x the model's sequence length (its RoPE tables' length)."""
+    import thunder_tp
+
+    batch = torch.zeros(4, model.model.cos.shape[0], dtype=torch.int64, device="meta")
+    return thunder_tp.plans.auto(model, batch, batch, tp_size=dist.get_world_size())
+
+
 def _dtensor(kind: str, compile: bool = False, loss_parallel: bool = False):
     def build(model):
         from torch.distributed.device_mesh import init_device_mesh
@@ -129,6 +137,8 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
         Mode("thunder_tp_tp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False), chosen), "thunder_tp TP"),
         Mode("thunder_tp_sp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True), chosen),
              "thunder_tp TP+SP"),
+        Mode("thunder_tp_auto", "llama", 0, "thunder", _thunder_tp(_auto_plan, chosen),
+             "thunder_tp, the plan plans.auto searched (no hand plan)"),
         Mode("thunder_tp_tp_lp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False, True), chosen),
              "thunder_tp TP, loss parallel (logits stay vocab-sharded; compare with dtensor_tp_lp)"),
         Mode("dtensor_tp_lp", "llama", 0, "eager", _dtensor("best", loss_parallel=True),

@@ -20,7 +20,7 @@ TINY = [*(x for k, v in DIMS.items() for x in (f"--{k}", str(v))), "--batch", st
         "--steps", "2", "--warmup", "1", "--fresh_inductor_cache", "0"]
 EVERY_MODE = {
     "single_eager", "single_thunder", "single_thunder_defaults", "single_thunder_inductor",
-    "thunder_tp_tp", "thunder_tp_sp", "thunder_tp_tp_lp",
+    "thunder_tp_tp", "thunder_tp_auto", "thunder_tp_sp", "thunder_tp_tp_lp",
     "dtensor_tp_lp", "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
     "litgpt_single_thunder", "litgpt_thunder_tp_tp", "litgpt_thunder_tp_sp",
 }

@@ -56,11 +56,16 @@ class Decision:
 class AutoPlan(dict):
     """A plan (module name or glob -> style) found by `auto`, with what the search measured."""
 
-    def __init__(self, plan: dict[str, Style], *, tp_size: int, comm: Communication, bytes_per_rank: int,
-                 budget: int, seconds: float, trace_seconds: float, evaluated: int):
+    def __init__(self, plan: dict[str, Style], pricing: _Pricing, *, comm: Communication, bytes_per_rank: int,
+                 budget: int, seconds: float, trace_seconds: float):
         super().__init__(plan)
-        self.tp_size, self.communication, self.bytes_per_rank, self.budget = tp_size, comm, bytes_per_rank, budget
-        self.seconds, self.trace_seconds, self.evaluated = seconds, trace_seconds, evaluated
+        self.tp_size, self.communication, self.bytes_per_rank, self.budget = pricing.tp.size, comm, bytes_per_rank, budget
+        self.seconds, self.trace_seconds, self.evaluated = seconds, trace_seconds, pricing.evaluated
+        self._pricing = pricing
+
+    def price(self, plan: dict[str, Style]) -> tuple[Communication, int]:
+        """Another plan's communication per step and parameter bytes per rank, priced on the same trace."""
+        return self._pricing.price_plan(plan)
 
     def __str__(self) -> str:
         head = (
@@ -86,8 +91,8 @@ def auto(model: nn.Module, *example_args, tp_size: int, memory: int | None = Non
     budget = memory if memory is not None else _default_budget(module, decisions, pricing)
     choice, (comm, used) = _search(decisions, pricing, budget)
     plan = _plan(module, decisions, choice)
-    return AutoPlan(plan, tp_size=tp_size, comm=comm, bytes_per_rank=used, budget=budget,
-                    seconds=time.perf_counter() - start, trace_seconds=trace_seconds, evaluated=pricing.evaluated)
+    return AutoPlan(plan, pricing, comm=comm, bytes_per_rank=used, budget=budget,
+                    seconds=time.perf_counter() - start, trace_seconds=trace_seconds)
 
 
 def price(model: nn.Module, plan: dict[str, Style], *example_args, tp_size: int, for_inference: bool = False,
@@ -96,10 +101,7 @@ def price(model: nn.Module, plan: dict[str, Style], *example_args, tp_size: int,
     module = original_module(model)
     pricing = _Pricing(module, traced(module, example_args, example_kwargs), TPGroup(None, tp_size, 0),
                        training=not for_inference)
-    priced = pricing._price(match_plan(module, plan))
-    if priced is None:
-        raise ValueError("thunder_tp.plans.auto.price: this plan does not run on this model at this TP size")
-    return priced
+    return pricing.price_plan(plan)
 
 
 # --- the trace ------------------------------------------------------------------------------------------------
@@ -288,6 +290,13 @@ class _Pricing:
         if choice not in self._memo:
             self._memo[choice] = self._price(self.styles(decisions, choice))
         return self._memo[choice]
+
+    def price_plan(self, plan: dict[str, Style]) -> tuple[Communication, int]:
+        """A plan's price; a ValueError if it cannot run on this model at this TP size."""
+        priced = self._price(match_plan(self.module, plan))
+        if priced is None:
+            raise ValueError(f"thunder_tp.plans.auto: the plan does not run on this model over {self.tp.size} ranks")
+        return priced
 
     def _price(self, styles: dict[str, Style]) -> tuple[Communication, int] | None:
         from thunder_tp.transform import _check_tied_layouts, tied_parameters
