@@ -171,6 +171,23 @@ def test_auto_plan_is_readable_and_a_plan_tensor_parallel_takes():
     assert dict(TensorParallel(plan).plan) == dict(plan)
 
 
+def test_auto_plan_for_inference_shards_the_kv_cache_like_the_hand_plan():
+    from litgpt import GPT
+
+    from tests.litgpt_models import make_config
+
+    with torch.device("meta"):
+        model = GPT(make_config("llama"))
+    model.max_seq_length = 16
+    model.set_kv_cache(batch_size=1, device=torch.device("meta"))
+    token, position = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([5])
+    plan = thunder_tp.plans.auto(model, token, position, tp_size=2, for_inference=True)
+    assert isinstance(plan["transformer.h.*.attn.kv_cache"], thunder_tp.KVCacheParallel), str(plan)
+    hand, _ = plan.price(thunder_tp.plans.litgpt(model))
+    assert plan.communication.forward == hand.forward == {"all_reduce": 5, "all_gather": 1}, str(plan)
+    assert not plan.communication.backward, str(plan)
+
+
 def test_a_budget_no_plan_fits_is_a_clear_error():
     model = custom_models.MLPStack().double()
     with pytest.raises(MemoryError, match=r"no plan fits 0.01 MiB .* blocks\.\d\.0\.weight"):

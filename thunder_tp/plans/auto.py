@@ -34,6 +34,7 @@ from thunder_tp.propagation import Propagation
 from thunder_tp.styles import (
     ColwiseParallel,
     FeatureShardedNorm,
+    KVCacheParallel,
     RowwiseParallel,
     Style,
     match_plan,
@@ -153,14 +154,16 @@ def _off_meta(t: torch.Tensor) -> torch.Tensor:
 
 def _decisions(module: nn.Module, trace: Traced, size: int) -> list[Decision]:
     """One decision per kind of parameter-owning module (modules differing only in block indices alike), tied
-    modules together, in the order their parameters enter the trace."""
+    modules together: those with weight matrices first, each part in the order their parameters enter the trace."""
     owners: dict[str, list[str]] = {}
     for name, m in module.named_modules():
-        if any(True for _ in m.parameters(recurse=False)):
+        if any(True for _ in m.parameters(recurse=False)) or _is_cache(m):
             owners.setdefault(_block_pattern(name), []).append(name)
     groups = _merge_tied(module, list(owners.values()))
     order = {n.rpartition(".")[0]: i for i, n in enumerate(trace.names.values())}
-    groups.sort(key=lambda g: min(order.get(m, math.inf) for m in g))
+    vectors_only = lambda g: all(p.ndim <= 1 for m in g for p in module.get_submodule(m).parameters(recurse=False))  # noqa: E731
+    # weight matrices first: norms decide once the matrices around them have found their pattern
+    groups.sort(key=lambda g: (vectors_only(g), min(order.get(m, math.inf) for m in g)))
     return [_decision(module, trace, g, size) for g in groups]
 
 
@@ -204,9 +207,17 @@ def _choices(m: nn.Module, name: str, trace: Traced, size: int) -> list[Style | 
         return [column, RowwiseParallel(), RowwiseParallel(output_layout=None), None]
     if isinstance(m, nn.Embedding):
         return [RowwiseParallel(), ColwiseParallel(output_layout=None), RowwiseParallel(output_layout=None), None]
+    if _is_cache(m):
+        return [KVCacheParallel(), None]
     if all(p.ndim == 1 for p in m.parameters(recurse=False)):
         return [None, FeatureShardedNorm()]
     return [None]
+
+
+def _is_cache(m: nn.Module) -> bool:
+    """A module with no parameters that holds (batch, heads, positions, head size) buffers: a KV cache."""
+    buffers = list(m.buffers(recurse=False))
+    return not any(True for _ in m.parameters(recurse=False)) and bool(buffers) and all(b.ndim == 4 for b in buffers)
 
 
 def _column_style(name: str, trace: Traced, size: int) -> ColwiseParallel:
@@ -291,6 +302,13 @@ class _Pricing:
             self._memo[choice] = self._price(self.styles(decisions, choice))
         return self._memo[choice]
 
+    def memory_of(self, decisions: list[Decision], choice: tuple[int, ...]) -> int | None:
+        """Parameter bytes per rank of a choice (no propagation); None where it does not split validly."""
+        try:
+            return self.memory(planned_tensors(self.module, self.styles(decisions, choice), self.tp.size).parameters)
+        except (ValueError, TypeError):
+            return None
+
     def price_plan(self, plan: dict[str, Style]) -> tuple[Communication, int]:
         """A plan's price; a ValueError if it cannot run on this model at this TP size."""
         priced = self._price(match_plan(self.module, plan))
@@ -325,6 +343,8 @@ class _Pricing:
         except NotImplementedError:
             return None
         returned = logical.bound_symbols[-1].args
+        if returned and isinstance(returned[0], dict) and "flat_args" in returned[0]:  # inputs handed back as held
+            returned = ({k: v for k, v in returned[0].items() if k != "flat_args"}, *returned[1:])
         return communication(steps, returned, propagation.layouts, self.tp, inputs, training=self.training)
 
     def memory(self, layouts: dict[str, Layout], only: str | None = None) -> int:
@@ -357,9 +377,9 @@ def _split_alone(pricing: _Pricing, name: str, style: Style | None) -> dict[str,
 
 
 def _search(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[tuple[int, ...], tuple]:
-    """Coordinate descent over the decisions: each in turn takes its cheapest combination (communication cost, then
-    memory, then the earlier choice), the others fixed, until nothing changes."""
-    choice = _most_sharded(decisions, pricing, budget)
+    """A greedy pass in order (`_built`), then coordinate descent: each decision in turn takes its cheapest
+    combination (communication cost, then memory, then the earlier choice), the others fixed, until nothing changes."""
+    choice = _built(decisions, pricing, budget, _most_sharded(decisions, pricing, budget))
     best = _score(pricing.price(decisions, choice))
     for _ in range(_SWEEPS):
         changed = False
@@ -372,6 +392,25 @@ def _search(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[
         if not changed:
             break
     return choice, pricing.price(decisions, choice)
+
+
+def _built(decisions: list[Decision], pricing: _Pricing, budget: int, sharded: tuple[int, ...]) -> tuple[int, ...]:
+    """Each decision in order takes its cheapest choice given those before it, with those after it replicated (so
+    that a column-parallel layer finds its row-parallel partner next, as Megatron pairs them); the budget is checked
+    as if those after it were most sharded, so that it still holds at the end."""
+    replicated = tuple(d.choices.index((None,) * len(d.modules)) for d in decisions)
+    chosen = list(sharded)
+    for i, d in enumerate(decisions):
+        best = None
+        for j in range(len(d.choices)):
+            used = pricing.memory_of(decisions, (*chosen[:i], j, *sharded[i + 1:]))
+            if used is None or used > budget:
+                continue
+            priced = pricing.price(decisions, (*chosen[:i], j, *replicated[i + 1:]))
+            if priced is not None and (best is None or priced[0].cost < best[0]):
+                best = (priced[0].cost, j)
+        chosen[i] = best[1] if best else sharded[i]
+    return tuple(chosen)
 
 
 def _score(priced: tuple[Communication, int]) -> tuple[float, int]:
