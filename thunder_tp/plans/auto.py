@@ -153,17 +153,15 @@ def _off_meta(t: torch.Tensor) -> torch.Tensor:
 
 
 def _decisions(module: nn.Module, trace: Traced, size: int) -> list[Decision]:
-    """One decision per kind of parameter-owning module (modules differing only in block indices alike), tied
-    modules together: those with weight matrices first, each part in the order their parameters enter the trace."""
+    """One decision per kind of parameter-owning module (modules differing only in block indices alike, tied
+    modules together; KV caches too), in the order their parameters enter the trace."""
     owners: dict[str, list[str]] = {}
     for name, m in module.named_modules():
         if any(True for _ in m.parameters(recurse=False)) or _is_cache(m):
             owners.setdefault(_block_pattern(name), []).append(name)
     groups = _merge_tied(module, list(owners.values()))
     order = {n.rpartition(".")[0]: i for i, n in enumerate(trace.names.values())}
-    vectors_only = lambda g: all(p.ndim <= 1 for m in g for p in module.get_submodule(m).parameters(recurse=False))  # noqa: E731
-    # weight matrices first: norms decide once the matrices around them have found their pattern
-    groups.sort(key=lambda g: (vectors_only(g), min(order.get(m, math.inf) for m in g)))
+    groups.sort(key=lambda g: min(order.get(m, math.inf) for m in g))
     return [_decision(module, trace, g, size) for g in groups]
 
 
@@ -204,7 +202,8 @@ def _choices(m: nn.Module, name: str, trace: Traced, size: int) -> list[Style | 
     """The styles worth trying for one module (None: replicated), sharded ones first."""
     if isinstance(m, nn.Linear):
         column = _column_style(name, trace, size)
-        return [column, RowwiseParallel(), RowwiseParallel(output_layout=None), None]
+        gathered = ColwiseParallel(REPLICATE, REPLICATE, column.blocks, column.unit, column.replicable)
+        return [column, RowwiseParallel(), RowwiseParallel(output_layout=None), gathered, None]
     if isinstance(m, nn.Embedding):
         return [RowwiseParallel(), ColwiseParallel(output_layout=None), RowwiseParallel(output_layout=None), None]
     if _is_cache(m):
@@ -377,36 +376,69 @@ def _split_alone(pricing: _Pricing, name: str, style: Style | None) -> dict[str,
 
 
 def _search(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[tuple[int, ...], tuple]:
-    """A greedy pass in order (`_built`), then coordinate descent: each decision in turn takes its cheapest
-    combination (communication cost, then memory, then the earlier choice), the others fixed, until nothing changes."""
-    choice = _built(decisions, pricing, budget, _most_sharded(decisions, pricing, budget))
+    """Coordinate descent from two starts, the better end winning (ties: the first): from the most sharded plan in
+    trace order, and from a greedy pass (`_built`) with the weight matrices first (norms then decide once the
+    matrices around them have found their pattern)."""
+    sharded = _most_sharded(decisions, pricing, budget)
+    trace_order = list(range(len(decisions)))
+    matrices_first = sorted(trace_order, key=lambda i: all(s is None or isinstance(s, (FeatureShardedNorm, KVCacheParallel))
+                                                           for c in decisions[i].choices for s in c))
+    ends = [_descended(decisions, pricing, budget, sharded, trace_order),
+            _descended(decisions, pricing, budget, _built(decisions, pricing, budget, sharded, matrices_first), matrices_first)]
+    choice = min(ends, key=lambda c: _score(pricing.price(decisions, c)))
+    while (better := _pair_moved(decisions, pricing, budget, choice)) != choice:
+        choice = _descended(decisions, pricing, budget, better, trace_order)
+    return choice, pricing.price(decisions, choice)
+
+
+def _pair_moved(decisions: list[Decision], pricing: _Pricing, budget: int, choice: tuple[int, ...]) -> tuple[int, ...]:
+    """The best change of two decisions next to each other in trace order (a norm and the layer that reads it, q
+    and k projections), which single changes cannot reach; `choice` itself if none is cheaper."""
+    best, moved = _score(pricing.price(decisions, choice)), choice
+    for i in range(len(decisions) - 1):
+        for a, b in product(range(len(decisions[i].choices)), range(len(decisions[i + 1].choices))):
+            trial = (*choice[:i], a, b, *choice[i + 2:])
+            priced = pricing.price(decisions, trial)
+            if priced is not None and priced[1] <= budget and _score(priced) < best:
+                best, moved = _score(priced), trial
+    return moved
+
+
+def _descended(decisions: list[Decision], pricing: _Pricing, budget: int, choice: tuple[int, ...],
+               order: list[int]) -> tuple[int, ...]:
+    """Each decision in turn (in `order`) takes its cheapest combination (communication cost, then memory, then the
+    earlier choice), the others fixed, until nothing changes."""
     best = _score(pricing.price(decisions, choice))
     for _ in range(_SWEEPS):
         changed = False
-        for i, d in enumerate(decisions):
-            for j in range(len(d.choices)):
+        for i in order:
+            for j in range(len(decisions[i].choices)):
                 trial = (*choice[:i], j, *choice[i + 1:])
                 priced = pricing.price(decisions, trial)
                 if priced is not None and priced[1] <= budget and _score(priced) < best:
                     choice, best, changed = trial, _score(priced), True
         if not changed:
             break
-    return choice, pricing.price(decisions, choice)
+    return choice
 
 
-def _built(decisions: list[Decision], pricing: _Pricing, budget: int, sharded: tuple[int, ...]) -> tuple[int, ...]:
-    """Each decision in order takes its cheapest choice given those before it, with those after it replicated (so
-    that a column-parallel layer finds its row-parallel partner next, as Megatron pairs them); the budget is checked
-    as if those after it were most sharded, so that it still holds at the end."""
-    replicated = tuple(d.choices.index((None,) * len(d.modules)) for d in decisions)
+def _built(decisions: list[Decision], pricing: _Pricing, budget: int, sharded: tuple[int, ...],
+           order: list[int]) -> tuple[int, ...]:
+    """Each decision (in `order`) takes its cheapest choice given those before it, with those after it replicated
+    (so that a column-parallel layer finds its row-parallel partner next, as Megatron pairs them); the budget is
+    checked as if those after it were most sharded, so that it still holds at the end."""
+    replicated = [d.choices.index((None,) * len(d.modules)) for d in decisions]
     chosen = list(sharded)
-    for i, d in enumerate(decisions):
+    for k, i in enumerate(order):
+        later = set(order[k + 1:])
         best = None
-        for j in range(len(d.choices)):
-            used = pricing.memory_of(decisions, (*chosen[:i], j, *sharded[i + 1:]))
+        for j in range(len(decisions[i].choices)):
+            at_most = tuple(sharded[x] if x in later else chosen[x] for x in range(len(decisions)))
+            used = pricing.memory_of(decisions, (*at_most[:i], j, *at_most[i + 1:]))
             if used is None or used > budget:
                 continue
-            priced = pricing.price(decisions, (*chosen[:i], j, *replicated[i + 1:]))
+            trial = tuple(replicated[x] if x in later else chosen[x] for x in range(len(decisions)))
+            priced = pricing.price(decisions, (*trial[:i], j, *trial[i + 1:]))
             if priced is not None and (best is None or priced[0].cost < best[0]):
                 best = (priced[0].cost, j)
         chosen[i] = best[1] if best else sharded[i]
