@@ -20,7 +20,9 @@ and ranks are pinned one per core (``--pin_cores``). Reported per mode: median s
 timed step, the median of the per-round ratios to HF's TP, collectives per step (thunder: from the traces; HF:
 counted with CommDebugMode), saved-for-backward bytes and peak step memory. ``--dump_traces DIR`` writes the thunder
 modes' final traces (``thunder_tp.dump_traces``), ``--profile DIR`` a torch.profiler table of two steps per mode,
-``--breakdown N`` times N steps of each thunder mode region by region (``breakdown.py``).
+``--breakdown N`` times N steps of each thunder mode region by region (``breakdown.py``), ``--without_transport 1``
+runs every mode's steps of each round again with collectives that move nothing (``transport.py``): the step
+without communication (the compute both sides do) and what communication adds, paired by round.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from compare import comm_mode, hooked_saved_bytes, summarize_records
+from compare import comm_mode, hooked_saved_bytes, prioritize_transport_threads, summarize_records
 from gate import check_gradients, full_grads
 from harness import (
     EXECUTORS, collectives_per_iteration, exit_without_teardown, init_distributed, log, peak_step_bytes, pin_to_core,
@@ -67,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump_traces", default="", help="directory for each thunder mode's final traces (every rank)")
     p.add_argument("--profile", default="", help="directory for a torch.profiler table of two steps per mode (rank 0)")
     p.add_argument("--breakdown", type=int, default=0, help="steps of each thunder mode timed region by region")
+    p.add_argument("--transport_threads", choices=("default", "fifo"), default="default",
+                   help="fifo: once every mode is built, each rank's threads other than its main one (gloo's) get "
+                        "real-time priority SCHED_FIFO 1, every mode alike (needs CAP_SYS_NICE; CPU only)")
+    p.add_argument("--without_transport", type=int, default=0,
+                   help="1: every mode's steps of each round run again with collectives that move nothing "
+                        "(transport.py): what communication adds to a step, paired by round")
     return p.parse_args(argv)
 
 
@@ -128,20 +136,30 @@ def prepare_mode(mode: str, directory: str, idx, targets, reference: dict, args)
 
 def time_rounds(states: dict, idx, targets, args, results: dict) -> None:
     """Every mode's timed steps in alternating rounds (order reversed every other round); a step starts at a barrier
-    and lasts until its slowest rank is done."""
-    modes = list(states)
+    and lasts until its slowest rank is done. With ``--without_transport 1`` each mode's steps of every round run
+    again right after, with collectives that move nothing (``transport.py``)."""
+    import contextlib
+
+    from transport import steps_without_transport
+
+    runs = [(mode, transport) for mode in states for transport in (True, False)
+            if transport or args.without_transport]
     rounds = max(1, min(args.rounds, args.steps))
     for r in range(rounds):
         steps = args.steps // rounds + (r < args.steps % rounds)
-        for mode in modes if r % 2 == 0 else modes[::-1]:
+        for mode, transport in runs if r % 2 == 0 else runs[::-1]:
             module, optimizer = states[mode]
+            around = contextlib.nullcontext() if transport else steps_without_transport(list(module.parameters()))
             times = []
-            for _ in range(steps):
-                dist.barrier()
-                times.append(timed(lambda: step(module, optimizer, idx, targets))[1])
+            with around:
+                for _ in range(steps):
+                    dist.barrier()
+                    times.append(timed(lambda: step(module, optimizer, idx, targets))[1])
             times = slowest_rank(times)
-            results[mode]["times_s"] += times
-            results[mode]["round_medians_s"].append(statistics.median(times))
+            record = results[mode] if transport else results[mode].setdefault(
+                "without_transport", {"times_s": [], "round_medians_s": []})
+            record["times_s"] += times
+            record["round_medians_s"].append(statistics.median(times))
 
 
 def finish_mode(mode: str, state: tuple, idx, targets, args, result: dict) -> None:
@@ -151,6 +169,12 @@ def finish_mode(mode: str, state: tuple, idx, targets, args, result: dict) -> No
     module, optimizer = state
     result |= time_stats(result["times_s"])
     result["step_ms"] = 1000 * result["median_s"]
+    if "without_transport" in result:
+        from transport import communication_cost
+
+        without = result.pop("without_transport")
+        without["minor_faults"] = [0.0]
+        result["transport"] = communication_cost(result, without)
     if args.profile:
         profile_steps(mode, module, optimizer, idx, targets, args.profile if dist.get_rank() == 0 else None)
     if args.breakdown and mode != "hf_tp":
@@ -222,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         results["modes"][mode], states[mode] = prepare_mode(mode, directory, idx, targets, reference, args)
         log(rank, f"{mode}: gated (loss {results['modes'][mode]['loss']:.6f}, worst grad error "
                   f"{results['modes'][mode]['grad_error']:.2e} of the largest entry)")
+    if args.transport_threads == "fifo":
+        count = prioritize_transport_threads(device)
+        log(rank, f"--transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)")
+    results["transport_threads"] = args.transport_threads
     time_rounds(states, idx, targets, args, results["modes"])
     results["load_after"] = os.getloadavg()
     for mode in list(states):
@@ -235,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         log(rank, f"{mode}: {r['step_ms']:.1f} ms (q1 {1000 * r['q1_s']:.0f}, q3 {1000 * r['q3_s']:.0f}; "
                   f"{r['vs_hf_tp'] or 0:.3f} x hf_tp, per-round ratios' median {per_round:.3f}), "
                   f"saved {r['saved_bytes']} B, peak step {r['peak_step_bytes']} B, collectives {r['collectives']}"
-                  + (f", fusion regions fwd/bwd {r['fusion_regions']}" if "fusion_regions" in r else ""))
+                  + (f", fusion regions fwd/bwd {r['fusion_regions']}" if "fusion_regions" in r else "")
+                  + (f"; without communication {1000 * r['transport']['without_transport_s']:.1f} ms, communication "
+                     f"adds {1000 * r['transport']['exposed_s']:.1f} ms (paired by round)" if "transport" in r else ""))
     log(rank, f"{len(results['modes'])} modes x {args.steps} steps in {args.rounds} alternating rounds; "
               f"load average before {results['load_before'][0]:.1f}, after {results['load_after'][0]:.1f}")
     if args.json_path and rank == 0:
