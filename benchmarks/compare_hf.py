@@ -187,13 +187,20 @@ def finish_mode(mode: str, state: tuple, idx, targets, args, result: dict) -> No
 
         thunder_tp.dump_traces(module, os.path.join(args.dump_traces, mode))
     result["peak_step_bytes"] = peak_step_bytes(lambda: step(module, optimizer, idx, targets))
+    # saved for backward as saved-tensor hooks see it (distinct storages, parameters left out), every mode alike
+    saved_hooks, loss = hooked_saved_bytes(lambda: module(idx, targets), list(module.parameters()))
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    result["saved_bytes_hooks"] = saved_hooks
     if mode == "hf_tp":
         with comm_mode() as comm:
-            saved, loss = hooked_saved_bytes(lambda: module(idx, targets), list(module.parameters()))
+            loss = module(idx, targets)
             loss.backward()
-        result |= {"saved_bytes": saved, "collectives": summarize_records(comm.records)}
+        result |= {"saved_bytes": saved_hooks, "collectives": summarize_records(comm.records)}
     else:
-        result |= {"saved_bytes": saved_for_backward(thunder.last_traces(module)[-1])["bytes"],
+        saved = saved_for_backward(thunder.last_traces(module)[-1])
+        # the forward trace's saved tensors without its inputs (parameters, batch), and with them
+        result |= {"saved_bytes": saved["activation_bytes"], "saved_bytes_with_inputs": saved["bytes"],
                    "collectives": collectives_per_iteration(module)["per_iteration"],
                    "fusion_regions": [sum(b.sym.is_fusion for b in t.bound_symbols)
                                       for t in (thunder.last_traces(module)[-1],
@@ -262,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         per_round = statistics.median(r["vs_hf_tp_per_round"]) if base else 0
         log(rank, f"{mode}: {r['step_ms']:.1f} ms (q1 {1000 * r['q1_s']:.0f}, q3 {1000 * r['q3_s']:.0f}; "
                   f"{r['vs_hf_tp'] or 0:.3f} x hf_tp, per-round ratios' median {per_round:.3f}), "
-                  f"saved {r['saved_bytes']} B, peak step {r['peak_step_bytes']} B, collectives {r['collectives']}"
+                  f"saved {r['saved_bytes']} B (hooks {r['saved_bytes_hooks']} B), peak step {r['peak_step_bytes']} B, "
+                  f"collectives {r['collectives']}"
                   + (f", fusion regions fwd/bwd {r['fusion_regions']}" if "fusion_regions" in r else "")
                   + (f"; without communication {1000 * r['transport']['without_transport_s']:.1f} ms, communication "
                      f"adds {1000 * r['transport']['exposed_s']:.1f} ms (paired by round)" if "transport" in r else ""))
