@@ -1,5 +1,14 @@
-"""HF attention's `repeat_kv` (expand + reshape of the K/V heads) traced as `repeat_interleave`, the same values,
-whose propagation rule keeps K/V heads replicated over the ranks whose query heads share them."""
+"""HF attention under thunder.jit:
+
+- `repeat_kv` (expand + reshape of the K/V heads) traced as `repeat_interleave`, the same values, whose propagation
+  rule keeps K/V heads replicated over the ranks whose query heads share them;
+- `AttentionMaskConverter._ignore_causal_mask_sdpa` answered as in eager mode: without a user mask, a causal
+  attention over the whole sequence runs SDPA with `is_causal=True` instead of a (batch, 1, seq, seq + 1) float mask.
+  HF asks whether it is tracing (Thunder's interpreter says it compiles) and then always builds the mask, because an
+  exported graph would hard-code `is_causal` for one shape; Thunder's trace is specialized to its input shapes (its
+  prologue checks them), so the eager answer is right for it. The mask costs its construction, a saved tensor and,
+  on CPU, the flash kernel's causal block skipping (it computes every key block with a mask).
+"""
 
 from __future__ import annotations
 
@@ -18,9 +27,33 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states if n_rep == 1 else torch.repeat_interleave(hidden_states, n_rep, dim=1)
 
 
+def ignore_causal_mask_sdpa(attention_mask, inputs_embeds, past_key_values_length: int, sliding_window=None,
+                            is_training: bool = False) -> bool:
+    """HF's `AttentionMaskConverter._ignore_causal_mask_sdpa` as it answers in eager mode (not tracing), for shapes a
+    trace is specialized to: True (SDPA's `is_causal` instead of a mask) when no mask is given and every query sees
+    the whole sequence; with a mask, False (build it), as HF answers while tracing (it never reads a mask's values
+    then)."""
+    if attention_mask is not None:
+        return False
+    query_length = inputs_embeds.shape[1]
+    key_value_length = query_length + past_key_values_length
+    return (query_length == 1 or key_value_length == query_length) and (
+        sliding_window is None or key_value_length < sliding_window
+    )
+
+
 def register_lookasides(model: nn.Module) -> None:
-    """Make thunder.jit trace `repeat_kv` wherever HF's sdpa attention, or the model's own module, calls theirs."""
+    """Make thunder.jit trace `repeat_kv` wherever HF's sdpa attention, or the model's own module, calls theirs, and
+    answer `_ignore_causal_mask_sdpa` as in eager mode."""
     import transformers.integrations.sdpa_attention as sdpa
+    from transformers.modeling_attn_mask_utils import AttentionMaskConverter
+
+    ignore = AttentionMaskConverter._ignore_causal_mask_sdpa
+    if ignore not in _registered:
+        register_general_jit_lookaside(ignore)(
+            lambda *args, **kwargs: _interpret_call(ignore_causal_mask_sdpa, *args, **kwargs)
+        )
+        _registered.add(ignore)
 
     modules = [sdpa, *(sys.modules[type(m).__module__] for m in model.modules())]
     for fn in {getattr(module, "repeat_kv", None) for module in modules} - {None}:
