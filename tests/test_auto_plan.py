@@ -86,7 +86,8 @@ def _priced(priced) -> tuple[int, float, int]:
     return comm.count, comm.cost, used
 
 
-CUSTOM = ["vit", "t5", "conv_vit"]  # the MLP stack: test_tensor_parallel_auto_searches_at_jit
+#: the MLP stack: test_tensor_parallel_auto_searches_at_jit; the ViT's transformer is in conv_vit
+CUSTOM = [pytest.param("vit", marks=pytest.mark.slow), "t5", "conv_vit"]
 
 
 @pytest.mark.parametrize("name", CUSTOM)

@@ -43,7 +43,8 @@ def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceC
     memo: dict = {}
     with tracectx(new):
         for bsym in trace.bound_symbols:
-            bsym = bsym.from_bsym_swap_proxies(swap)
+            if any(variableify(p) in swap for p in bsym.flat_proxy_args):  # (the rest is reused as it is)
+                bsym = bsym.from_bsym_swap_proxies(swap)
             style = _styled_weight(bsym, styles) if isinstance(bsym.output, TensorProxy) else None
             if style is None:
                 new.bound_symbols.append(bsym)
