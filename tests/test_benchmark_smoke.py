@@ -154,6 +154,21 @@ def test_tp_sp_loss_parallel(tmp_path):
                                                "all_reduce": {"count": 1, "bytes": 6 * 128 * 4}}, per_iter
 
 
+def test_plan_auto_prints_the_plan_it_trains_with(tmp_path):
+    """--plan auto: plans.auto searches the plan (printed by rank 0); on pythia-14m it is Megatron's, with the loss
+    parallel head it finds on its own: 1 forward all_reduce for the parallel-residual block and 1 for the embedding,
+    the loss's 2 x 32 statistics gathered, no logits."""
+    from tests.dist import run_ranks
+
+    json_path = tmp_path / "results.json"
+    output = run_ranks(_run, 2, ["--distributed_mode", "tp", "--plan", "auto"], str(json_path), timeout=900)[0]
+    res = json.loads(json_path.read_text())
+    _check_common(res, output)
+    assert "thunder_tp.plans.auto (TP=2)" in output and "'gpt.transformer.h.0.attn.qkv': ColwiseParallel" in output, output
+    forward = res["collectives"]["per_iteration"]["forward"]["by_kind"]
+    assert forward == {"all_reduce": {"count": 2, "bytes": 2 * ACTIVATION}, "all_gather": {"count": 1, "bytes": 2 * 2 * TOKENS * 4}}, forward
+
+
 def test_simulate_dry_run(tmp_path, capsys):
     """--simulate 2: the TP plan on 2 ranks simulated in one plain process (here, pytest's: it holds no process group)."""
     bench = benchmark_module("benchmark_litgpt")

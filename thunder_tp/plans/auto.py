@@ -25,7 +25,7 @@ import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
-from thunder.core.transform_common import Transform
+from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.communication import Communication, communication
 from thunder_tp.constraints import constrain_styled_ops
@@ -126,7 +126,7 @@ class _Capture(Transform):
     def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
         from thunder_tp.transform import _parameter_names
 
-        self.traced = Traced(computation, _parameter_names(prologue))
+        self.traced = Traced(dce(computation), _parameter_names(prologue))  # as TensorParallel propagates it
         raise _Stop
 
 
