@@ -381,21 +381,25 @@ def _search(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[
     matrices around them have found their pattern)."""
     sharded = _most_sharded(decisions, pricing, budget)
     trace_order = list(range(len(decisions)))
-    matrices_first = sorted(trace_order, key=lambda i: all(s is None or isinstance(s, (FeatureShardedNorm, KVCacheParallel))
-                                                           for c in decisions[i].choices for s in c))
+    vectors = [all(s is None or isinstance(s, (FeatureShardedNorm, KVCacheParallel)) for c in d.choices for s in c)
+               for d in decisions]
+    matrices_first = sorted(trace_order, key=lambda i: vectors[i])
     ends = [_descended(decisions, pricing, budget, sharded, trace_order),
             _descended(decisions, pricing, budget, _built(decisions, pricing, budget, sharded, matrices_first), matrices_first)]
     choice = min(ends, key=lambda c: _score(pricing.price(decisions, c)))
-    while (better := _pair_moved(decisions, pricing, budget, choice)) != choice:
+    pairs = [i for i in range(len(decisions) - 1) if vectors[i] != vectors[i + 1]]
+    while (better := _pair_moved(decisions, pricing, budget, choice, pairs)) != choice:
         choice = _descended(decisions, pricing, budget, better, trace_order)
     return choice, pricing.price(decisions, choice)
 
 
-def _pair_moved(decisions: list[Decision], pricing: _Pricing, budget: int, choice: tuple[int, ...]) -> tuple[int, ...]:
-    """The best change of two decisions next to each other in trace order (a norm and the layer that reads it, q
-    and k projections), which single changes cannot reach; `choice` itself if none is cheaper."""
+def _pair_moved(decisions: list[Decision], pricing: _Pricing, budget: int, choice: tuple[int, ...],
+                pairs: list[int]) -> tuple[int, ...]:
+    """The best change of a norm and the layer next to it in trace order (decisions i and i + 1 for i in `pairs`),
+    which single changes cannot reach (a feature-split norm feeding a row-parallel head, against a replicated one
+    feeding a column-parallel head); `choice` itself if none is cheaper."""
     best, moved = _score(pricing.price(decisions, choice)), choice
-    for i in range(len(decisions) - 1):
+    for i in pairs:
         for a, b in product(range(len(decisions[i].choices)), range(len(decisions[i + 1].choices))):
             trial = (*choice[:i], a, b, *choice[i + 2:])
             priced = pricing.price(decisions, trial)
