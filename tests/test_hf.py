@@ -9,7 +9,7 @@ import thunder_tp
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor
 from tests.dist import run_ranks
-from tests.hf_models import DENSE, MODES, batch, expected_counts, make_model, tp_sizes
+from tests.hf_models import DENSE, MODES, MOE as MOE_NAMES, batch, expected_counts, make_model, tp_sizes
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
 
 # HF computes its loss (and most norms) in float32 even for float64 models
@@ -56,7 +56,7 @@ def test_hf_model_matches_single_device(world, name, mode):
     _check(world, name, mode)
 
 
-MOE = [(2, "mixtral", "tp"), (2, "qwen2_moe", "tp")]
+MOE = [(2, name, "tp") for name in MOE_NAMES]
 
 
 @pytest.mark.parametrize("world, name, mode", MOE, ids=[f"tp{w}-{n}-{m}" for w, n, m in MOE])
@@ -81,7 +81,7 @@ def test_plain_jit_of_an_hf_moe_model_matches_eager():
 
 
 SWEEP = [(w, n, m) for n in DENSE for w in (2, 4) if w in tp_sizes(n) for m in MODES if (w, n, m) not in FAST]
-SWEEP += [(w, n, m) for w, n, _ in MOE for m in MODES if (w, n, m) not in MOE]
+SWEEP += [(w, n, m) for n in MOE_NAMES for w in (2, 4) if w in tp_sizes(n) for m in MODES if (w, n, m) not in MOE]
 
 
 @pytest.mark.slow

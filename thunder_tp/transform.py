@@ -12,7 +12,7 @@ import torch.nn as nn
 from thunder.core import prims
 from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
-from thunder.core.transform_common import Transform
+from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.constraints import constrain_styled_ops
@@ -166,7 +166,9 @@ class TensorParallel(Transform):
         _check_known(param_names, self._tensors_at_jit)
         layouts = self._initial_layouts(computation, param_names)
         styles = {proxy: self.weight_styles[name] for proxy, name in param_names.items() if name in self.weight_styles}
-        logical = constrain_styled_ops(computation, styles)
+        # dead code first (Thunder removes it only after this hook): an unused consumer, such as the router logits
+        # an HF MoE block returns and its decoder layer drops, must not decide how a live value is communicated
+        logical = constrain_styled_ops(dce(computation), styles)
         body = [b for b in logical.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
         propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
         steps = propagation.run(body)
