@@ -54,9 +54,9 @@ def make_model(name: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(make_config(name), torch_dtype=torch.float64)
 
 
-def batch(seed: int = 0) -> torch.Tensor:
+def batch(seed: int = 0, length: int = SEQ) -> torch.Tensor:
     """Random token ids (also the labels: HF shifts them inside its loss)."""
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, (BATCH, length), generator=torch.Generator().manual_seed(seed))
 
 
 def tp_sizes(name: str, up_to: int = 8) -> list[int]:

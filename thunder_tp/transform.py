@@ -29,6 +29,7 @@ from thunder_tp.agreement import CompileAgreement
 from thunder_tp.composition import check_composition
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
+from thunder_tp.overlapping_inputs import separating_overlapping_views
 from thunder_tp.rewrite import rewrite
 from thunder_tp.saved_values import recompute_matmul_inputs
 from thunder_tp.styles import Style, check_distparallel_type, match_plan, styles_from_distparallel_type
@@ -39,6 +40,7 @@ from thunder_tp.thunder_private import (
     set_proxy_shape,
     set_trace_device,
     trace_device,
+    wrap_module_call,
 )
 
 _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
@@ -99,6 +101,7 @@ class TensorParallel(Transform):
         self._shard_caches(model)
         self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
                                                *module.named_buffers(remove_duplicate=False))}
+        wrap_module_call(model, separating_overlapping_views)  # Thunder would read one view for the other
         if self.tp.size > 1 and not is_simulating():
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
