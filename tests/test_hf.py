@@ -66,7 +66,8 @@ def test_hf_model_matches_single_device(world, name, mode):
     _check(world, name, mode)
 
 
-MOE = [(2, name, "tp") for name in MOE_NAMES]
+#: every MoE architecture in TP; Mixtral also in TP+SP (the router logits its block returns and its layer drops)
+MOE = [(2, name, "tp") for name in MOE_NAMES] + [(2, "mixtral", "tp_sp")]
 
 
 @pytest.mark.parametrize("world, name, mode", MOE, ids=[f"tp{w}-{n}-{m}" for w, n, m in MOE])
