@@ -243,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     directory = save_model(args, rank)
     idx, targets = random_batch(args.batch, args.seq, HF_SIZES["vocab_size"], 0, device)
-    # separate storages: given two views of one tensor (aliased inputs), thunder_tp's HF loss is wrong (not fixed yet)
-    idx, targets = idx.contiguous(), targets.contiguous()
     reference = reference_step(directory, idx, targets)
     results = {"world": world, "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "steps": args.steps,
                "load_before": os.getloadavg(), "modes": {}}

@@ -28,8 +28,13 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=64)),
+    # per-head q/k norms, no shared expert, renormalized top-k (as Qwen3-MoE checkpoints set it)
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True)),
 }
-DENSE = [name for name in ARCHITECTURES if name not in ("mixtral", "qwen2_moe")]
+#: the sparse-MoE architectures (hf_moe.py), and the dense ones
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+DENSE = [name for name in ARCHITECTURES if name not in MOE]
 
 
 def make_config(name: str):
@@ -49,9 +54,9 @@ def make_model(name: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(make_config(name), torch_dtype=torch.float64)
 
 
-def batch(seed: int = 0) -> torch.Tensor:
+def batch(seed: int = 0, length: int = SEQ) -> torch.Tensor:
     """Random token ids (also the labels: HF shifts them inside its loss)."""
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, (BATCH, length), generator=torch.Generator().manual_seed(seed))
 
 
 def tp_sizes(name: str, up_to: int = 8) -> list[int]:
@@ -100,8 +105,8 @@ def _replicated_grad_dtypes(name: str, mode: str, size: int) -> set[str]:
     model_type = ARCHITECTURES[name][0]
     norm = _NORM_DTYPES.get(model_type, "float64")
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dtypes = {"float64"} if kv < size or name in ("mixtral", "qwen2_moe") else set()
-    if model_type in ("qwen3", "gemma3_text"):
+    dtypes = {"float64"} if kv < size or name in MOE else set()
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
         dtypes.add(norm)
     if mode == "tp_sp":
         dtypes.add(norm)

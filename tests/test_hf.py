@@ -8,8 +8,9 @@ import torch
 import thunder_tp
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor
+from thunder_tp.overlapping_inputs import separate_overlapping_views
 from tests.dist import run_ranks
-from tests.hf_models import DENSE, MODES, batch, expected_counts, make_model, tp_sizes
+from tests.hf_models import DENSE, MODES, MOE as MOE_NAMES, SEQ, batch, expected_counts, make_model, tp_sizes
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
 
 # HF computes its loss (and most norms) in float32 even for float64 models
@@ -18,17 +19,26 @@ LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5
 pytest.importorskip("transformers")
 
 
-def _train(name: str, mode: str) -> dict:
-    """One step single-device and under TP on the same batch: loss, logits, every grad; the collectives."""
+def _train(name: str, mode: str, overlapping: bool = False) -> dict:
+    """One step single-device and under TP on the same batch: loss, logits, every grad; the collectives.
+    `overlapping`: input_ids and labels two overlapping views of one tensor, the models in eval mode (as
+    `from_pretrained` leaves them: HF then builds its causal mask with an in-place op)."""
     rank, size = rank_and_size()
     reference = make_model(name)
     model = make_model(name)
     model.load_state_dict(reference.state_dict())
+    if overlapping:
+        reference.eval()
+        model.eval()
     transform = TensorParallel(thunder_tp.plans.hf(model, **MODES[mode]))
     jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
-    idx = batch()
-    expected = reference(input_ids=idx, labels=idx, use_cache=False)
-    actual = jm(input_ids=idx, labels=idx, use_cache=False)
+    if overlapping:
+        data = batch(length=SEQ + 1)
+        idx, labels = data[:, :-1], data[:, 1:]
+    else:
+        idx = labels = batch()
+    expected = reference(input_ids=idx.clone(), labels=labels.clone(), use_cache=False)
+    actual = jm(input_ids=idx, labels=labels, use_cache=False)
     assert_close_scaled(actual.loss, expected.loss, rtol=LOSS_RTOL, atol=LOSS_RTOL, what="loss")
     assert_close_scaled(actual.logits, expected.logits, rtol=GRAD_ATOL, atol=GRAD_ATOL, what="logits")
     expected.loss.backward()
@@ -40,8 +50,8 @@ def _train(name: str, mode: str) -> dict:
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
 
 
-def _check(world: int, name: str, mode: str) -> None:
-    counts = run_ranks(_train, world, name, mode)[0]
+def _check(world: int, name: str, mode: str, overlapping: bool = False) -> None:
+    counts = run_ranks(_train, world, name, mode, overlapping)[0]
     forward, backward = expected_counts(name, mode, world)
     assert counts["forward"] == forward, counts
     assert counts["backward"] == backward, counts
@@ -56,12 +66,27 @@ def test_hf_model_matches_single_device(world, name, mode):
     _check(world, name, mode)
 
 
-MOE = [(2, "mixtral", "tp"), (2, "qwen2_moe", "tp")]
+#: every MoE architecture in TP; Mixtral also in TP+SP (the router logits its block returns and its layer drops)
+MOE = [(2, name, "tp") for name in MOE_NAMES] + [(2, "mixtral", "tp_sp")]
 
 
 @pytest.mark.parametrize("world, name, mode", MOE, ids=[f"tp{w}-{n}-{m}" for w, n, m in MOE])
 def test_hf_moe_matches_single_device_with_one_reduction_per_moe_block(world, name, mode):
     _check(world, name, mode)
+
+
+def test_overlapping_views_as_input_ids_and_labels():
+    """idx = data[:, :-1], labels = data[:, 1:]: Thunder alone substitutes one for the other (same storage, same
+    shape) once the program has an in-place op (HF's causal mask in eval mode); thunder_tp passes them apart."""
+    _check(2, "llama", "tp", overlapping=True)
+
+
+def test_only_overlapping_different_views_are_copied():
+    data = torch.arange(12).reshape(2, 6)
+    idx, labels, other = data[:, :-1], data[:, 1:], torch.zeros(3)
+    (a, b, c), kwargs = separate_overlapping_views((idx, labels, other), {"same": idx, "flag": False})
+    assert a is idx and c is other and kwargs["same"] is idx and kwargs["flag"] is False
+    assert b is not labels and torch.equal(b, labels) and b.untyped_storage().data_ptr() != data.data_ptr()
 
 
 def test_plain_jit_of_an_hf_moe_model_matches_eager():
@@ -81,7 +106,7 @@ def test_plain_jit_of_an_hf_moe_model_matches_eager():
 
 
 SWEEP = [(w, n, m) for n in DENSE for w in (2, 4) if w in tp_sizes(n) for m in MODES if (w, n, m) not in FAST]
-SWEEP += [(w, n, m) for w, n, _ in MOE for m in MODES if (w, n, m) not in MOE]
+SWEEP += [(w, n, m) for n in MOE_NAMES for w in (2, 4) if w in tp_sizes(n) for m in MODES if (w, n, m) not in MOE]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import torch.nn as nn
 from thunder.core import prims
 from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
-from thunder.core.transform_common import Transform
+from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.constraints import constrain_styled_ops
@@ -28,6 +28,7 @@ from thunder_tp.agreement import CompileAgreement
 from thunder_tp.composition import check_composition
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
+from thunder_tp.overlapping_inputs import separating_overlapping_views
 from thunder_tp.rewrite import rewrite
 from thunder_tp.saved_values import recompute_matmul_inputs
 from thunder_tp.styles import Style, match_plan, planned_tensors, styles_from_distparallel_type
@@ -38,6 +39,7 @@ from thunder_tp.thunder_private import (
     set_proxy_shape,
     set_trace_device,
     trace_device,
+    wrap_module_call,
 )
 
 _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
@@ -102,6 +104,7 @@ class TensorParallel(Transform):
         self._shard_caches(model)
         self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
                                                *module.named_buffers(remove_duplicate=False))}
+        wrap_module_call(model, separating_overlapping_views)  # Thunder would read one view for the other
         if self.tp.size > 1 and not is_simulating():
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
@@ -178,7 +181,9 @@ class TensorParallel(Transform):
         _check_known(param_names, self._tensors_at_jit)
         layouts = self._initial_layouts(computation, param_names)
         styles = {proxy: self.weight_styles[name] for proxy, name in param_names.items() if name in self.weight_styles}
-        logical = constrain_styled_ops(computation, styles)
+        # dead code first (Thunder removes it only after this hook): an unused consumer, such as the router logits
+        # an HF MoE block returns and its decoder layer drops, must not decide how a live value is communicated
+        logical = constrain_styled_ops(dce(computation), styles)
         body = [b for b in logical.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
         propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
         steps = propagation.run(body)
