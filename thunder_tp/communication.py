@@ -88,6 +88,10 @@ def communication(
     program returns (made Replicate); `inputs`: the trace's tensor inputs."""
     needs_grad = {t.name for t in inputs if training and t.requires_grad}
     walk = _Walk(layouts, tp, needs_grad, {t.name for t in inputs})
+    for t in inputs:  # chunks held by several ranks (replicated K/V heads): their grads summed over the group
+        layout = layouts[t.name]
+        if t.name in needs_grad and isinstance(layout, Shard) and layout.is_replicated:
+            walk._grad_summed(t, gathered=False)
     for step in steps:
         tensors = [x for x in tree_flatten((step.bsym.args, step.bsym.kwargs))[0] if isinstance(x, TensorProxy)]
         outputs = [x for x in tree_flatten(step.bsym.output)[0] if isinstance(x, TensorProxy)]
