@@ -29,7 +29,6 @@ def measure(name: str, args: argparse.Namespace, size: int) -> dict:
     from litgpt import Config
 
     import thunder_tp
-    from thunder_tp.plans.auto import price
     from thunder_tp.plans.litgpt import GPTWithLoss
 
     config = Config.from_name(name, n_layer=args.n_layers, block_size=args.block_size)
@@ -39,7 +38,7 @@ def measure(name: str, args: argparse.Namespace, size: int) -> dict:
     start = time.perf_counter()
     plan = thunder_tp.plans.auto(meta, idx, idx, tp_size=size)
     search = time.perf_counter() - start
-    hand, _ = price(meta, thunder_tp.plans.litgpt(meta), idx, idx, tp_size=size)
+    hand, _ = plan.price(thunder_tp.plans.litgpt(meta))  # on the search's trace
     torch.manual_seed(0)
     model = GPTWithLoss(config)
     jm = thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=thunder_tp.executors())

@@ -66,9 +66,9 @@ class _Walk:
                 self.result.add("all_to_all" if kind == "all_to_all" else "all_gather", t, self.tp.size, backward=True)
         if into_tp_region and (t.name, "into") not in self.done:
             self.done.add((t.name, "into"))
-            self._grad_summed(t, gathered=isinstance(current, Shard))
+            self.grad_summed(t, gathered=isinstance(current, Shard))
 
-    def _grad_summed(self, t: TensorProxy, gathered: bool) -> None:
+    def grad_summed(self, t: TensorProxy, gathered: bool) -> None:
         """The backward of a Replicate value used by sharded compute: its Partial grad reduced."""
         if gathered:  # gather_to_tp: the grad is reduce-scattered back into the shard
             self.result.add("reduce_scatter", t, self.tp.size, backward=True)
@@ -91,7 +91,7 @@ def communication(
     for t in inputs:  # chunks held by several ranks (replicated K/V heads): their grads summed over the group
         layout = layouts[t.name]
         if t.name in needs_grad and isinstance(layout, Shard) and layout.is_replicated:
-            walk._grad_summed(t, gathered=False)
+            walk.grad_summed(t, gathered=False)
     for step in steps:
         tensors = [x for x in tree_flatten((step.bsym.args, step.bsym.kwargs))[0] if isinstance(x, TensorProxy)]
         outputs = [x for x in tree_flatten(step.bsym.output)[0] if isinstance(x, TensorProxy)]

@@ -96,15 +96,6 @@ def auto(model: nn.Module, *example_args, tp_size: int, memory: int | None = Non
                     seconds=time.perf_counter() - start, trace_seconds=trace_seconds)
 
 
-def price(model: nn.Module, plan: dict[str, Style], *example_args, tp_size: int, for_inference: bool = False,
-          **example_kwargs) -> tuple[Communication, int]:
-    """The communication per step and parameter bytes per rank of any plan, as `auto` prices its candidates."""
-    module = original_module(model)
-    pricing = _Pricing(module, traced(module, example_args, example_kwargs), TPGroup(None, tp_size, 0),
-                       training=not for_inference)
-    return pricing.price_plan(plan)
-
-
 # --- the trace ------------------------------------------------------------------------------------------------
 
 
