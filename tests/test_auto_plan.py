@@ -77,6 +77,7 @@ def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
         "auto": (plan.communication.count, plan.communication.cost, plan.bytes_per_rank),
         "other": _priced(plan.price(case.other_plan(meta))),
         "same_plan": dict(transform.plan) == dict(plan),
+        "trace_reused": shorthand and transform.plan.trace_reused,  # the compile started from the search's trace
         "plan": str(plan),
     }
 
@@ -117,7 +118,14 @@ def test_litgpt_auto_plan_is_no_worse_than_the_hand_plan(name, world):
     assert count <= hand_count and cost <= hand_cost and used <= 1.01 * hand_used, info
 
 
-HF = [("llama", 2, ""), ("gemma", 2, "slow"), ("qwen2_kv2", 4, "slow")]
+def _hf_cases() -> list[tuple[str, int, str]]:
+    """Llama at TP=2 by default; every other dense architecture at TP=2 and Qwen2 with 2 K/V heads at TP=4, slow."""
+    from tests.hf_models import DENSE
+
+    return [(n, 2, "" if n == "llama" else "slow") for n in DENSE if n != "qwen2_kv2"] + [("qwen2_kv2", 4, "slow")]
+
+
+HF = _hf_cases()
 
 
 @pytest.mark.parametrize("name,world", _params(HF))
@@ -131,8 +139,52 @@ def test_hf_auto_plan_is_no_worse_than_plans_hf(name, world):
 
 def test_tensor_parallel_auto_searches_at_jit():
     info = run_ranks(_run_auto, 2, "custom", "mlp", True, timeout=TIMEOUT_S)[0]
-    assert info["same_plan"] and info["ran"] == info["priced"], info
+    assert info["same_plan"] and info["trace_reused"] and info["ran"] == info["priced"], info
     assert info["auto"][:2] < info["other"][:2], info  # fewer collectives than the naive plan
+
+
+def _trace_reused_only_for_a_call_like_the_example() -> dict:
+    """TensorParallel("auto") on the MLP stack searched on a batch of 1: a first call of batch 2 interprets the model
+    itself; a second model searched on the batch of 2 starts its compile from the search's trace. Both exact."""
+    torch.manual_seed(0)
+    reference = custom_models.MLPStack().double()
+    x, labels = custom_models.inputs("mlp")
+    reused, errors = [], []
+    for example in ((x[:1], labels[:1]), (x, labels)):
+        model = custom_models.MLPStack().double()
+        model.load_state_dict(reference.state_dict())
+        transform = TensorParallel("auto", example_inputs=(example, {}))
+        jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+        errors.append((jm(x, labels) - reference(x, labels)).abs().item())
+        reused.append(transform.plan.trace_reused)
+    return {"reused": reused, "errors": errors}
+
+
+def test_the_compile_starts_from_the_search_trace_only_for_a_call_like_the_example():
+    info = run_ranks(_trace_reused_only_for_a_call_like_the_example, 2, timeout=TIMEOUT_S)[0]
+    assert info["reused"] == [False, True] and max(info["errors"]) < 1e-12, info
+
+
+def _hf_sizes() -> list[tuple[str, int]]:
+    from tests.hf_models import DENSE, tp_sizes
+
+    return [(n, w) for n in DENSE for w in tp_sizes(n) if w <= 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world", _hf_sizes(), ids=[f"{n}-tp{w}" for n, w in _hf_sizes()])
+def test_hf_auto_plan_prices_no_worse_than_plans_hf(name, world):
+    """Every dense HF architecture at TP 2 and 4 (where its heads allow), priced only: collectives, cost, bytes."""
+    pytest.importorskip("transformers")
+    from tests import hf_models
+
+    idx = hf_models.batch()
+    with torch.device("meta"):
+        model = hf_models.make_model(name)
+    plan = thunder_tp.plans.auto(model, tp_size=world, input_ids=idx, labels=idx, use_cache=False)
+    hand, hand_used = plan.price(thunder_tp.plans.hf(model))
+    auto = plan.communication
+    assert auto.count <= hand.count and auto.cost <= hand.cost and plan.bytes_per_rank <= 1.01 * hand_used, str(plan)
 
 
 def _zoo_sizes() -> list[tuple[str, int]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import thunder
 import thunder.torch as ltorch
@@ -89,3 +91,80 @@ def original_module(model: torch.nn.Module) -> torch.nn.Module:
 def applied_transforms(model: torch.nn.Module) -> list:
     """The transforms already applied to a ThunderModule, in order (``thunder.list_transforms``); none for a plain one."""
     return list(thunder.list_transforms(model)) if isinstance(model, ThunderModule) else []
+
+
+# --- one interpretation for the plan search and the compile ------------------------------------------------------
+
+
+@dataclass
+class Interpretation:
+    """What Thunder's interpreter made of one call (``thunder_general_jit``'s TraceResults), and what it depended
+    on: the call's inputs, the module's tensors and Thunder's cache info, as `_call_signature` describes them."""
+
+    results: Any
+    signature: tuple
+    reused: bool = False
+
+
+#: module id -> the interpretation its next compile starts from (thunder.thunder_general_jit, wrapped below)
+_reusable: dict[int, Interpretation] = {}
+_interpret = thunder.thunder_general_jit
+
+
+@contextlib.contextmanager
+def interpretations_kept() -> Iterator[list[Interpretation]]:
+    """Collect the interpretations Thunder makes meanwhile (those that registered no ad-hoc operator, which
+    belong to the compile that made them)."""
+    kept: list[Interpretation] = []
+
+    def keeping(fn, args, kwargs, /, **options):
+        results = _interpret(fn, args, kwargs, **options)
+        ad_hoc = options.get("ad_hoc_executor")
+        if ad_hoc is None or not ad_hoc.implmap:
+            kept.append(Interpretation(results, _call_signature(fn, args, kwargs)))
+        return results
+
+    thunder.thunder_general_jit = keeping
+    try:
+        yield kept
+    finally:
+        thunder.thunder_general_jit = _reusing
+
+
+def reuse_interpretation(module: torch.nn.Module, interpretation: Interpretation) -> None:
+    """The next compile of `module` starts from `interpretation` instead of interpreting the module again, if its
+    call, the module's tensors and Thunder's cache info are as they were (0.2.6 has no hook between the interpreter
+    and the transforms: ``acquire_initial_trace`` calls ``thunder.thunder_general_jit`` by its module-level name)."""
+    _reusable[id(module)] = interpretation
+
+
+def _reusing(fn, args, kwargs, /, **options):
+    kept = _reusable.pop(id(fn), None)
+    if kept is not None and kept.signature == _call_signature(fn, args, kwargs):
+        kept.reused = True
+        return kept.results
+    return _interpret(fn, args, kwargs, **options)
+
+
+def _call_signature(fn, args, kwargs) -> tuple:
+    """What an interpretation of ``fn(*args, **kwargs)`` depends on, beside the code: the inputs' structure and
+    metadata (tensors) or values, the module's tensors' metadata, and Thunder's cache info for the call."""
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    inputs = tuple(_tensor_signature(x) if isinstance(x, torch.Tensor) else _value_signature(x) for x in leaves)
+    tensors = ()
+    if isinstance(fn, torch.nn.Module):
+        named = (*fn.named_parameters(remove_duplicate=False), *fn.named_buffers(remove_duplicate=False))
+        tensors = tuple((n, id(t), _tensor_signature(t)) for n, t in named)
+    return str(spec), inputs, tensors, tuple(sorted(thunder._get_cache_info().items()))
+
+
+def _value_signature(x) -> tuple:
+    """A plain value by its value, any other object by its identity."""
+    return (type(x), x) if isinstance(x, (int, float, str, bool, type(None), torch.dtype, torch.device)) else (type(x), id(x))
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, trace_device(t) or t.device, t.requires_grad
+
+
+thunder.thunder_general_jit = _reusing

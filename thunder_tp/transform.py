@@ -34,6 +34,7 @@ from thunder_tp.saved_values import recompute_matmul_inputs
 from thunder_tp.styles import Style, match_plan, planned_tensors, styles_from_distparallel_type
 from thunder_tp.thunder_private import (
     original_module,
+    reuse_interpretation,
     set_parameter,
     set_proxy_distparallel_type,
     set_proxy_shape,
@@ -111,11 +112,14 @@ class TensorParallel(Transform):
 
     def _resolved_plan(self, module: nn.Module) -> Mapping[str, Style]:
         """The plan; "auto" is searched for here, once, before any parameter is sharded."""
-        if self.plan == "auto":
-            from thunder_tp.plans.auto import auto
+        from thunder_tp.plans.auto import AutoPlan, auto
 
+        if self.plan == "auto":
             args, kwargs = self.example_inputs
             self.plan = auto(module, *args, tp_size=self.tp.size, **kwargs)
+        searched = self.plan.take_interpretation() if isinstance(self.plan, AutoPlan) else None
+        if searched is not None:  # one interpretation for the search and the compile, if the first call is alike
+            reuse_interpretation(module, searched)
         return self.plan
 
     def _local_layouts(self, model) -> dict[str, Layout]:

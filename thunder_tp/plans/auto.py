@@ -41,9 +41,12 @@ from thunder_tp.styles import (
     plan_key_matches,
     planned_tensors,
 )
-from thunder_tp.thunder_private import meta_traced_on, original_module
+from thunder_tp.thunder_private import Interpretation, interpretations_kept, meta_traced_on, original_module
 
 _SWEEPS = 4
+#: the default budget's slack over "every weight matrix sharded": room to keep a small matrix whole (a router)
+#: where that saves communication
+BUDGET_SLACK = 0.01
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,24 @@ class AutoPlan(dict):
         super().__init__(plan)
         self.tp_size, self.communication, self.bytes_per_rank, self.budget = pricing.tp.size, comm, bytes_per_rank, budget
         self.seconds, self.trace_seconds, self.evaluated = seconds, trace_seconds, pricing.evaluated
-        self._pricing = pricing
+        self._pricing, self._handed = pricing, False
+
+    @property
+    def trace_reused(self) -> bool:
+        """Whether a compile started from the search's trace instead of interpreting the model again."""
+        interpretation = self._pricing.trace.interpretation
+        return interpretation is not None and interpretation.reused
+
+    def take_interpretation(self) -> Interpretation | None:
+        """Thunder's interpretation of the traced call, once (a compile that starts from it rewrites it in place)."""
+        handed, self._handed = self._handed, True
+        return None if handed else self._pricing.trace.interpretation
 
     def price(self, plan: dict[str, Style]) -> tuple[Communication, int]:
         """Another plan's communication per step and parameter bytes per rank, priced on the same trace."""
+        if self.trace_reused:
+            raise RuntimeError("thunder_tp.plans.auto: price other plans before the first call of a model jitted with "
+                               "this plan: its compile started from the search's trace and rewrote it for TP")
         return self._pricing.price_plan(plan)
 
     def __str__(self) -> str:
@@ -81,7 +98,7 @@ def auto(model: nn.Module, *example_args, tp_size: int, memory: int | None = Non
          **example_kwargs) -> AutoPlan:
     """The plan with the least communication per step (forward and backward; forward only `for_inference`) whose
     parameters fit `memory` bytes per rank (default: every weight matrix sharded, K/V heads replicated where a
-    block has fewer heads than ranks, 1-D parameters whole), searched on a trace of `model(*example_args,
+    block has fewer heads than ranks, 1-D parameters whole, plus 1%), searched on a trace of `model(*example_args,
     **example_kwargs)` (shapes only: meta tensors and meta-device models are fine)."""
     start = time.perf_counter()
     module = original_module(model)
@@ -101,10 +118,12 @@ def auto(model: nn.Module, *example_args, tp_size: int, memory: int | None = Non
 
 @dataclass
 class Traced:
-    """The logical computation trace of a module call, and parameter proxy name -> qualified parameter name."""
+    """The logical computation trace of a module call, parameter proxy name -> qualified parameter name, and the
+    interpretation it came from (which the compile of the same call can start from)."""
 
     computation: TraceCtx
     names: dict[str, str]
+    interpretation: Interpretation | None = None
 
 
 class _Stop(Exception):
@@ -127,10 +146,11 @@ def traced(module: nn.Module, args: tuple, kwargs: dict) -> Traced:
     tensors = [*module.parameters(), *module.buffers()]
     args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, _off_meta, (args, kwargs))
     capture = _Capture()
-    with meta_traced_on(tensors, torch.device("cpu")):
+    with meta_traced_on(tensors, torch.device("cpu")), interpretations_kept() as kept:
         try:
             thunder.jit(module, transforms=[capture])(*args, **kwargs)
         except _Stop:
+            capture.traced.interpretation = kept[-1] if kept else None
             return capture.traced
     raise RuntimeError("thunder_tp.plans.auto: Thunder compiled the model without reaching the TP transform stage")
 
@@ -347,13 +367,13 @@ class _Pricing:
 
 def _default_budget(module: nn.Module, decisions: list[Decision], pricing: _Pricing) -> int:
     """Every weight matrix of a Linear / Embedding split by its first valid style (column / vocabulary first; K/V
-    heads replicated where a block has fewer heads than ranks), every other parameter whole."""
+    heads replicated where a block has fewer heads than ranks), every other parameter whole; plus BUDGET_SLACK."""
     layouts: dict[str, Layout] = {}
     for d in decisions:
         for j, name in enumerate(d.modules):
             if isinstance(module.get_submodule(name), (nn.Linear, nn.Embedding)):
                 layouts |= next(filter(None, (_split_alone(pricing, name, c[j]) for c in d.choices)), {})
-    return pricing.memory({n: x for n, x in layouts.items() if n.endswith(".weight")})
+    return int(pricing.memory({n: x for n, x in layouts.items() if n.endswith(".weight")}) * (1 + BUDGET_SLACK))
 
 
 def _split_alone(pricing: _Pricing, name: str, style: Style | None) -> dict[str, Layout] | None:
@@ -445,12 +465,18 @@ def _score(priced: tuple[Communication, int]) -> tuple[float, int]:
 
 
 def _most_sharded(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[int, ...]:
-    """Each decision's first combination that splits its own parameters validly; an error if that is over budget."""
-    choice = tuple(
+    """Each decision's combination with the fewest parameter bytes (ties: the first), from the first one that splits
+    its own parameters validly; an error if that is over budget."""
+    first = tuple(
         next((j for j, c in enumerate(d.choices) if all(s is None or _split_alone(pricing, m, s) is not None
                                                          for m, s in zip(d.modules, c))), len(d.choices) - 1)
         for d in decisions
     )
+    choice = list(first)
+    for i, d in enumerate(decisions):
+        sizes = {j: pricing.memory_of(decisions, (*first[:i], j, *first[i + 1:])) for j in range(len(d.choices))}
+        choice[i] = min((j for j in sizes if sizes[j] is not None), key=lambda j: (sizes[j], j), default=first[i])
+    choice = tuple(choice)
     priced = pricing.price(decisions, choice)
     if priced is None:
         raise RuntimeError("thunder_tp.plans.auto: the plan with every weight matrix sharded does not run on this model "

@@ -161,10 +161,11 @@ class Propagation:
         return len(s.inputs) == len(op.tensors) and len(s.outputs) == len(op.outputs)
 
     def _cost(self, op: Op, s: Strategy) -> float:
-        inputs = sum(
-            0.0 if isinstance(req, Replicate) and t.name in self.replicated
-            else redistribute_cost(cur, normalize(req, t.ndim), t, self.tp.size, is_parameter=t.name in self.parameters)
-            for t, cur, req in zip(op.tensors, op.layouts, s.inputs)
+        needed = {(t.name, normalize(req, t.ndim)): (t, cur) for t, cur, req in zip(op.tensors, op.layouts, s.inputs)}
+        inputs = sum(  # a tensor used twice in one layout (x * x) is redistributed once
+            0.0 if isinstance(req, Replicate) and name in self.replicated
+            else redistribute_cost(cur, req, t, self.tp.size, is_parameter=name in self.parameters)
+            for (name, req), (t, cur) in needed.items()
         )
         issued = sum(collective_cost(kind, full_bytes, self.tp.size) for kind, full_bytes in s.issues)
         return inputs + issued + PENDING_SUM_COST * sum(isinstance(x, Partial) for x in s.outputs)
