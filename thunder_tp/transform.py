@@ -85,8 +85,11 @@ class TensorParallel(Transform):
     def transform_module(self, model) -> None:
         """Record every styled parameter's layout and replace it by this rank's shard."""
         check_composition(self, model)  # 2-D: TP before DDP/FSDP, on a group orthogonal to theirs
+        from thunder_tp.plans.hf import register_lookasides
+
         module = original_module(model)
         self._module = model
+        register_lookasides(module)  # an HF model traced alike whatever made its plan
         _trace_meta_tensors_on(module, self.tp.group)
         styles = styles_from_distparallel_type(module) | match_plan(module, self._resolved_plan(module))
         planned = planned_tensors(module, styles, self.tp.size)

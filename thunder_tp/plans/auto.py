@@ -143,6 +143,9 @@ class _Capture(Transform):
 def traced(module: nn.Module, args: tuple, kwargs: dict) -> Traced:
     """Trace `module(*args, **kwargs)` with Thunder's interpreter, running nothing. Meta-device tensors are traced as
     CPU ones (HF's rotary embedding, for one, opens an autocast region on its inputs' device, which meta is not)."""
+    from thunder_tp.plans.hf import register_lookasides
+
+    register_lookasides(module)
     tensors = [*module.parameters(), *module.buffers()]
     args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, _off_meta, (args, kwargs))
     capture = _Capture()
@@ -465,18 +468,21 @@ def _score(priced: tuple[Communication, int]) -> tuple[float, int]:
 
 
 def _most_sharded(decisions: list[Decision], pricing: _Pricing, budget: int) -> tuple[int, ...]:
-    """Each decision's combination with the fewest parameter bytes (ties: the first), from the first one that splits
-    its own parameters validly; an error if that is over budget."""
+    """Each decision's first combination that splits its own parameters validly (column-parallel first: K/V heads
+    replicated where they are too few); where that is over budget, each decision's combination with the fewest
+    parameter bytes; an error if even that is over budget."""
     first = tuple(
         next((j for j, c in enumerate(d.choices) if all(s is None or _split_alone(pricing, m, s) is not None
                                                          for m, s in zip(d.modules, c))), len(d.choices) - 1)
         for d in decisions
     )
-    choice = list(first)
-    for i, d in enumerate(decisions):
-        sizes = {j: pricing.memory_of(decisions, (*first[:i], j, *first[i + 1:])) for j in range(len(d.choices))}
-        choice[i] = min((j for j in sizes if sizes[j] is not None), key=lambda j: (sizes[j], j), default=first[i])
-    choice = tuple(choice)
+    choice = first
+    if (pricing.memory_of(decisions, first) or 0) > budget:
+        fewest = list(first)
+        for i, d in enumerate(decisions):
+            sizes = {j: pricing.memory_of(decisions, (*first[:i], j, *first[i + 1:])) for j in range(len(d.choices))}
+            fewest[i] = min((j for j in sizes if sizes[j] is not None), key=lambda j: (sizes[j], j), default=first[i])
+        choice = tuple(fewest)
     priced = pricing.price(decisions, choice)
     if priced is None:
         raise RuntimeError("thunder_tp.plans.auto: the plan with every weight matrix sharded does not run on this model "

@@ -39,6 +39,15 @@ _FIXES = {("starcoder2", "mlp.c_proj"): "row"}  # Starcoder2 lists its down proj
 _HEAD_NORMS = ("q_norm", "k_norm")
 
 
+def register_lookasides(model: nn.Module) -> None:
+    """Make thunder.jit trace a HuggingFace transformers model as TP needs it (HF's `repeat_kv` as
+    `repeat_interleave`, its causal-mask question answered as in eager mode, sparse MoE blocks as one `moe_layer`);
+    nothing for other models. `hf`, `auto` and `TensorParallel` call it, so every plan sees the same program."""
+    if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        hf_attention.register_lookasides(model)
+        hf_moe.register_lookasides(model)
+
+
 def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Style]:
     """Plan for a HuggingFace transformers model (a CausalLM or a base model) from its own tp_plan.
 
@@ -47,8 +56,8 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
     the model returns are still gathered, so jit a module that returns only the loss to skip that gather.
     """
     _check_version()
+    register_lookasides(model)
     prefix, model = _hf_model(model)
-    hf_attention.register_lookasides(model)
     config = model.config
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
     # under SP a Partial stream is reduce-scattered where a SequenceParallel norm reads it, which needs the norm's
@@ -252,7 +261,6 @@ def _moe_blocks(model: nn.Module) -> list[str]:
 def _moe_plan(model: nn.Module) -> dict[str, Style]:
     """Sparse MoE blocks, traced as one `moe_layer` op: every expert (and the shared expert) sharded like a dense
     MLP, router (and shared-expert gate) replicated; the op's rule reduces the block's output once."""
-    hf_moe.register_lookasides(model)
     plan: dict[str, Style] = {}
     for block in _moe_blocks(model):
         module = model.get_submodule(block)
