@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from thunder.core import dtypes
+import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
@@ -81,6 +83,19 @@ class _Walk:
             self.result.add("all_reduce", t, self.tp.size, backward=True)
 
 
+#: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)
+_GRAD_FROM_FIRST = frozenset(s.id for s in (ltorch.to, ltorch.type_as, ltorch.expand_as, ltorch.view_as, ltorch.reshape_as))
+#: ops whose result has no grad whatever their arguments
+_NO_GRAD = frozenset(s.id for s in (ltorch.zeros_like, ltorch.ones_like, ltorch.full_like, ltorch.empty_like))
+
+
+def _differentiable(bsym, tensors: list[TensorProxy]) -> list[TensorProxy]:
+    """The tensor arguments an op's result is differentiable in."""
+    if bsym.sym.id in _NO_GRAD:
+        return []
+    return tensors[:1] if bsym.sym.id in _GRAD_FROM_FIRST else tensors
+
+
 def communication(
     steps: list[Step], returned, layouts: dict[str, Layout], tp: TPGroup, inputs: list[TensorProxy], *, training: bool
 ) -> Communication:
@@ -101,8 +116,8 @@ def communication(
             walk.need(t, required, step.strategy.enters_tp_region)
         for kind, full_bytes in step.strategy.issues:
             walk.result.add(kind, full_bytes, tp.size)
-        if any(t.name in needs_grad for t in tensors):
-            needs_grad.update(o.name for o in outputs)
+        if any(t.name in needs_grad for t in _differentiable(step.bsym, tensors)):  # a mask's ints/bools have no grad
+            needs_grad.update(o.name for o in outputs if dtypes.is_inexact_dtype(o.dtype))
         if tensors and all(t.name in walk.from_inputs and layouts[t.name] == normalize(r, t.ndim)
                            for t, r in zip(tensors, step.strategy.inputs)):
             walk.from_inputs.update(o.name for o in outputs)
