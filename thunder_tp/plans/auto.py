@@ -272,19 +272,24 @@ def _last_dim(split, t: TensorProxy) -> bool:
     return dim in (-1, t.ndim - 1)
 
 
-def _heads(t: TensorProxy, users: dict, depth: int = 3) -> tuple[int, int] | None:
-    """(heads, head size) of the first view of `t` that cuts its last dim in two, through same-shape ops."""
-    for b in users.get(t.name, []):
-        out = b.output
-        if not isinstance(out, TensorProxy):
-            continue
-        if b.sym.id in (ltorch.reshape.id, ltorch.view.id) and out.ndim == t.ndim + 1 and \
-                tuple(out.shape[: t.ndim - 1]) == tuple(t.shape[:-1]) and out.shape[-2] * out.shape[-1] == t.shape[-1]:
-            return out.shape[-2], out.shape[-1]
-        if depth and tuple(out.shape) == tuple(t.shape):
-            found = _heads(out, users, depth - 1)
-            if found:
-                return found
+def _heads(t: TensorProxy, users: dict, depth: int = 12) -> tuple[int, int] | None:
+    """(heads, head size) of the nearest view of `t` that cuts its last dim in two, through at most `depth`
+    same-shape ops (a norm over all heads and its casts, as OLMo-2's, come before the view)."""
+    frontier, seen = [t], {t.name}
+    for _ in range(depth + 1):
+        reached = []
+        for x in frontier:
+            for b in users.get(x.name, []):
+                out = b.output
+                if not isinstance(out, TensorProxy) or out.name in seen:
+                    continue
+                if b.sym.id in (ltorch.reshape.id, ltorch.view.id) and out.ndim == x.ndim + 1 and \
+                        tuple(out.shape[: x.ndim - 1]) == tuple(x.shape[:-1]) and out.shape[-2] * out.shape[-1] == x.shape[-1]:
+                    return out.shape[-2], out.shape[-1]
+                if tuple(out.shape) == tuple(x.shape):
+                    seen.add(out.name)
+                    reached.append(out)
+        frontier = reached
     return None
 
 
