@@ -109,6 +109,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = REPO_ROOT) -> tuple[str, str]:
+    """Run `command` (a script and its arguments, or ``-m module ...``) on `nproc` ranks under torchrun, with this
+    checkout's thunder_tp first on the path and one thread per rank; its (stdout, stderr). The launch runs in its own
+    session, so a timeout (a test failure) or an interrupt kills the ranks too, not only torchrun; a rank's failure
+    fails the test with the first traceback and torchrun's summary."""
+    import pytest
+    import subprocess
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # everything is on loopback, as the pools above
+    proc = subprocess.Popen([*launcher, *command], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish within {timeout} s\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    finally:
+        if proc.poll() is None:  # interrupted
+            os.killpg(proc.pid, signal.SIGKILL)
+    first = stderr.find("Traceback")
+    assert proc.returncode == 0, (f"exit {proc.returncode}: {' '.join(command)}\n{stdout[-3000:]}\n--- first traceback "
+                                  f"---\n{stderr[max(first, 0):][:6000]}\n--- end ---\n{stderr[-6000:]}")
+    return stdout, stderr
+
+
 def benchmark_module(name: str):
     """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
     if BENCHMARKS not in sys.path:

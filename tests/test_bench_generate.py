@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.dist import REPO_ROOT, benchmark_module, free_port
+from tests.dist import REPO_ROOT, benchmark_module, torchrun
 
 SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_generate.py"
 TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "4", "--n_query_groups", "2", "--intermediate_size", "128",
@@ -48,18 +46,10 @@ def test_torchrun(tmp_path):
     """Batch 1 (litgpt's generate loop), fp32, from the command line; one Thunder build (each costs ~20 s here:
     single_thunder runs in test_batched_bf16)."""
     modes = ["single_eager", "thunder_tp", "manual_tp", "eager_2threads"]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     json_path = tmp_path / "results.json"
-    cmd = [*launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(SCRIPT), *TINY, "--modes", ",".join(modes), "--json_path", str(json_path)]
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"exit code {proc.returncode}: {' '.join(cmd)}\n{output[-8000:]}"
+    stdout, stderr = torchrun([str(SCRIPT), *TINY, "--modes", ",".join(modes), "--json_path", str(json_path)],
+                              timeout=TIMEOUT_S, cwd=str(tmp_path))
+    output = stdout + stderr
     _check(json.loads(json_path.read_text()), modes, 1, 4)
     assert "| (c) thunder_tp TP=2 | 2 × 1 |" in output and "manual_tp, collectives per rank" in output, output[-4000:]
 

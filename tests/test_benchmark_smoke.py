@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import REPO_ROOT, benchmark_module, free_port
+from tests.dist import REPO_ROOT, benchmark_module, torchrun
 
 SCRIPT = Path(REPO_ROOT) / "benchmarks" / "benchmark_litgpt.py"
 TINY = ["--model_name", "pythia-14m", "--n_layers", "1", "--block_size", "32", "--micro_batch_size", "1",
@@ -35,22 +35,10 @@ def _env() -> dict[str, str]:
 
 def _torchrun(tmp_path: Path, *args: str) -> tuple[dict, str]:
     """Run the benchmark on 2 ranks; return its JSON results and its output."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     json_path = tmp_path / "results.json"
-    cmd = [*launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(SCRIPT), *TINY, "--json_path", str(json_path), *args]
-    env = _env()
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # everything is on loopback, as in tests/dist.py
-    try:
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"benchmark did not finish within {TIMEOUT_S} s: {' '.join(cmd)}\n{out[-5000:]}")
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"exit code {proc.returncode}: {' '.join(cmd)}\n{output[-8000:]}"
-    return json.loads(json_path.read_text()), output
+    stdout, stderr = torchrun([str(SCRIPT), *TINY, "--json_path", str(json_path), *args], timeout=TIMEOUT_S,
+                              cwd=str(tmp_path))
+    return json.loads(json_path.read_text()), stdout + stderr
 
 
 def _pythia_param_bytes(tp_size: int) -> tuple[int, int]:

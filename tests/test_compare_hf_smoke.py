@@ -4,13 +4,10 @@ alternating rounds with and without transport."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.dist import BENCHMARKS, REPO_ROOT, free_port
+from tests.dist import BENCHMARKS, torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # from_pretrained(tp_plan="auto")
@@ -20,22 +17,9 @@ TIMEOUT_S = 1200
 
 def test_compare_hf_smoke(tmp_path):
     json_path = tmp_path / "compare_hf.json"
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(BENCHMARKS, "compare_hf.py"), "--n_layers", "1", "--batch", "1", "--seq", "16", "--steps", "2",
-           "--rounds", "2", "--warmup", "0", "--executors", "thunder_default", "--without_transport", "1",
-           "--json_path", str(json_path)]
-    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"compare_hf.py did not finish within {TIMEOUT_S} s\n{stdout[-3000:]}\n{stderr[-5000:]}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    args = ["--n_layers", "1", "--batch", "1", "--seq", "16", "--steps", "2", "--rounds", "2", "--warmup", "0",
+            "--executors", "thunder_default", "--without_transport", "1", "--json_path", str(json_path)]
+    stdout, _ = torchrun([os.path.join(BENCHMARKS, "compare_hf.py"), *args], timeout=TIMEOUT_S)
     results = json.loads(json_path.read_text())
     assert set(results["modes"]) == {"hf_tp", "thunder_tp", "thunder_tp_lp"}
     for name, mode in results["modes"].items():

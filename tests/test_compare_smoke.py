@@ -5,14 +5,13 @@ import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.dist import BENCHMARKS, REPO_ROOT, benchmark_module, free_port, run_ranks
+from tests.dist import BENCHMARKS, REPO_ROOT, benchmark_module, run_ranks, torchrun
 
 DIMS = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab": 64, "ffn_hidden": 64}
 BATCH, SEQ = 2, 8
@@ -36,27 +35,8 @@ pytest.importorskip("litgpt")
 def _compare(tmp_path, *args: str) -> tuple[dict, str]:
     """Run compare.py on 2 ranks under torchrun; its JSON report and stdout."""
     json_path = tmp_path / "compare.json"
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(BENCHMARKS, "compare.py"), *TINY, "--json_path", str(json_path), *args]
-    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)  # this checkout's thunder_tp
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    # its own session: on a timeout the ranks go too, not only torchrun (orphaned ranks would load the machine)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"compare.py did not finish within {TIMEOUT_S} s\n{stdout[-3000:]}\n{stderr[-5000:]}")
-    finally:
-        if proc.poll() is None:  # interrupted
-            os.killpg(proc.pid, signal.SIGKILL)
-    # a failing rank's error: the first rank traceback (head) and torchrun's root-cause summary (tail, via @record)
-    first = stderr.find("Traceback")
-    assert proc.returncode == 0, (f"exit {proc.returncode}\n{stdout[-3000:]}\n--- first traceback ---\n"
-                                  f"{stderr[max(first, 0):][:6000]}\n--- end ---\n{stderr[-6000:]}")
+    stdout, _ = torchrun([os.path.join(BENCHMARKS, "compare.py"), *TINY, "--json_path", str(json_path), *args],
+                         timeout=TIMEOUT_S)
     return json.loads(json_path.read_text()), stdout
 
 
@@ -347,13 +327,8 @@ def test_transport_threads_fifo_refused_on_cuda():
 def test_bench_gloo_runs(tmp_path):
     """benchmarks/bench_gloo.py on 2 ranks: every row, and the all_reduce after a matmul at the default scheduling of
     gloo's threads and, where the machine allows it, at SCHED_FIFO."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(BENCHMARKS, "bench_gloo.py")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if " ms" in line]
-    assert sum(line.startswith(("all_reduce", "all_gather")) for line in rows) == 5, proc.stdout
+    stdout, _ = torchrun([os.path.join(BENCHMARKS, "bench_gloo.py")], timeout=300)
+    rows = [line for line in stdout.splitlines() if " ms" in line]
+    assert sum(line.startswith(("all_reduce", "all_gather")) for line in rows) == 5, stdout
     after = next(line for line in rows if "right after a matmul" in line)
     assert "default:" in after and ("SCHED_FIFO 1:" in after) == _may_use_real_time_priority(), after
