@@ -73,7 +73,6 @@ def expected_counts(name: str, mode: str, size: int) -> tuple[dict[str, int], di
     OLMo-2's q/k norm statistics (b*s numbers, each way); the grads of the replicated parameters used on sharded
     values summed in one all_reduce per dtype. Loss parallel: the logits are still gathered, as the model returns
     them, besides the loss's (log-sum-exp, target logit) per token."""
-    config = make_config(name)
     model_type = ARCHITECTURES[name][0]
     # GPT-NeoX's parallel residual applies dropout to each branch (reduced apart); under SP, Cohere's too (plans.hf)
     parallel = model_type == "cohere" and mode != "tp_sp"

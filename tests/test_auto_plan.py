@@ -180,6 +180,17 @@ def test_the_compile_starts_from_the_search_trace_only_for_a_call_like_the_examp
     assert info["reused"] == [False, True] and max(info["errors"]) < 1e-12, info
 
 
+def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, world: int, hand_plan: dict) -> None:
+    """The issue's comparison, priced on one trace (no ranks): no more collectives, no higher cost, parameter bytes
+    at most the hand plan's + 1%; one PRICED line per case (-s) for the README's sweep."""
+    plan = _within_hand_bytes(thunder_tp.plans.auto(model, *args, tp_size=world, **kwargs), model, args, kwargs, hand_plan)
+    hand, hand_used = plan.price(hand_plan)
+    auto = plan.communication
+    print(f"\nPRICED {case}: auto {auto.count} ({auto}) {plan.bytes_per_rank} B | hand {hand.count} ({hand}) "
+          f"{hand_used} B | budget {plan.budget} B")
+    assert auto.count <= hand.count and auto.cost <= hand.cost and plan.bytes_per_rank <= 1.01 * hand_used, str(plan)
+
+
 def _hf_sizes() -> list[tuple[str, int]]:
     from tests.hf_models import DENSE, tp_sizes
 
@@ -196,14 +207,8 @@ def test_hf_auto_plan_prices_no_worse_than_plans_hf(name, world):
     idx = hf_models.batch()
     with torch.device("meta"):
         model = hf_models.make_model(name)
-    kwargs = dict(input_ids=idx, labels=idx, use_cache=False)
-    plan = _within_hand_bytes(thunder_tp.plans.auto(model, tp_size=world, **kwargs), model, (), kwargs,
-                              thunder_tp.plans.hf(model))
-    hand, hand_used = plan.price(thunder_tp.plans.hf(model))
-    auto = plan.communication
-    print(f"\nPRICED {name} tp{world}: auto {auto.count} ({auto}) {plan.bytes_per_rank} B | hand {hand.count} ({hand}) "
-          f"{hand_used} B | budget {plan.budget} B")
-    assert auto.count <= hand.count and auto.cost <= hand.cost and plan.bytes_per_rank <= 1.01 * hand_used, str(plan)
+    _check_priced_against_hand(f"{name} tp{world}", model, (), dict(input_ids=idx, labels=idx, use_cache=False),
+                               world, thunder_tp.plans.hf(model))
 
 
 def _zoo_sizes() -> list[tuple[str, int]]:
@@ -219,13 +224,7 @@ def test_zoo_auto_plan_prices_no_worse_than_the_hand_plan(name, world):
     """Every litgpt architecture at TP 2, 4, 8, priced only (no ranks): collectives, cost and parameter bytes."""
     with torch.device("meta"):
         model = GPTWithLoss(zoo_config(name))
-    plan = _within_hand_bytes(thunder_tp.plans.auto(model, *batch(0), tp_size=world), model, batch(0), {},
-                              thunder_tp.plans.litgpt(model))
-    hand, hand_used = plan.price(thunder_tp.plans.litgpt(model))
-    auto = plan.communication
-    print(f"\nPRICED {name} tp{world}: auto {auto.count} ({auto}) {plan.bytes_per_rank} B | hand {hand.count} ({hand}) "
-          f"{hand_used} B | budget {plan.budget} B")
-    assert auto.count <= hand.count and auto.cost <= hand.cost and plan.bytes_per_rank <= 1.01 * hand_used, str(plan)
+    _check_priced_against_hand(f"{name} tp{world}", model, batch(0), {}, world, thunder_tp.plans.litgpt(model))
 
 
 @pytest.mark.slow
