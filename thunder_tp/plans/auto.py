@@ -6,7 +6,8 @@ block index (`transformer.h.3.mlp.fc`) are one decision, searched once. Each dec
 its modules; propagation lays out everything in between, and `communication.py` prices the result: the forward
 and backward collectives of one step under reshard.py's alpha-beta cost. The search is coordinate descent from
 "every weight matrix sharded" (plain column splits, by whole heads where the trace splits the output into heads),
-deterministic, so every rank finds the same plan.
+deterministic, so every rank finds the same plan. The interpretation is kept: a compile of the same module whose
+first call is like the example starts from it (`TensorParallel` hands it over).
 """
 
 from __future__ import annotations
