@@ -57,7 +57,8 @@ def _pythia_param_bytes(tp_size: int) -> tuple[int, int]:
     return 4 * (sharded + replicated), 4 * (sharded // tp_size + replicated)
 
 
-def _check_common(res: dict, output: str) -> None:
+def _check_common(res: dict, output: str, bytes_slack: float = 0.0) -> None:
+    """Losses, timings and memory figures of a run; its parameter bytes per rank the hand plan's (+ `bytes_slack`)."""
     assert len(res["losses"]) == 3 and all(math.isfinite(x) for x in res["losses"]), res["losses"]
     assert res["world_size"] == 2 and res["tp_size"] == 2
     # the figures are those of the timed iterations (all but the warm-up one)
@@ -65,7 +66,7 @@ def _check_common(res: dict, output: str) -> None:
     assert math.isclose(res["average_iter_time_ms"], sum(res["iter_times_ms"][1:]) / 2, rel_tol=1e-9), res
     assert math.isclose(res["tokens_per_sec"], TOKENS * 1000 / res["average_iter_time_ms"], rel_tol=1e-9), res
     full, per_rank = _pythia_param_bytes(2)
-    assert (res["param_bytes_full_model"], res["param_bytes_per_rank"]) == (full, per_rank), res
+    assert res["param_bytes_full_model"] == full and per_rank <= res["param_bytes_per_rank"] <= (1 + bytes_slack) * per_rank, res
     # max RSS of a process that holds its parameters; rank 0's figure is the first of the per-rank ones
     assert res["peak_memory_bytes_per_rank"][0] == res["peak_memory_bytes"] > per_rank, res
     assert len(res["peak_memory_bytes_per_rank"]) == 2 and min(res["peak_memory_bytes_per_rank"]) > per_rank, res
@@ -143,16 +144,17 @@ def test_tp_sp_loss_parallel(tmp_path):
 
 
 def test_plan_auto_prints_the_plan_it_trains_with(tmp_path):
-    """--plan auto: plans.auto searches the plan (printed by rank 0); on pythia-14m it is Megatron's, with the loss
-    parallel head it finds on its own: 1 forward all_reduce for the parallel-residual block and 1 for the embedding,
-    the loss's 2 x 32 statistics gathered, no logits."""
+    """--plan auto: plans.auto searches the plan (printed by rank 0) and trains with it. On this 1-layer pythia-14m
+    (32 tokens) the default budget's 1% slack keeps the attention whole (0.5% more parameter bytes than the hand
+    plan: one backward all_reduce fewer); the MLP is Megatron's and the head loss parallel, found on its own: 1 forward
+    all_reduce for the MLP, 1 for the embedding, the loss's 2 x 32 statistics gathered, no logits."""
     from tests.dist import run_ranks
 
     json_path = tmp_path / "results.json"
     output = run_ranks(_run, 2, ["--distributed_mode", "tp", "--plan", "auto"], str(json_path), timeout=900)[0]
     res = json.loads(json_path.read_text())
-    _check_common(res, output)
-    assert "thunder_tp.plans.auto (TP=2)" in output and "'gpt.transformer.h.0.attn.qkv': ColwiseParallel" in output, output
+    _check_common(res, output, bytes_slack=0.01)
+    assert "thunder_tp.plans.auto (TP=2)" in output and "'gpt.lm_head': ColwiseParallel" in output, output
     forward = res["collectives"]["per_iteration"]["forward"]["by_kind"]
     assert forward == {"all_reduce": {"count": 2, "bytes": 2 * ACTIVATION}, "all_gather": {"count": 1, "bytes": 2 * 2 * TOKENS * 4}}, forward
 
