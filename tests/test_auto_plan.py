@@ -50,17 +50,26 @@ def _case(family: str, name: str) -> Case:
     return Case(lambda: custom_models.MODELS[name]().double(), custom_models.inputs(name), {}, custom_models.naive_plan)
 
 
-def _within_hand_bytes(plan, model, args: tuple, kwargs: dict, hand_plan: dict):
-    """The plan the comparison with the hand plan (no more collectives, no higher cost, parameter bytes at most the
-    hand plan's + 1%) is made on: the default budget's, or where that one fails it, the plan searched again with
-    `memory=` the hand plan's bytes + 1%. The default budget keeps 1-D parameters whole, where the hand plan may
-    split some (OLMo-2's q/k norms over all heads: bytes over), and splits every weight matrix, where the hand plan
-    keeps MoE routers whole (at TP 8 at zoo size a router is more than the 1% slack: it gets sharded)."""
-    hand, hand_used = plan.price(hand_plan)
-    auto = plan.communication
-    if auto.count <= hand.count and auto.cost <= hand.cost and plan.bytes_per_rank <= 1.01 * hand_used:
-        return plan
-    return thunder_tp.plans.auto(model, *args, tp_size=plan.tp_size, memory=int(1.01 * hand_used), **kwargs)
+def _figures(comm, used: int) -> tuple[int, float, int]:
+    """(collectives per step, cost-model communication, parameter bytes per rank) of a priced plan."""
+    return comm.count, comm.cost, used
+
+
+def _no_worse(auto: tuple[int, float, int], hand: tuple[int, float, int]) -> bool:
+    """The issue's comparison: no more collectives, no higher cost, parameter bytes at most the hand plan's + 1%."""
+    return auto[0] <= hand[0] and auto[1] <= hand[1] and auto[2] <= 1.01 * hand[2]
+
+
+def _plan_compared_with_hand(plan, model, args: tuple, kwargs: dict, hand_plan: dict):
+    """The plan the comparison with the hand plan is made on, and the hand plan's price: the default budget's plan,
+    or where that one fails the comparison, the plan searched again with `memory=` the hand plan's bytes + 1%. The
+    default budget keeps 1-D parameters whole, where the hand plan may split some (OLMo-2's q/k norms over all heads:
+    bytes over), and splits every weight matrix, where the hand plan keeps MoE routers whole (at TP 8 at zoo size a
+    router is more than the 1% slack: it gets sharded)."""
+    hand = plan.price(hand_plan)
+    if _no_worse(_figures(plan.communication, plan.bytes_per_rank), _figures(*hand)):
+        return plan, hand
+    return thunder_tp.plans.auto(model, *args, tp_size=plan.tp_size, memory=int(1.01 * hand[1]), **kwargs), hand
 
 
 def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
@@ -73,7 +82,7 @@ def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
         meta = case.make()
     plan = thunder_tp.plans.auto(meta, *case.args, tp_size=size, **case.kwargs)
     if family != "custom":
-        plan = _within_hand_bytes(plan, meta, case.args, case.kwargs, case.other_plan(meta))
+        plan, _ = _plan_compared_with_hand(plan, meta, case.args, case.kwargs, case.other_plan(meta))
     model = case.make()
     model.load_state_dict(reference.state_dict())
     example = (case.args, case.kwargs)
@@ -89,17 +98,12 @@ def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
     return {
         "ran": (collective_counts(thunder.last_traces(jm)[-1]), collective_counts(thunder.last_backward_traces(jm)[-1])),
         "priced": (dict(plan.communication.forward), dict(plan.communication.backward)),
-        "auto": (plan.communication.count, plan.communication.cost, plan.bytes_per_rank),
-        "other": _priced(plan.price(case.other_plan(meta))),
+        "auto": _figures(plan.communication, plan.bytes_per_rank),
+        "other": _figures(*plan.price(case.other_plan(meta))),
         "same_plan": dict(transform.plan) == dict(plan),
         "trace_reused": shorthand and transform.plan.trace_reused,  # the compile started from the search's trace
         "plan": str(plan),
     }
-
-
-def _priced(priced) -> tuple[int, float, int]:
-    comm, used = priced
-    return comm.count, comm.cost, used
 
 
 #: the MLP stack: test_tensor_parallel_auto_searches_at_jit; the ViT's transformer is in conv_vit
@@ -129,8 +133,7 @@ def _params(cases):
 def test_litgpt_auto_plan_is_no_worse_than_the_hand_plan(name, world):
     info = run_ranks(_run_auto, world, "litgpt", name, timeout=TIMEOUT_S)[0]
     assert info["ran"] == info["priced"], info
-    (count, cost, used), (hand_count, hand_cost, hand_used) = info["auto"], info["other"]
-    assert count <= hand_count and cost <= hand_cost and used <= 1.01 * hand_used, info
+    assert _no_worse(info["auto"], info["other"]), info
 
 
 def _hf_cases() -> list[tuple[str, int, str]]:
@@ -148,8 +151,7 @@ def test_hf_auto_plan_is_no_worse_than_plans_hf(name, world):
     pytest.importorskip("transformers")
     info = run_ranks(_run_auto, world, "hf", name, timeout=TIMEOUT_S)[0]
     assert info["ran"] == info["priced"], info
-    (count, cost, used), (hand_count, hand_cost, hand_used) = info["auto"], info["other"]
-    assert count <= hand_count and cost <= hand_cost and used <= 1.01 * hand_used, info
+    assert _no_worse(info["auto"], info["other"]), info
 
 
 def test_tensor_parallel_auto_searches_at_jit():
@@ -183,12 +185,12 @@ def test_the_compile_starts_from_the_search_trace_only_for_a_call_like_the_examp
 def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, world: int, hand_plan: dict) -> None:
     """The issue's comparison, priced on one trace (no ranks): no more collectives, no higher cost, parameter bytes
     at most the hand plan's + 1%; one PRICED line per case (-s) for the README's sweep."""
-    plan = _within_hand_bytes(thunder_tp.plans.auto(model, *args, tp_size=world, **kwargs), model, args, kwargs, hand_plan)
-    hand, hand_used = plan.price(hand_plan)
+    searched = thunder_tp.plans.auto(model, *args, tp_size=world, **kwargs)
+    plan, (hand, hand_used) = _plan_compared_with_hand(searched, model, args, kwargs, hand_plan)
     auto = plan.communication
     print(f"\nPRICED {case}: auto {auto.count} ({auto}) {plan.bytes_per_rank} B | hand {hand.count} ({hand}) "
           f"{hand_used} B | budget {plan.budget} B")
-    assert auto.count <= hand.count and auto.cost <= hand.cost and plan.bytes_per_rank <= 1.01 * hand_used, str(plan)
+    assert _no_worse(_figures(auto, plan.bytes_per_rank), _figures(hand, hand_used)), str(plan)
 
 
 def _hf_sizes() -> list[tuple[str, int]]:
@@ -232,8 +234,7 @@ def test_zoo_auto_plan_prices_no_worse_than_the_hand_plan(name, world):
 def test_zoo_auto_plan_is_exact_and_no_worse_than_the_hand_plan(name, world):
     info = run_ranks(_run_auto, world, "litgpt", name, timeout=TIMEOUT_S)[0]
     assert info["ran"] == info["priced"], info
-    (count, cost, used), (hand_count, hand_cost, hand_used) = info["auto"], info["other"]
-    assert count <= hand_count and cost <= hand_cost and used <= 1.01 * hand_used, info
+    assert _no_worse(info["auto"], info["other"]), info
 
 
 def test_auto_plan_is_readable_and_a_plan_tensor_parallel_takes():
