@@ -5,12 +5,15 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
 #
 # Expects python3 with torch on CUDA, and in .whl/ the wheels of what that python lacks: lightning-thunder, litgpt
-# and their small deps, and nvFuser (pyproject's `nvfuser` extra; nvfuser-cu130-torch210 of the same version where
-# torch is built for CUDA 13). Where torch is 2.11 (the wheel is built for 2.10), also the one-symbol shim
-# `g++ -O2 -shared -fPIC -o .whl/nvfuser_abi_shim.so benchmarks/nvfuser_abi_shim.cpp`, and, where the machine lacks
-# it, zstd's library as .whl/lib/libzstd.so.1. GPU_TESTS (a pytest -k expression) and GPU_CHECK_S (seconds for
-# the tests and the benchmark together) and GPU_MODES (compare.py's --modes) narrow a rerun. On a cold machine each
-# litgpt test compiles for about a minute: the tests stop after 240 s, so the whole set takes two runs.
+# and their small deps (looseversion, optree, dill, jsonargparse), transformers 4.52.4 with its huggingface-hub
+# and tokenizers (requirements-ci.txt's pins) for the HF tests, and nvFuser (pyproject's `nvfuser` extra;
+# nvfuser-cu130-torch210 of the same version where torch is built for CUDA 13). Where torch is 2.11 (the wheel is
+# built for 2.10), also the one-symbol shim `g++ -O2 -shared -fPIC -o .whl/nvfuser_abi_shim.so
+# benchmarks/nvfuser_abi_shim.cpp`, and, where the machine lacks it, zstd's library as .whl/lib/libzstd.so.1.
+# GPU_TESTS (a pytest -k expression), GPU_TESTS_S (seconds for the tests), GPU_CHECK_S (seconds for the tests and
+# the benchmark together; under 90 left, no benchmark) and GPU_MODES (compare.py's --modes) narrow a rerun.
+# On a cold machine each litgpt test compiles for about a minute: the tests stop after 240 s by default, so the
+# whole set takes two runs.
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
@@ -43,7 +46,7 @@ print("thunder's nvFuser executor:", nvfuserex.nvfuserex)
 EOF
 
 say "tests"
-timeout 240 python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py tests/test_executor.py -k "${GPU_TESTS:-cuda or nvfuser}" \
+timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py tests/test_executor.py -k "${GPU_TESTS:-cuda or nvfuser}" \
     2>&1 | tee "$OUT_DIR/tests.log" | grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|Error|error:" | head -60
 say "tests done"
 

@@ -1,4 +1,5 @@
-"""TP on a GPU: litgpt under TP / TP+SP / TP+loss parallel with each fusion backend, against one device.
+"""TP on a GPU against one device: litgpt training under TP / TP+SP / TP+loss parallel with each fusion backend;
+greedy generation with the KV cache sharded; an HF transformers model under plans.hf; litgpt under the automatic plan.
 
 NCCL takes one GPU per rank, so on a one-GPU machine the two ranks share the GPU and talk over gloo, which moves
 CUDA tensors through host memory. Everything else runs as under NCCL: the rewrite on CUDA proxies, the fusion
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import thunder
 import torch
+from litgpt import GPT
 from thunder.executors import nvfuserex
 
 import thunder_tp
@@ -19,6 +21,7 @@ from thunder_tp.executor import fusion_executor, is_communication
 from thunder_tp.layouts import REPLICATE, shard_tensor
 from tests.dist import run_ranks
 from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
+from tests.test_generate import gen_config, greedy, PROMPT, NEW_TOKENS, MAX_SEQ
 from tests.tp_checks import assert_close_scaled, collective_counts, rank_and_size
 
 pytestmark = pytest.mark.cuda
@@ -29,11 +32,33 @@ RTOL, ATOL = 1e-4, 1e-4
 BESIDE = {"nvfuser": {"torchcompile_xentropy"}, "inductor": set()}
 
 
-def _tp_on_shared_gpu(mode: str, backend: str) -> dict:
-    """One training step of the llama-like litgpt model under TP on cuda:0, checked against the full model there."""
-    rank, size = rank_and_size()
+def _gpu() -> torch.device:
+    """cuda:0, the GPU every rank shares, made the current device."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
+    return device
+
+
+def _same_step(reference: torch.nn.Module, jm: torch.nn.Module, transform: TensorParallel, loss) -> None:
+    """One training step of both: the loss (`loss(module)`) and every grad, each rank's shard of the full one."""
+    rank, size = rank_and_size()
+    expected, actual = loss(reference), loss(jm)
+    assert_close_scaled(actual, expected, rtol=RTOL, atol=ATOL, what="loss")
+    expected.backward()
+    actual.backward()
+    for name, p in reference.named_parameters():
+        want = shard_tensor(p.grad, transform.parameter_layouts.get(name, REPLICATE), rank, size)
+        assert_close_scaled(jm.get_parameter(name).grad, want, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
+
+
+def _step_counts(jm: torch.nn.Module) -> tuple[dict, dict]:
+    """The collectives of the last forward and backward traces."""
+    return collective_counts(thunder.last_traces(jm)[-1]), collective_counts(thunder.last_backward_traces(jm)[-1])
+
+
+def _tp_on_shared_gpu(mode: str, backend: str) -> dict:
+    """One training step of the llama-like litgpt model under TP on cuda:0, checked against the full model there."""
+    device = _gpu()
     torch.manual_seed(0)
     reference = GPTWithLoss(make_config("llama")).to(device)
     model = GPTWithLoss(make_config("llama")).to(device)
@@ -41,16 +66,10 @@ def _tp_on_shared_gpu(mode: str, backend: str) -> dict:
     transform = TensorParallel(thunder_tp.plans.litgpt(model, **MODES[mode]))
     jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors(backend))
     idx, targets = (t.to(device) for t in batch(0))
-    expected, actual = reference(idx, targets), jm(idx, targets)
-    assert_close_scaled(actual, expected, rtol=RTOL, atol=ATOL, what="loss")
-    expected.backward()
-    actual.backward()
-    for name, p in reference.named_parameters():
-        want = shard_tensor(p.grad, transform.parameter_layouts.get(name, REPLICATE), rank, size)
-        assert_close_scaled(jm.get_parameter(name).grad, want, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
+    _same_step(reference, jm, transform, lambda m: m(idx, targets))
     traces = {"forward": thunder.last_traces(jm)[-1], "backward": thunder.last_backward_traces(jm)[-1]}
     return {
-        "counts": tuple(collective_counts(t) for t in traces.values()),
+        "counts": _step_counts(jm),
         "regions": {b.sym.executor.name for t in traces.values() for b in t.bound_symbols if b.sym.is_fusion},
         "backend": {ex.name for ex in fusion_executor(backend).backends},
         "fused_communication": [b.sym.name for t in traces.values() for b in t.bound_symbols
@@ -71,3 +90,84 @@ def test_litgpt_tp_on_one_gpu_matches_single_device(mode, backend):
         assert r["regions"] <= r["backend"] | BESIDE[backend], f"rank {rank}: regions of {r['regions']}"
         assert not r["fused_communication"], f"rank {rank}: collectives inside {r['fused_communication']}"
         assert r["attention"], f"rank {rank}: attention not on Thunder's sdpa/cudnn executors"
+
+
+def _generate_on_shared_gpu(arch: str) -> dict:
+    """Greedy generation with the KV cache sharded, on cuda:0, against the full model there (fp32, sdpa)."""
+    _, size = rank_and_size()
+    device = _gpu()
+    config = gen_config(arch)
+    torch.manual_seed(0)
+    reference, model = GPT(config).to(device), GPT(config).to(device)
+    model.load_state_dict(reference.state_dict())
+    for m in (reference, model):
+        m.max_seq_length = MAX_SEQ
+        m.set_kv_cache(batch_size=2, device=device)
+    jm = thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))],
+                     executors=thunder_tp.executors("inductor"))
+    prompt = torch.randint(0, config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(1)).to(device)
+    expected_tokens, expected_logits = greedy(reference, prompt, NEW_TOKENS)
+    decode_counts = []
+    tokens, logits = greedy(jm, prompt, NEW_TOKENS,
+                            lambda _: decode_counts.append(collective_counts(thunder.last_traces(jm)[-1])))
+    for step, (got, want) in enumerate(zip(logits, expected_logits)):
+        assert_close_scaled(got, want, rtol=RTOL, atol=ATOL, what=f"logits of step {step}")
+    cache = {n: tuple(b.shape) for n, b in jm.named_buffers() if n.endswith("kv_cache.k")}
+    return {"same_tokens": torch.equal(tokens, expected_tokens), "decode_counts": decode_counts,
+            "minimum": expected_counts(config, "tp", size)[0], "cache_heads": {s[1] for s in cache.values()},
+            "cache_misses": thunder.cache_misses(jm)}
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mqa"])
+def test_generation_on_one_gpu_matches_single_device(arch):
+    for rank, r in enumerate(run_ranks(_generate_on_shared_gpu, 2, arch)):
+        assert r["same_tokens"], f"rank {rank}"
+        assert all(c == r["minimum"] for c in r["decode_counts"]), f"rank {rank}: {r['decode_counts']}"
+        heads = gen_config(arch).n_query_groups
+        assert r["cache_heads"] == {max(heads // 2, 1)}, f"rank {rank}: {r['cache_heads']}"
+        assert r["cache_misses"] == 2, f"rank {rank}: {r['cache_misses']}"
+
+
+def _hf_on_shared_gpu(name: str, mode: str) -> tuple[dict, dict]:
+    """One training step of a tiny HF model under plans.hf on cuda:0 (fp32), against the full model there."""
+    from tests import hf_models
+
+    device = _gpu()
+    reference = hf_models.make_model(name).float().to(device)
+    model = hf_models.make_model(name).float().to(device)
+    model.load_state_dict(reference.state_dict())
+    transform = TensorParallel(thunder_tp.plans.hf(model, **MODES[mode]))
+    jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors("inductor"))
+    idx = hf_models.batch().to(device)
+    _same_step(reference, jm, transform, lambda m: m(input_ids=idx, labels=idx, use_cache=False).loss)
+    return _step_counts(jm)
+
+
+@pytest.mark.parametrize("name,mode", [("llama", "tp_lp"), ("gemma", "tp_sp")])
+def test_hf_model_on_one_gpu_matches_single_device(name, mode):
+    pytest.importorskip("transformers")
+    from tests import hf_models
+
+    for rank, counts in enumerate(run_ranks(_hf_on_shared_gpu, 2, name, mode)):
+        assert counts == hf_models.expected_counts(name, mode, 2), f"rank {rank}: {counts}"
+
+
+def _auto_on_shared_gpu() -> dict:
+    """One training step of the litgpt model under TensorParallel("auto") on cuda:0, against the full model there."""
+    device = _gpu()
+    torch.manual_seed(0)
+    reference = GPTWithLoss(make_config("llama")).to(device)
+    model = GPTWithLoss(make_config("llama")).to(device)
+    model.load_state_dict(reference.state_dict())
+    idx, targets = (t.to(device) for t in batch(0))
+    transform = TensorParallel("auto", example_inputs=((idx, targets), {}))
+    jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors("inductor"))
+    _same_step(reference, jm, transform, lambda m: m(idx, targets))
+    plan = transform.plan
+    return {"ran": _step_counts(jm), "priced": (dict(plan.communication.forward), dict(plan.communication.backward)),
+            "reused": plan.trace_reused}
+
+
+def test_auto_plan_on_one_gpu_matches_single_device():
+    for rank, r in enumerate(run_ranks(_auto_on_shared_gpu, 2)):
+        assert r["ran"] == r["priced"] and r["reused"], f"rank {rank}: {r}"

@@ -57,10 +57,10 @@ def _jit(model: GPT) -> torch.nn.Module:
 @torch.inference_mode()
 def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Prefill, then `steps` - 1 decode steps: the greedy tokens and every step's last logits."""
-    logits = model(prompt, torch.arange(prompt.shape[1]))[:, -1]
+    logits = model(prompt, torch.arange(prompt.shape[1], device=prompt.device))[:, -1]
     tokens, history = [logits.argmax(-1)], [logits]
     for i in range(steps - 1):
-        logits = model(tokens[-1][:, None], torch.tensor([prompt.shape[1] + i]))[:, -1]
+        logits = model(tokens[-1][:, None], torch.tensor([prompt.shape[1] + i], device=prompt.device))[:, -1]
         tokens.append(logits.argmax(-1))
         history.append(logits)
         if on_decode is not None:

@@ -27,6 +27,7 @@ from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_execu
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
 from thunder_tp.cpu_attention import cpu_attention_executor
+from thunder_tp.cuda_attention import cuda_attention_executor
 from thunder_tp.schedule import schedule
 from thunder_tp.simulate import is_simulating
 
@@ -187,12 +188,13 @@ def fusion_executor(backend: Backend = None) -> TPFusionExecutor:
 def _executors(backend: Backend) -> tuple[Executor, ...]:
     # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours,
     # but for Thunder's cross-entropy one beside nvFuser (see _kept_default).
-    # Attention executors (ours for CPU; Thunder's sdpa, cudnn for CUDA) come before the fusion executor, as in
+    # Attention executors (ours for CPU; for CUDA, ours for a mask shared by the batch, which Thunder's sdpa
+    # executor claims and then fails on, then Thunder's sdpa, cudnn) come before the fusion executor, as in
     # Thunder's defaults: its autograd takes the grad rule of the first executor that can run an op, and Inductor
     # can run SDPA (as its decomposition, which saves the probabilities for the backward).
     fusion = fusion_executor(backend)
     defaults = tuple(ex for ex in get_default_executors() if _kept_default(ex, fusion))
-    return (comm_executor, cpu_attention_executor, *defaults, fusion)
+    return (comm_executor, cpu_attention_executor, cuda_attention_executor, *defaults, fusion)
 
 
 def _kept_default(ex: Executor, fusion: TPFusionExecutor) -> bool:
@@ -208,7 +210,8 @@ def _kept_default(ex: Executor, fusion: TPFusionExecutor) -> bool:
 
 def executors(backend: Backend = None) -> list[Executor]:
     """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, attention executors (CPU: thunder_tp's;
-    CUDA: Thunder's), thunder_tp's fusion executor; Thunder appends its torch and python executors.
+    CUDA: thunder_tp's for a mask shared by the batch, otherwise Thunder's), thunder_tp's fusion executor; Thunder
+    appends its torch and python executors.
 
     Inside ``thunder_tp.simulate`` (LocalTensor, which no fusion backend can compile): without the fusion executor.
     """
