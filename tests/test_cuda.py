@@ -56,6 +56,11 @@ def _step_counts(jm: torch.nn.Module) -> tuple[dict, dict]:
     return collective_counts(thunder.last_traces(jm)[-1]), collective_counts(thunder.last_backward_traces(jm)[-1])
 
 
+def _skip_without_nvfuser(backend: str) -> None:
+    if backend == "nvfuser" and nvfuserex.nvfuserex is None:
+        pytest.skip("nvFuser is not installed (pip install thunder_tp[nvfuser])")
+
+
 def _tp_on_shared_gpu(mode: str, backend: str) -> dict:
     """One training step of the llama-like litgpt model under TP on cuda:0, checked against the full model there."""
     device = _gpu()
@@ -82,8 +87,7 @@ def _tp_on_shared_gpu(mode: str, backend: str) -> dict:
 @pytest.mark.parametrize("backend", ["nvfuser", "inductor"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_litgpt_tp_on_one_gpu_matches_single_device(mode, backend):
-    if backend == "nvfuser" and nvfuserex.nvfuserex is None:
-        pytest.skip("nvFuser is not installed (pip install thunder_tp[nvfuser])")
+    _skip_without_nvfuser(backend)
     for rank, r in enumerate(run_ranks(_tp_on_shared_gpu, 2, mode, backend)):
         assert r["counts"] == expected_counts(make_config("llama"), mode, 2), f"rank {rank}: {r['counts']}"
         assert r["regions"] & r["backend"], f"rank {rank}: no region of {r['backend']} in {r['regions']}"
@@ -92,7 +96,7 @@ def test_litgpt_tp_on_one_gpu_matches_single_device(mode, backend):
         assert r["attention"], f"rank {rank}: attention not on Thunder's sdpa/cudnn executors"
 
 
-def _generate_on_shared_gpu(arch: str) -> dict:
+def _generate_on_shared_gpu(arch: str, backend: str) -> dict:
     """Greedy generation with the KV cache sharded, on cuda:0, against the full model there (fp32, sdpa)."""
     _, size = rank_and_size()
     device = _gpu()
@@ -104,7 +108,7 @@ def _generate_on_shared_gpu(arch: str) -> dict:
         m.max_seq_length = MAX_SEQ
         m.set_kv_cache(batch_size=2, device=device)
     jm = thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))],
-                     executors=thunder_tp.executors("inductor"))
+                     executors=thunder_tp.executors(backend))
     prompt = torch.randint(0, config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(1)).to(device)
     expected_tokens, expected_logits = greedy(reference, prompt, NEW_TOKENS)
     decode_counts = []
@@ -118,9 +122,16 @@ def _generate_on_shared_gpu(arch: str) -> dict:
             "cache_misses": thunder.cache_misses(jm)}
 
 
+#: seen on an H200 (torch 2.11 with the ABI shim, nvFuser 0.2.35): prefill ran, the first decode step's fusion failed
+NVFUSER_DECODE = pytest.mark.xfail(reason="nvFuser 0.2.35 INTERNAL ASSERT (compute_at_map.cpp:1239, no concrete id "
+                                          "for a set of size-1 dims) compiling the decode step; Inductor passes")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("nvfuser", marks=NVFUSER_DECODE), "inductor"])
 @pytest.mark.parametrize("arch", ["gqa", "mqa"])
-def test_generation_on_one_gpu_matches_single_device(arch):
-    for rank, r in enumerate(run_ranks(_generate_on_shared_gpu, 2, arch)):
+def test_generation_on_one_gpu_matches_single_device(arch, backend):
+    _skip_without_nvfuser(backend)
+    for rank, r in enumerate(run_ranks(_generate_on_shared_gpu, 2, arch, backend)):
         assert r["same_tokens"], f"rank {rank}"
         assert all(c == r["minimum"] for c in r["decode_counts"]), f"rank {rank}: {r['decode_counts']}"
         heads = gen_config(arch).n_query_groups
