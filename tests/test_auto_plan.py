@@ -22,6 +22,7 @@ from thunder_tp.plans.litgpt import GPTWithLoss
 from tests import custom_models
 from tests.dist import run_ranks
 from tests.litgpt_models import batch, zoo_config
+from tests.test_litgpt_zoo import simulated_at_tp8
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
 
 
@@ -182,15 +183,16 @@ def test_the_compile_starts_from_the_search_trace_only_for_a_call_like_the_examp
     assert info["reused"] == [False, True] and max(info["errors"]) < 1e-12, info
 
 
-def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, world: int, hand_plan: dict) -> None:
+def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, world: int, hand_plan: dict):
     """The issue's comparison, priced on one trace (no ranks): no more collectives, no higher cost, parameter bytes
-    at most the hand plan's + 1%; one PRICED line per case (-s) for the README's sweep."""
+    at most the hand plan's + 1%; one PRICED line per case (-s) for the README's sweep. The plan compared."""
     searched = thunder_tp.plans.auto(model, *args, tp_size=world, **kwargs)
     plan, (hand, hand_used) = _plan_compared_with_hand(searched, model, args, kwargs, hand_plan)
     auto = plan.communication
     print(f"\nPRICED {case}: auto {auto.count} ({auto}) {plan.bytes_per_rank} B | hand {hand.count} ({hand}) "
           f"{hand_used} B | budget {plan.budget} B")
     assert _no_worse(_figures(auto, plan.bytes_per_rank), _figures(hand, hand_used)), str(plan)
+    return plan
 
 
 def _hf_sizes() -> list[tuple[str, int]]:
@@ -235,6 +237,19 @@ def test_zoo_auto_plan_is_exact_and_no_worse_than_the_hand_plan(name, world):
     info = run_ranks(_run_auto, world, "litgpt", name, timeout=TIMEOUT_S)[0]
     assert info["ran"] == info["priced"], info
     assert _no_worse(info["auto"], info["other"]), info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, w in _zoo_sizes() if w == 8])
+def test_zoo_auto_plan_at_tp8_on_simulated_ranks_is_exact_and_no_worse(name):
+    """The zoo's TP=8 leg without 8 processes: priced no worse than the hand plan, exact against one device, and the
+    collectives that the simulated ranks issue are the ones priced."""
+    with torch.device("meta"):
+        meta = GPTWithLoss(zoo_config(name))
+    plan = _check_priced_against_hand(f"{name} tp8", meta, batch(0), {}, 8, thunder_tp.plans.litgpt(meta))
+    counts = simulated_at_tp8(name, lambda model: plan, "auto")
+    if counts is not None:
+        assert counts == {"forward": dict(plan.communication.forward), "backward": dict(plan.communication.backward)}
 
 
 def test_auto_plan_is_readable_and_a_plan_tensor_parallel_takes():

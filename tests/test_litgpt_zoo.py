@@ -7,6 +7,8 @@ per block equal Megatron's minimum. The default run checks a fast subset coverin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import thunder
 import torch
@@ -104,8 +106,9 @@ def test_replicated_kv_layout_round_trips():
 # --- TP=8 on simulated ranks (thunder_tp.simulate: PyTorch's LocalTensor in this one process) -----------------
 
 
-def _simulated_check(name: str, mode: str, world: int) -> dict:
-    """_check on `world` simulated ranks: every rank's loss, and the rank pieces of every grad unsharded, vs one device."""
+def _simulated_check(name: str, world: int, plan_for: Callable[[torch.nn.Module], dict], what: str) -> dict:
+    """_check on `world` simulated ranks with the plan `plan_for(model)` (`what` names it in messages): every rank's
+    loss, and the rank pieces of every grad unsharded, vs one device; the collectives of both traces."""
     config = zoo_config(name)
     torch.manual_seed(0)
     reference = GPTWithLoss(config).double()
@@ -116,7 +119,7 @@ def _simulated_check(name: str, mode: str, world: int) -> dict:
     expected.backward()
     tolerance = TOLERANCE.get(config.norm_class_name, 2e-6)
     with thunder_tp.simulate(world_size=world):
-        transform = TensorParallel(thunder_tp.plans.litgpt(model, **MODES[mode]))
+        transform = TensorParallel(plan_for(model))
         jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors())
         loss = jm(idx, targets)
         loss.backward()
@@ -125,13 +128,23 @@ def _simulated_check(name: str, mode: str, world: int) -> dict:
         losses = thunder_tp.per_rank(loss)
         grads = {n: thunder_tp.per_rank(jm.get_parameter(n).grad) for n, _ in reference.named_parameters()}
     for rank, value in losses.items():
-        assert_close_scaled(value, expected, rtol=0, atol=tolerance, what=f"{name} {mode} loss of simulated rank {rank}")
+        assert_close_scaled(value, expected, rtol=0, atol=tolerance, what=f"{name} {what} loss of simulated rank {rank}")
     for n, p in reference.named_parameters():
         layout = transform.parameter_layouts.get(n, REPLICATE)
         pieces = [grads[n][r] for r in range(world)]
         got = pieces[0] if layout == REPLICATE else unshard_tensor(pieces, layout)
-        assert_close_scaled(got, p.grad, rtol=0, atol=tolerance, what=f"{name} {mode} grad of {n} (TP={world}, simulated)")
+        assert_close_scaled(got, p.grad, rtol=0, atol=tolerance, what=f"{name} {what} grad of {n} (TP={world}, simulated)")
     return counts
+
+
+def simulated_at_tp8(name: str, plan_for: Callable[[torch.nn.Module], dict], what: str) -> dict | None:
+    """_simulated_check at TP=8; None where the simulation refuses, as it must, K/V heads of several groups
+    replicated (1 < K/V groups < 8: each rank's heads start at a rank-dependent offset)."""
+    if 1 < zoo_config(name).n_query_groups < 8:
+        with pytest.raises(NotImplementedError, match="rank-dependent offsets"):
+            _simulated_check(name, 8, plan_for, what)
+        return None
+    return _simulated_check(name, 8, plan_for, what)
 
 
 SIMULATED = [(n, m) for n in zoo() for m in MODES if 8 in tp_sizes(zoo_config(n))]
@@ -141,11 +154,8 @@ SIMULATED = [(n, m) for n in zoo() for m in MODES if 8 in tp_sizes(zoo_config(n)
 @pytest.mark.parametrize("name,mode", SIMULATED, ids=[f"{n}-tp8-{m}" for n, m in SIMULATED])
 def test_zoo_sweep_at_tp8_on_simulated_ranks(name, mode):
     """The sweep's TP=8 leg without 8 processes: what 8 real ranks would compute and issue."""
-    config = zoo_config(name)
-    if 1 < config.n_query_groups < 8:  # replicated K/V heads of several groups: refused by the simulation
-        with pytest.raises(NotImplementedError, match="rank-dependent offsets"):
-            _simulated_check(name, mode, 8)
+    counts = simulated_at_tp8(name, lambda model: thunder_tp.plans.litgpt(model, **MODES[mode]), mode)
+    if counts is None:
         return
-    counts = _simulated_check(name, mode, 8)
     forward, backward = expected_counts(zoo_config(name), mode, 8)
     assert counts == {"forward": forward, "backward": backward}, (name, mode, counts)
