@@ -137,11 +137,15 @@ def test_litgpt_auto_plan_is_no_worse_than_the_hand_plan(name, world):
     assert _no_worse(info["auto"], info["other"]), info
 
 
-def _hf_cases() -> list[tuple[str, int, str]]:
-    """Llama at TP=2 by default; every other dense architecture at TP=2 and Qwen2 with 2 K/V heads at TP=4, slow."""
-    from tests.hf_models import DENSE
+def _hf_sizes() -> list[tuple[str, int]]:
+    from tests.hf_models import DENSE, tp_sizes
 
-    return [(n, 2, "" if n == "llama" else "slow") for n in DENSE if n != "qwen2_kv2"] + [("qwen2_kv2", 4, "slow")]
+    return [(n, w) for n in DENSE for w in tp_sizes(n) if w <= 4]
+
+
+def _hf_cases() -> list[tuple[str, int, str]]:
+    """Llama at TP=2 by default; every dense architecture at TP=2 and 4 where its heads allow, slow."""
+    return [(n, w, "" if (n, w) == ("llama", 2) else "slow") for n, w in _hf_sizes()]
 
 
 HF = _hf_cases()
@@ -193,12 +197,6 @@ def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, worl
           f"{hand_used} B | budget {plan.budget} B")
     assert _no_worse(_figures(auto, plan.bytes_per_rank), _figures(hand, hand_used)), str(plan)
     return plan
-
-
-def _hf_sizes() -> list[tuple[str, int]]:
-    from tests.hf_models import DENSE, tp_sizes
-
-    return [(n, w) for n in DENSE for w in tp_sizes(n) if w <= 4]
 
 
 @pytest.mark.slow
