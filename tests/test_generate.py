@@ -37,15 +37,16 @@ def gen_config(arch: str) -> Config:
     return Config(block_size=MAX_SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **ARCHITECTURES[arch])
 
 
-def _models(config: Config, batch: int) -> tuple[GPT, GPT]:
+def _models(config: Config, batch: int, dtype: torch.dtype = torch.float64,
+            device: torch.device | None = None) -> tuple[GPT, GPT]:
     """The single-device model and an identical one for TP, both with a KV cache for `batch` sequences."""
     torch.manual_seed(0)
-    reference = GPT(config).double()
-    model = GPT(config).double()
+    reference = GPT(config).to(device=device, dtype=dtype)
+    model = GPT(config).to(device=device, dtype=dtype)
     model.load_state_dict(reference.state_dict())
     for m in (reference, model):
         m.max_seq_length = MAX_SEQ
-        m.set_kv_cache(batch_size=batch, dtype=torch.float64)
+        m.set_kv_cache(batch_size=batch, dtype=dtype, device=device)
     return reference, model
 
 
