@@ -117,12 +117,7 @@ def _generate_on_shared_gpu(arch: str, backend: str) -> dict:
             "cache_misses": thunder.cache_misses(jm)}
 
 
-#: seen on an H200 (torch 2.11 with the ABI shim, nvFuser 0.2.35): prefill ran, the first decode step's fusion failed
-NVFUSER_DECODE = pytest.mark.xfail(reason="nvFuser 0.2.35 INTERNAL ASSERT (compute_at_map.cpp:1239, no concrete id "
-                                          "for a set of size-1 dims) compiling the decode step; Inductor passes")
-
-
-@pytest.mark.parametrize("backend", [pytest.param("nvfuser", marks=NVFUSER_DECODE), "inductor"])
+@pytest.mark.parametrize("backend", ["nvfuser", "inductor"])
 @pytest.mark.parametrize("arch", ["gqa", "mqa"])
 def test_generation_on_one_gpu_matches_single_device(arch, backend):
     _skip_without_nvfuser(backend)

@@ -13,15 +13,17 @@ from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 def _vocab_parallel_lookup(tp: TPGroup, padding_idx: int | None):
     """Each rank looks up the ids in its vocabulary range; other rows are zero (a Partial sum). The padding row
-    (whose grad stays zero) is padding on the rank that holds it."""
+    (whose grad stays zero) is padding on the rank that holds it. The ids are masked flat: nvFuser 0.2.35 fails
+    to compile the masking of (batch, 1) ids (a decode step's) against the looked-up rows' (batch, 1, dim)."""
 
     def lookup(ids: TensorProxy, weight: TensorProxy, *args, **kwargs) -> TensorProxy:
         rows = weight.shape[0]
         offset = rank_offset(tp, rows, ids)
-        shifted = ltorch.sub(ids, offset)
+        shifted = ltorch.sub(ltorch.reshape(ids, (-1,)), offset)
         outside = ltorch.logical_or(ltorch.lt(shifted, 0), ltorch.ge(shifted, rows))
         found = ltorch.embedding(ltorch.where(outside, 0, shifted), weight, _local_row(padding_idx, offset, rows))
-        return ltorch.where(ltorch.unsqueeze(outside, -1), 0.0, found)
+        masked = ltorch.where(ltorch.unsqueeze(outside, -1), 0.0, found)
+        return ltorch.reshape(masked, (*ids.shape, weight.shape[1]))
 
     return lookup
 
