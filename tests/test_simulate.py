@@ -193,5 +193,5 @@ def test_sliding_window_mask_built_inside_forward():
     name = "Mathstral-7B-v0.1"  # GQA with 8 K/V groups and a sliding window
     assert zoo_config(name).sliding_window_size is not None
     forward, backward = expected_counts(zoo_config(name), "tp", 4)
-    counts = _simulated_check(name, 4, lambda model: thunder_tp.plans.litgpt(model), "tp")
+    counts = _simulated_check(name, 4, thunder_tp.plans.litgpt, "tp")
     assert counts == {"forward": forward, "backward": backward}
