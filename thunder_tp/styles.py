@@ -266,3 +266,25 @@ def check_distparallel_type(name: str, param, layout: Layout) -> None:
             f"Parameter {name!r} has distparallel_type {kind.name} (shard dim {expected.dim}) but the TP plan gives "
             f"it {layout}; remove the attribute or change the plan"
         )
+
+
+def tied_parameters(module: nn.Module) -> dict[str, str]:
+    """Name -> the first name of the same parameter, for a parameter registered under several names (tied)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            tied[name] = first[id(p)]
+    return tied
+
+
+def check_tied_layouts(tied: dict[str, str], layouts: dict[str, Layout]) -> None:
+    """A tied parameter is one tensor: the plan must split it the same way under each of its names."""
+    for name, first in tied.items():
+        a, b = layouts.get(first, REPLICATE), layouts.get(name, REPLICATE)
+        if a != b:
+            raise ValueError(
+                f"thunder_tp.TensorParallel: {name!r} is tied to {first!r} (one tensor), but the plan gives them "
+                f"different layouts ({b} and {a}); plan their modules so that the tensor is split one way (e.g. a "
+                "RowwiseParallel embedding with a ColwiseParallel head both split the vocabulary)"
+            )

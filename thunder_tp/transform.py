@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from thunder.core import prims
-from thunder.core.proxies import DistParallelType, TensorProxy
+from thunder.core.proxies import DistParallelType
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform, dce
 
@@ -29,22 +29,24 @@ from thunder_tp.composition import check_composition
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
 from thunder_tp.overlapping_inputs import separating_overlapping_views
+from thunder_tp.plans.auto import AutoPlan, auto
 from thunder_tp.rewrite import rewrite
 from thunder_tp.saved_values import recompute_matmul_inputs
-from thunder_tp.styles import Style, match_plan, planned_tensors, styles_from_distparallel_type
+from thunder_tp.prologue import flat_args, localize_prologue, unpacked_tensor_names
+from thunder_tp.styles import (
+    Style, check_tied_layouts, match_plan, planned_tensors, styles_from_distparallel_type, tied_parameters,
+)
 from thunder_tp.thunder_private import (
     original_module,
     reuse_interpretation,
     set_parameter,
     set_proxy_distparallel_type,
-    set_proxy_shape,
     set_trace_device,
     trace_device,
     wrap_module_call,
 )
 
 _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
-_UNPACK_PARAMETER = ("unpack_parameter", "unpack_buffer")
 
 
 class TensorParallel(Transform):
@@ -96,7 +98,7 @@ class TensorParallel(Transform):
         self.parameter_layouts, self.buffer_layouts = planned.parameters, planned.buffers
         self.weight_styles = planned.weight_styles
         tied = tied_parameters(module)
-        _check_tied_layouts(tied, self.parameter_layouts)
+        check_tied_layouts(tied, self.parameter_layouts)
         local = self._local_layouts(model)
         for name, layout in local.items():
             param = model.get_parameter(name)
@@ -115,8 +117,6 @@ class TensorParallel(Transform):
 
     def _resolved_plan(self, module: nn.Module) -> Mapping[str, Style]:
         """The plan; "auto" is searched for here, once, before any parameter is sharded."""
-        from thunder_tp.plans.auto import AutoPlan, auto
-
         if self.plan == "auto":
             args, kwargs = self.example_inputs
             self.plan = auto(module, *args, tp_size=self.tp.size, **kwargs)
@@ -184,7 +184,7 @@ class TensorParallel(Transform):
         _check_materialized(self._module)
         if self.tp.size == 1:  # every layout is the whole tensor: nothing to rewrite or communicate
             return prologue, computation, epilogue
-        param_names = _parameter_names(prologue)
+        param_names = unpacked_tensor_names(prologue)
         _check_known(param_names, self._tensors_at_jit)
         layouts = self._initial_layouts(computation, param_names)
         styles = {proxy: self.weight_styles[name] for proxy, name in param_names.items() if name in self.weight_styles}
@@ -195,7 +195,7 @@ class TensorParallel(Transform):
         propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
         steps = propagation.run(body)
         sharded = {name: layout for name, layout in layouts.items() if isinstance(layout, Shard)}
-        _localize_prologue(prologue, computation, sharded, self.tp.size)
+        localize_prologue(prologue, computation, sharded, self.tp.size)
         local = rewrite(logical, steps, propagation.layouts, self.tp)
         return prologue, recompute_matmul_inputs(local), epilogue
 
@@ -208,7 +208,7 @@ class TensorParallel(Transform):
     def _initial_layouts(self, computation: TraceCtx, param_names: dict[str, str]) -> dict[str, Layout]:
         layouts: dict[str, Layout] = {}
         tensor_layouts = self.parameter_layouts | self.buffer_layouts
-        for a in _flat_args(computation):
+        for a in flat_args(computation):
             layout = tensor_layouts.get(param_names.get(a.name, ""), REPLICATE)
             layouts[a.name] = layout
             kind = _thunder_parallel_type(layout, a.ndim)
@@ -233,26 +233,6 @@ def _checked_plan(plan, example_inputs) -> dict[str, Style] | str:
     return plan
 
 
-def tied_parameters(module: nn.Module) -> dict[str, str]:
-    """Name -> the first name of the same parameter, for a parameter registered under several names (tied)."""
-    first: dict[int, str] = {}
-    tied = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(p), name) != name:
-            tied[name] = first[id(p)]
-    return tied
-
-
-def _check_tied_layouts(tied: dict[str, str], layouts: dict[str, Layout]) -> None:
-    """A tied parameter is one tensor: the plan must split it the same way under each of its names."""
-    for name, first in tied.items():
-        a, b = layouts.get(first, REPLICATE), layouts.get(name, REPLICATE)
-        if a != b:
-            raise ValueError(
-                f"thunder_tp.TensorParallel: {name!r} is tied to {first!r} (one tensor), but the plan gives them "
-                f"different layouts ({b} and {a}); plan their modules so that the tensor is split one way (e.g. a "
-                "RowwiseParallel embedding with a ColwiseParallel head both split the vocabulary)"
-            )
 def _zero_all(tensors: list[torch.Tensor]) -> None:
     """A sharded cache's reset_parameters(): zero this rank's pieces."""
     for t in tensors:
@@ -300,28 +280,3 @@ def _thunder_parallel_type(layout: Layout, ndim: int) -> DistParallelType | None
     if layout.dim == 0 and ndim <= 2:
         return DistParallelType.COLUMN_WISE
     return DistParallelType.ROW_WISE if (layout.dim, ndim) == (1, 2) else None
-
-
-def _flat_args(trace: TraceCtx) -> list[TensorProxy]:
-    return [b.output for b in trace.bound_symbols if b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL and isinstance(b.output, TensorProxy)]
-
-
-def _parameter_names(prologue: TraceCtx) -> dict[str, str]:
-    """Proxy name -> qualified parameter/buffer name, from the prologue's unpacking."""
-    return {
-        b.output.name: b.args[1]
-        for b in prologue.bound_symbols
-        if b.sym.name in _UNPACK_PARAMETER and isinstance(b.output, TensorProxy)
-    }
-
-
-def _localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[str, Layout], size: int) -> None:
-    """Sharded inputs arrive as local pieces: give their proxies local shapes and check those."""
-    proxies = {id(p): p for p in (*prologue.output[0], *_flat_args(computation)) if isinstance(p, TensorProxy)}
-    for proxy in proxies.values():
-        if proxy.name in sharded:
-            set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size))
-    for i, b in enumerate(prologue.bound_symbols):
-        if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
-            t, shape, *rest = b.args
-            prologue.bound_symbols[i] = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size), *rest))

@@ -22,8 +22,8 @@ from thunder_tp.checkpoint.tensors import (
     state_like,
 )
 from thunder_tp.layouts import REPLICATE, group_device
+from thunder_tp.styles import tied_parameters
 from thunder_tp.thunder_private import original_module
-from thunder_tp.transform import tied_parameters
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:

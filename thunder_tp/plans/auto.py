@@ -31,6 +31,7 @@ from thunder.core.transform_common import Transform, dce
 from thunder_tp.communication import Communication, communication
 from thunder_tp.constraints import constrain_styled_ops
 from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
+from thunder_tp.prologue import unpacked_tensor_names
 from thunder_tp.propagation import Propagation
 from thunder_tp.styles import (
     ColwiseParallel,
@@ -38,9 +39,11 @@ from thunder_tp.styles import (
     KVCacheParallel,
     RowwiseParallel,
     Style,
+    check_tied_layouts,
     match_plan,
     plan_key_matches,
     planned_tensors,
+    tied_parameters,
 )
 from thunder_tp.thunder_private import Interpretation, interpretations_kept, meta_traced_on, original_module
 
@@ -135,9 +138,7 @@ class _Capture(Transform):
     """Keeps the computation trace and stops the compile before anything else happens."""
 
     def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
-        from thunder_tp.transform import _parameter_names
-
-        self.traced = Traced(dce(computation), _parameter_names(prologue))  # as TensorParallel propagates it
+        self.traced = Traced(dce(computation), unpacked_tensor_names(prologue))  # as TensorParallel propagates it
         raise _Stop
 
 
@@ -336,11 +337,9 @@ class _Pricing:
         return priced
 
     def _price(self, styles: dict[str, Style]) -> tuple[Communication, int] | None:
-        from thunder_tp.transform import _check_tied_layouts, tied_parameters
-
         try:
             planned = planned_tensors(self.module, styles, self.tp.size)
-            _check_tied_layouts(tied_parameters(self.module), planned.parameters)
+            check_tied_layouts(tied_parameters(self.module), planned.parameters)
         except (ValueError, TypeError):
             return None
         self.evaluated += 1

@@ -1,0 +1,43 @@
+"""What TensorParallel reads from Thunder's prologue and fixes in it: which proxies are parameters and buffers, and
+the local shapes of the sharded ones."""
+
+from __future__ import annotations
+
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_tp.layouts import Layout, local_shape
+from thunder_tp.thunder_private import set_proxy_shape
+
+_UNPACK_TENSOR = ("unpack_parameter", "unpack_buffer")
+
+
+def flat_args(trace: TraceCtx) -> list[TensorProxy]:
+    """The trace's unpacked tensor inputs."""
+    return [
+        b.output
+        for b in trace.bound_symbols
+        if b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL and isinstance(b.output, TensorProxy)
+    ]
+
+
+def unpacked_tensor_names(prologue: TraceCtx) -> dict[str, str]:
+    """Proxy name -> qualified parameter/buffer name, from the prologue's unpacking."""
+    return {
+        b.output.name: b.args[1]
+        for b in prologue.bound_symbols
+        if b.sym.name in _UNPACK_TENSOR and isinstance(b.output, TensorProxy)
+    }
+
+
+def localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[str, Layout], size: int) -> None:
+    """Sharded inputs arrive as local pieces: give their proxies local shapes and check those."""
+    proxies = {id(p): p for p in (*prologue.output[0], *flat_args(computation)) if isinstance(p, TensorProxy)}
+    for proxy in proxies.values():
+        if proxy.name in sharded:
+            set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size))
+    for i, b in enumerate(prologue.bound_symbols):
+        if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
+            t, shape, *rest = b.args
+            prologue.bound_symbols[i] = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size), *rest))
