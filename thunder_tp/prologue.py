@@ -1,5 +1,5 @@
-"""What TensorParallel reads from Thunder's prologue and fixes in it: which proxies are parameters and buffers, and
-the local shapes of the sharded ones."""
+"""What TensorParallel reads from Thunder's unpacking of inputs and fixes in the prologue: a trace's tensor inputs
+and body, which proxies are parameters and buffers, and the local shapes of the sharded ones."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def flat_args(trace: TraceCtx) -> list[TensorProxy]:
         for b in trace.bound_symbols
         if b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL and isinstance(b.output, TensorProxy)
     ]
+
+
+def trace_body(trace: TraceCtx) -> list:
+    """The trace's bound symbols without its input unpacking and its return: what propagation walks."""
+    return [b for b in trace.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
 
 
 def unpacked_tensor_names(prologue: TraceCtx) -> dict[str, str]:

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from thunder.core import prims
 from thunder.core.proxies import DistParallelType
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform, dce
@@ -32,7 +31,7 @@ from thunder_tp.overlapping_inputs import separating_overlapping_views
 from thunder_tp.plans.auto import AutoPlan, auto
 from thunder_tp.rewrite import rewrite
 from thunder_tp.saved_values import recompute_matmul_inputs
-from thunder_tp.prologue import flat_args, localize_prologue, unpacked_tensor_names
+from thunder_tp.prologue import flat_args, localize_prologue, trace_body, unpacked_tensor_names
 from thunder_tp.styles import (
     Style, check_tied_layouts, match_plan, planned_tensors, styles_from_distparallel_type, tied_parameters,
 )
@@ -191,9 +190,8 @@ class TensorParallel(Transform):
         # dead code first (Thunder removes it only after this hook): an unused consumer, such as the router logits
         # an HF MoE block returns and its decoder layer drops, must not decide how a live value is communicated
         logical = constrain_styled_ops(dce(computation), styles)
-        body = [b for b in logical.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
         propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
-        steps = propagation.run(body)
+        steps = propagation.run(trace_body(logical))
         sharded = {name: layout for name, layout in layouts.items() if isinstance(layout, Shard)}
         localize_prologue(prologue, computation, sharded, self.tp.size)
         local = rewrite(logical, steps, propagation.layouts, self.tp)

@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 import thunder
 import thunder.torch as ltorch
-from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform, dce
@@ -31,7 +30,7 @@ from thunder.core.transform_common import Transform, dce
 from thunder_tp.communication import Communication, communication
 from thunder_tp.constraints import constrain_styled_ops
 from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
-from thunder_tp.prologue import unpacked_tensor_names
+from thunder_tp.prologue import flat_args, trace_body, unpacked_tensor_names
 from thunder_tp.propagation import Propagation
 from thunder_tp.styles import (
     ColwiseParallel,
@@ -349,15 +348,13 @@ class _Pricing:
     def communication(self, layouts: dict[str, Layout], weight_styles: dict[str, Style]) -> Communication | None:
         """The collectives of one step with these tensor layouts and styles (None: propagation refuses)."""
         computation, names = self.trace.computation, self.trace.names
-        inputs = [b.output for b in computation.bound_symbols
-                  if b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL and isinstance(b.output, TensorProxy)]
+        inputs = flat_args(computation)
         initial = {a.name: layouts.get(names.get(a.name, ""), REPLICATE) for a in inputs}
         styled = {p: weight_styles[n] for p, n in names.items() if n in weight_styles}
         logical = constrain_styled_ops(computation, styled)
-        body = [b for b in logical.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
         propagation = Propagation(dict(initial), self.tp, frozenset(names))
         try:
-            steps = propagation.run(body)
+            steps = propagation.run(trace_body(logical))
         except NotImplementedError:
             return None
         returned = logical.bound_symbols[-1].args
