@@ -20,8 +20,8 @@ from thunder.executors.torch_compile import torch_compile_xentropy_ex
 
 from tests.dist import REPO_ROOT, assert_close, run_ranks
 from thunder_tp.collectives import comm_executor
-from thunder_tp.cpu_attention import cpu_attention_executor
-from thunder_tp.cuda_attention import cuda_attention_executor
+from thunder_tp.execution.cpu_attention import cpu_attention_executor
+from thunder_tp.execution.cuda_attention import cuda_attention_executor
 from thunder_tp.executor import (
     FUSION_EXECUTOR_NAME, NVFUSER_WHEEL, TPFusionExecutor, _kept_default, executors, fusion_executor, is_communication,
 )

@@ -8,7 +8,7 @@ import torch
 import thunder_tp
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import REPLICATE, shard_tensor
-from thunder_tp.overlapping_inputs import separate_overlapping_views
+from thunder_tp.thunder_internals.overlapping_inputs import separate_overlapping_views
 from tests.dist import run_ranks
 from tests.hf_models import DENSE, MODES, MOE as MOE_NAMES, SEQ, batch, expected_counts, make_model, tp_sizes
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
@@ -91,7 +91,7 @@ def test_only_overlapping_different_views_are_copied():
 
 def test_plain_jit_of_an_hf_moe_model_matches_eager():
     reference, model = make_model("qwen2_moe"), make_model("qwen2_moe")
-    thunder_tp.hf_moe.register_lookasides(model)
+    thunder_tp.models.hf.moe.register_lookasides(model)
     jm = thunder.jit(model)
     idx = batch()
     expected = reference(input_ids=idx, labels=idx, use_cache=False).loss

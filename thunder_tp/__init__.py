@@ -9,7 +9,8 @@ from thunder_tp.mesh import Mesh, init_mesh, parallelize
 from thunder_tp.simulate import per_rank, simulate
 from thunder_tp.styles import ColwiseParallel, KVCacheParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
-from thunder_tp import kv_cache, untraced  # noqa: F401  (register lookasides: litgpt's KV cache, modules built in a jitted forward)
+from thunder_tp import models  # noqa: F401  (model families register their lookasides and rules)
+from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward)
 
 __all__ = [
     "ColwiseParallel",

@@ -1,9 +1,10 @@
-"""The communication of a propagated program, read off its steps without rewriting the trace: the collectives it
-issues each way in one training step and their alpha-beta cost (reshard.py's), as the rewrite will emit them.
+"""The communication of a propagated program, derived once: every value each step needs in another layout, every
+grad that is summed over the TP group, and the collectives they issue each way. The rewrite emits exactly these
+(`rewrite.py`), and the automatic plan prices them (`Communication`, under reshard.py's alpha-beta cost): what
+runs is what was priced by construction.
 
-Backward collectives are the conjugates of the forward ones (DESIGN.md's table) for values that need a grad; a
-Replicate value entering the TP region gets its grad all_reduced (values computed from the inputs alone, such as
-replicated parameters, in one all_reduce per dtype, as the rewrite coalesces them).
+Which values have grads is decided here too, for both: the trace's inputs that require one (in training), and
+an op's floating-point results when one of the arguments it is differentiable in has one.
 """
 
 from __future__ import annotations
@@ -11,14 +12,78 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from thunder.core import dtypes
 import thunder.torch as ltorch
+from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx
 
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import ALPHA_BYTES, collective_cost, collective_kind, nbytes
+from thunder_tp.thunder_internals.prologue import flat_args
+
+#: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)
+_GRAD_FROM_FIRST = frozenset(s.id for s in (ltorch.to, ltorch.type_as, ltorch.expand_as, ltorch.view_as, ltorch.reshape_as))
+#: ops whose result has no grad whatever their arguments
+_NO_GRAD = frozenset(s.id for s in (ltorch.zeros_like, ltorch.ones_like, ltorch.full_like, ltorch.empty_like))
+
+
+@dataclass(frozen=True)
+class Need:
+    """A step's tensor argument `value`, needed in `layout`; `into_tp_region`: a Replicate value used by sharded
+    compute that has a grad, which is then a Partial sum (reduced by the value's `GradSum`)."""
+
+    value: TensorProxy
+    layout: Layout
+    into_tp_region: bool = False
+
+    @property
+    def key(self) -> tuple[str, Layout, bool]:
+        """What identifies the value it asks for (proxies are not hashable)."""
+        return self.value.name, self.layout, self.into_tp_region
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """`value`, which is `src`, made `dst` (once, whatever the number of steps that need it)."""
+
+    value: TensorProxy
+    src: Layout
+    dst: Layout
+    needs_grad: bool
+
+    @property
+    def forward(self) -> str | None:
+        """The collective it issues (None: nothing, or a local slice)."""
+        return collective_kind(self.src, self.dst)
+
+    @property
+    def backward(self) -> str | None:
+        """The conjugate's collective: a slice's (a reduce_scatter's, a gather then slice's) grad is all-gathered,
+        an all_to_all's sent back; a reduction's and a gather's grads are local."""
+        if not self.needs_grad or self.src == self.dst or not isinstance(self.dst, Shard):
+            return None
+        return "all_to_all" if self.forward == "all_to_all" else "all_gather"
+
+
+@dataclass(frozen=True)
+class GradSum:
+    """The Partial grad of a Replicate `value` used by sharded compute, summed over the TP group.
+
+    `gathered`: `value` is Shard and needed whole only there, so its gather and the sum are one symbol (forward
+    all_gather, backward reduce_scatter). `coalesced`: `value` is computed from the trace's inputs alone (a
+    replicated parameter, maybe cast or broadcast), so its grad is summed with the others of its dtype in one
+    all_reduce at the end of the backward."""
+
+    value: TensorProxy
+    gathered: bool = False
+    coalesced: bool = False
+
+    @property
+    def backward(self) -> str:
+        return "reduce_scatter" if self.gathered else "all_reduce"
+
 
 @dataclass
 class Communication:
@@ -33,10 +98,10 @@ class Communication:
         """Collectives per step, both ways."""
         return sum(self.forward.values()) + sum(self.backward.values())
 
-    def add(self, kind: str, t: TensorProxy | int, size: int, *, backward: bool = False) -> None:
-        """One collective of `kind` on `t` (or on a tensor of `t` bytes)."""
+    def add(self, kind: str, size_bytes: int, group_size: int, *, backward: bool = False) -> None:
+        """One collective of `kind` on a tensor of `size_bytes` bytes over `group_size` ranks."""
         (self.backward if backward else self.forward)[kind] += 1
-        self.cost += collective_cost(kind, t if isinstance(t, int) else nbytes(t), size)
+        self.cost += collective_cost(kind, size_bytes, group_size)
 
     def __str__(self) -> str:
         each = lambda c: " + ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
@@ -44,49 +109,114 @@ class Communication:
 
 
 @dataclass
-class _Walk:
-    layouts: dict[str, Layout]
+class CommunicationPlan:
+    """What a propagated program communicates: per step the layout of each tensor argument, the redistributions
+    and grad sums they imply, the replicated chunks of inputs whose grads are summed, and the returned values."""
+
     tp: TPGroup
     needs_grad: set[str]
-    from_inputs: set[str]
-    result: Communication = field(default_factory=Communication)
-    done: set = field(default_factory=set)
-    coalesced: set = field(default_factory=set)  # dtypes of the input-derived values copied into the TP region
+    needs: list[list[Need]]
+    returned: list[Need]
+    redistributions: dict[tuple[str, Layout], Redistribution]
+    grad_sums: dict[str, GradSum]
+    replica_sums: list[TensorProxy]
+    issued: list[tuple[str, int]]
 
-    def need(self, t: TensorProxy, required: Layout, into_tp_region: bool) -> None:
-        """`t` is needed in `required` (memoized per (value, layout), as the rewrite does)."""
-        required = normalize(required, t.ndim)
-        current = self.layouts[t.name]
-        into_tp_region = into_tp_region and isinstance(required, Replicate) and t.name in self.needs_grad
-        if (t.name, required) not in self.done:
-            self.done.add((t.name, required))
-            kind = collective_kind(current, required)
-            if kind:
-                self.result.add(kind, t, self.tp.size)
-            if current != required and t.name in self.needs_grad and isinstance(required, Shard):
-                # the conjugate: a slice's (or a reduce_scatter's) grad is all_gathered, an all_to_all's sent back
-                self.result.add("all_to_all" if kind == "all_to_all" else "all_gather", t, self.tp.size, backward=True)
-        if into_tp_region and (t.name, "into") not in self.done:
-            self.done.add((t.name, "into"))
-            self.grad_summed(t, gathered=isinstance(current, Shard))
-
-    def grad_summed(self, t: TensorProxy, gathered: bool) -> None:
-        """The backward of a Replicate value used by sharded compute: its Partial grad reduced."""
-        if gathered:  # gather_to_tp: the grad is reduce-scattered back into the shard
-            self.result.add("reduce_scatter", t, self.tp.size, backward=True)
-        elif t.name in self.from_inputs:  # coalesced: one all_reduce per dtype, its latency paid once
-            first = t.dtype not in self.coalesced
-            self.coalesced.add(t.dtype)
-            self.result.backward["all_reduce"] += first
-            self.result.cost += collective_cost("all_reduce", nbytes(t), self.tp.size) - (0 if first else ALPHA_BYTES)
-        else:
-            self.result.add("all_reduce", t, self.tp.size, backward=True)
+    def price(self) -> Communication:
+        """The collectives each way and their cost (a coalesced all_reduce pays its latency once per dtype)."""
+        comm = Communication()
+        size = self.tp.size
+        for r in self.redistributions.values():
+            if r.forward:
+                comm.add(r.forward, nbytes(r.value), size)
+            if r.backward:
+                comm.add(r.backward, nbytes(r.value), size, backward=True)
+        for kind, full_bytes in self.issued:
+            comm.add(kind, full_bytes, size)
+        coalesced: set = set()
+        for s in self.grad_sums.values():
+            if not s.coalesced:
+                comm.add(s.backward, nbytes(s.value), size, backward=True)
+                continue
+            first = s.value.dtype not in coalesced
+            coalesced.add(s.value.dtype)
+            comm.backward["all_reduce"] += first
+            comm.cost += collective_cost("all_reduce", nbytes(s.value), size) - (0 if first else ALPHA_BYTES)
+        return comm
 
 
-#: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)
-_GRAD_FROM_FIRST = frozenset(s.id for s in (ltorch.to, ltorch.type_as, ltorch.expand_as, ltorch.view_as, ltorch.reshape_as))
-#: ops whose result has no grad whatever their arguments
-_NO_GRAD = frozenset(s.id for s in (ltorch.zeros_like, ltorch.ones_like, ltorch.full_like, ltorch.empty_like))
+def plan_communication(
+    trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: TPGroup, *, training: bool
+) -> CommunicationPlan:
+    """The communication of `trace`'s `steps` (propagated: `layouts` holds every value's layout), forward and (when
+    `training`) backward; what the program returns is made Replicate (but the inputs it hands back as held)."""
+    inputs, returned = flat_args(trace), _returned_outputs(trace)
+    input_names = {t.name for t in inputs}
+    needs_grad = {t.name for t in inputs if training and t.requires_grad}
+    from_inputs = set(input_names)  # computed from the inputs alone, with no communication on the way
+    needs: list[list[Need]] = []
+    for step in steps:
+        tensors, outputs = _tensors(step.bsym.args, step.bsym.kwargs), _tensors(step.bsym.output)
+        required = [normalize(r, t.ndim) for t, r in zip(tensors, step.strategy.inputs)] if outputs else []
+        enters = step.strategy.enters_tp_region
+        needs.append([Need(t, r, enters and isinstance(r, Replicate) and t.name in needs_grad)
+                      for t, r in zip(tensors, required)])
+        if any(t.name in needs_grad for t in _differentiable(step.bsym, tensors)) and outputs:
+            needs_grad.update(o.name for o in outputs if dtypes.is_inexact_dtype(o.dtype))
+        if outputs and tensors and not step.strategy.issues and all(
+                t.name in from_inputs and layouts[t.name] == r for t, r in zip(tensors, required)):
+            from_inputs.update(o.name for o in outputs)
+    out = [Need(t, REPLICATE) for t in _tensors(returned) if t.name not in input_names]
+    replica_sums = [t for t in inputs if t.name in needs_grad and _replicated_chunks(layouts[t.name])]
+    every = [n for step_needs in needs for n in step_needs] + out
+    redistributions = _redistributions(every, layouts, needs_grad)
+    grad_sums = _grad_sums(every, layouts, from_inputs)
+    grad_sums |= {t.name: GradSum(t, coalesced=True) for t in replica_sums}
+    issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
+    return CommunicationPlan(tp, needs_grad, needs, out, redistributions, grad_sums, replica_sums, issued)
+
+
+def _redistributions(needs: list[Need], layouts: dict[str, Layout], needs_grad: set[str]) -> dict:
+    """One redistribution per (value, layout) that some need asks for in another layout than the value's, but for
+    a value that a grad sum gathers (below)."""
+    found: dict[tuple[str, Layout], Redistribution] = {}
+    for n in needs:
+        src = layouts[n.value.name]
+        if src != n.layout and not _gathered_into_region(n, needs, layouts):
+            found.setdefault((n.value.name, n.layout), Redistribution(n.value, src, n.layout, n.value.name in needs_grad))
+    return found
+
+
+def _grad_sums(needs: list[Need], layouts: dict[str, Layout], from_inputs: set[str]) -> dict:
+    """One grad sum per value that enters the TP region."""
+    sums: dict[str, GradSum] = {}
+    for n in needs:
+        if n.into_tp_region and n.value.name not in sums:
+            gathered = _gathered_into_region(n, needs, layouts)
+            whole = n.value.name in from_inputs and layouts[n.value.name] == n.layout  # needs no communication
+            sums[n.value.name] = GradSum(n.value, gathered, not gathered and whole)
+    return sums
+
+
+def _gathered_into_region(need: Need, needs: list[Need], layouts: dict[str, Layout]) -> bool:
+    """Whether `need`'s value is Shard and needed whole only to enter the TP region (one gather_to_tp serves)."""
+    name = need.value.name
+    if not isinstance(layouts[name], Shard) or not isinstance(need.layout, Replicate):
+        return False
+    whole = [n for n in needs if n.value.name == name and isinstance(n.layout, Replicate)]
+    return all(n.into_tp_region for n in whole)
+
+
+def _returned_outputs(trace: TraceCtx) -> tuple:
+    """What the program returns, less the inputs Thunder hands back as held ("flat_args": e.g. a KV cache)."""
+    returned = trace.bound_symbols[-1].args
+    if returned and isinstance(returned[0], dict) and "flat_args" in returned[0]:
+        return ({k: v for k, v in returned[0].items() if k != "flat_args"}, *returned[1:])
+    return returned
+
+
+def _replicated_chunks(layout: Layout) -> bool:
+    return isinstance(layout, Shard) and layout.is_replicated
 
 
 def _differentiable(bsym, tensors: list[TensorProxy]) -> list[TensorProxy]:
@@ -96,32 +226,5 @@ def _differentiable(bsym, tensors: list[TensorProxy]) -> list[TensorProxy]:
     return tensors[:1] if bsym.sym.id in _GRAD_FROM_FIRST else tensors
 
 
-def communication(
-    steps: list[Step], returned, layouts: dict[str, Layout], tp: TPGroup, inputs: list[TensorProxy], *, training: bool
-) -> Communication:
-    """The collectives the rewrite of `steps` issues, forward and (when `training`) backward; `returned`: what the
-    program returns (made Replicate); `inputs`: the trace's tensor inputs."""
-    needs_grad = {t.name for t in inputs if training and t.requires_grad}
-    walk = _Walk(layouts, tp, needs_grad, {t.name for t in inputs})
-    for t in inputs:  # chunks held by several ranks (replicated K/V heads): their grads summed over the group
-        layout = layouts[t.name]
-        if t.name in needs_grad and isinstance(layout, Shard) and layout.is_replicated:
-            walk.grad_summed(t, gathered=False)
-    for step in steps:
-        tensors = [x for x in tree_flatten((step.bsym.args, step.bsym.kwargs))[0] if isinstance(x, TensorProxy)]
-        outputs = [x for x in tree_flatten(step.bsym.output)[0] if isinstance(x, TensorProxy)]
-        if not outputs:  # a shape or metadata query: answered locally
-            continue
-        for t, required in zip(tensors, step.strategy.inputs):
-            walk.need(t, required, step.strategy.enters_tp_region)
-        for kind, full_bytes in step.strategy.issues:
-            walk.result.add(kind, full_bytes, tp.size)
-        if any(t.name in needs_grad for t in _differentiable(step.bsym, tensors)):  # a mask's ints/bools have no grad
-            needs_grad.update(o.name for o in outputs if dtypes.is_inexact_dtype(o.dtype))
-        if tensors and all(t.name in walk.from_inputs and layouts[t.name] == normalize(r, t.ndim)
-                           for t, r in zip(tensors, step.strategy.inputs)):
-            walk.from_inputs.update(o.name for o in outputs)
-    for t in tree_flatten(returned)[0]:
-        if isinstance(t, TensorProxy) and t.name not in {i.name for i in inputs}:
-            walk.need(t, REPLICATE, False)
-    return walk.result
+def _tensors(*trees) -> list[TensorProxy]:
+    return [x for x in tree_flatten(trees)[0] if isinstance(x, TensorProxy)]

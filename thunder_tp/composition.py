@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from thunder_tp.thunder_private import applied_transforms
+from thunder_tp.thunder_internals.private import applied_transforms
 
 __all__ = ["check_composition", "check_data_parallel_order", "check_orthogonal_groups"]
 

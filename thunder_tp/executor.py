@@ -26,9 +26,9 @@ from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_execu
 
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
-from thunder_tp.cpu_attention import cpu_attention_executor
-from thunder_tp.cuda_attention import cuda_attention_executor
-from thunder_tp.schedule import schedule
+from thunder_tp.execution.cpu_attention import cpu_attention_executor
+from thunder_tp.execution.cuda_attention import cuda_attention_executor
+from thunder_tp.execution.schedule import schedule
 from thunder_tp.simulate import is_simulating
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
@@ -117,7 +117,7 @@ class TPFusionExecutor(FusionExecutor):
         return None if claimant is None else claimant.get_execution_transform(bsym)
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
-        """Schedules the trace (``thunder_tp.schedule``), runs each backend's fusion pass (regions stop at
+        """Schedules the trace (``thunder_tp.execution.schedule``), runs each backend's fusion pass (regions stop at
         collectives), then lets all_reduces of values nothing else reads run in place."""
         trace = schedule(trace)
         for ex in self.backends:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
-from thunder_tp.layouts import Layout, Partial, Replicate, Shard
+from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard
 from thunder_tp.simulate import is_simulating
 
 #: latency of one collective, in bytes-equivalent (alpha / beta)
@@ -69,13 +69,24 @@ def _replicated_shard(*layouts: Layout) -> bool:
     return any(isinstance(x, Shard) and x.is_replicated for x in layouts)
 
 
-def redistribute(x: TensorProxy, src: Layout, dst: Layout, group: dist.ProcessGroup) -> TensorProxy:
-    """Emit the collective that turns local piece `x` from `src` into `dst` (inside a trace context)."""
+def _check_redistributable(src: Layout, dst: Layout) -> None:
     if src != dst and _replicated_shard(src, dst):
         raise NotImplementedError(
             f"thunder_tp cannot redistribute {src} to {dst}: chunks held by several ranks (replicated K/V heads) "
             "are only used where they are (attention heads); please report the model that needs this"
         )
+
+
+def gather_into_tp_region(x: TensorProxy, src: Shard, group: dist.ProcessGroup) -> TensorProxy:
+    """Emit the gather of a Shard piece `x` whose whole value is used by sharded compute: its grad, a Partial sum,
+    is reduce-scattered back into the shard (sequence parallel's all_gather / reduce_scatter pair)."""
+    _check_redistributable(src, REPLICATE)
+    return C.tp_gather_to_tp(x, src.dim, src.blocks, group)
+
+
+def redistribute(x: TensorProxy, src: Layout, dst: Layout, group: dist.ProcessGroup) -> TensorProxy:
+    """Emit the collective that turns local piece `x` from `src` into `dst` (inside a trace context)."""
+    _check_redistributable(src, dst)
     match src, dst:
         case _ if src == dst:
             return x

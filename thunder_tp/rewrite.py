@@ -1,8 +1,7 @@
-"""Local-shape rewrite: re-run every op on local pieces, with collectives wherever layouts change."""
+"""Local-shape rewrite: re-run every op on local pieces, with the collectives `communication.py` derives."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,73 +13,58 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
+from thunder_tp.communication import CommunicationPlan, Need, plan_communication
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, full_length, held_chunks, piece_parts
 from thunder_tp.propagation.engine import Step
-from thunder_tp.reshard import redistribute
+from thunder_tp.reshard import gather_into_tp_region, redistribute
 from thunder_tp.simulate import is_simulating
 
 
 @dataclass
 class LocalValues:
-    """Local value of every logical proxy, and the collectives that produce other layouts of it (memoized)."""
+    """Local value of every logical proxy, and the other layouts of it that steps need (each made once)."""
 
     tp: TPGroup
     layouts: dict[str, Layout]
-    needs_grad: set[str]
+    plan: CommunicationPlan
     values: dict[str, Any] = field(default_factory=dict)
-    _memo: dict[tuple[str, Layout, bool], TensorProxy] = field(default_factory=dict)
+    #: names of the tp_copy_to_tp outputs whose grads are summed with the others of their dtype (GradSum.coalesced)
+    coalesced: set[str] = field(default_factory=set)
+    _memo: dict[tuple, TensorProxy] = field(default_factory=dict)
 
-    def get(self, t: TensorProxy, layout: Layout, *, into_tp_region: bool = False) -> TensorProxy:
-        """`t` in `layout`; `into_tp_region`: a Replicate value used by sharded compute (its grad is Partial)."""
-        into_tp_region = into_tp_region and isinstance(layout, Replicate) and t.name in self.needs_grad
-        key = (t.name, layout, into_tp_region)
-        if key not in self._memo:
-            self._memo[key] = self._make(t, layout, into_tp_region)
-        return self._memo[key]
+    def get(self, need: Need) -> TensorProxy:
+        """The value `need` asks for."""
+        if need.key not in self._memo:
+            self._memo[need.key] = self._make(need)
+        return self._memo[need.key]
 
-    def _make(self, t: TensorProxy, layout: Layout, into_tp_region: bool) -> TensorProxy:
-        if into_tp_region:
-            return C.tp_copy_to_tp(self.get(t, layout), self.tp.group)
-        return redistribute(self.values[t.name], self.layouts[t.name], layout, self.tp.group)
-
-
-def fuse_gather_into_tp_region(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
-    """gather followed by copy_to_tp as its only use -> gather_to_tp (backward: one reduce_scatter)."""
-    uses: Counter[str] = Counter(t.name for b in bsyms for t in _tensors(b))
-    gathers = {b.output.name: b for b in bsyms if b.sym.id == C.tp_gather.id}
-    fused: dict[str, BoundSymbol] = {}  # gather output name -> its copy_to_tp
-    for b in bsyms:
-        source = b.args[0].name if b.sym.id == C.tp_copy_to_tp.id else None
-        if source in gathers and uses[source] == 1:
-            fused[source] = b
-    result = []
-    for b in bsyms:
-        if b.sym.id == C.tp_copy_to_tp.id and b.args[0].name in fused:
-            continue
-        if b.sym.id == C.tp_gather.id and b.output.name in fused:
-            b = C.tp_gather_to_tp.bind(*b.args, output=fused[b.output.name].output)
-        result.append(b)
-    return result
+    def _make(self, need: Need) -> TensorProxy:
+        t, group = need.value, self.tp.group
+        if not need.into_tp_region:
+            return redistribute(self.values[t.name], self.layouts[t.name], need.layout, group)
+        summed = self.plan.grad_sums[t.name]
+        if summed.gathered:
+            return gather_into_tp_region(self.values[t.name], self.layouts[t.name], group)
+        copy = C.tp_copy_to_tp(self.get(Need(t, need.layout)), group)
+        if summed.coalesced:
+            self.coalesced.add(copy.name)
+        return copy
 
 
-def coalesce_replicated_copies(bsyms: list[BoundSymbol], inputs: set[str], tp: TPGroup) -> list[BoundSymbol]:
-    """copy_to_tp of values computed from the trace's inputs alone (replicated parameters used by sharded compute:
-    norm weights and row biases under SP, per-head q/k norm weights, routers, replicated K/V blocks, each maybe
-    cast or offset first) -> one copy_all_to_tp per dtype, after the inputs and those computations (moved up):
-    their grads are all-reduced together in one collective at the end of the backward (as Megatron-LM does)."""
-    producers: dict[str, BoundSymbol] = {}
-    for b in bsyms:
-        tensors = _tensors(b)
-        local = b.sym.name not in C.COLLECTIVE_KINDS and b.sym.id != C.tp_copy_to_tp.id
-        if local and tensors and all(t.name in inputs or t.name in producers for t in tensors):
-            producers.update((o.name, b) for o in _outputs(b))
+def coalesce_replicated_copies(bsyms: list[BoundSymbol], coalesced: set[str], tp: TPGroup) -> list[BoundSymbol]:
+    """The copies into the TP region of values computed from the trace's inputs alone (`coalesced`: replicated
+    parameters used by sharded compute: norm weights and row biases under SP, per-head q/k norm weights, routers,
+    replicated K/V blocks, each maybe cast or offset first) -> one copy_all_to_tp per dtype, after the inputs and
+    those computations (moved up): their grads are all-reduced together in one collective at the end of the
+    backward (as Megatron-LM does)."""
     groups: dict[Any, list[BoundSymbol]] = {}
     for b in bsyms:
-        if b.sym.id == C.tp_copy_to_tp.id and (b.args[0].name in inputs or b.args[0].name in producers):
+        if b.sym.id == C.tp_copy_to_tp.id and b.output.name in coalesced:
             groups.setdefault(b.args[0].dtype, []).append(b)
     groups = {dtype: copies for dtype, copies in groups.items() if len(copies) > 1}
     if not groups:
         return bsyms
+    producers = {o.name: b for b in bsyms if b.sym.id != prims.PrimIDs.UNPACK_TRIVIAL for o in _outputs(b)}
     moved = _ancestors([c.args[0] for copies in groups.values() for c in copies], producers)
     merged = [C.tp_copy_all_to_tp.bind([c.args[0] for c in copies], tp.group, output=tuple(c.output for c in copies))
               for copies in groups.values()]
@@ -111,11 +95,12 @@ def _tensors(bsym) -> list[TensorProxy]:
 
 
 def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: TPGroup) -> TraceCtx:
-    """The local program of `trace`: each step re-run on local pieces; outputs returned Replicate."""
+    """The local program of `trace`: each step re-run on local pieces, with the communication `plan_communication`
+    derives; outputs returned Replicate."""
     ret = trace.bound_symbols[-1]
     assert ret.sym.id == prims.PrimIDs.RETURN, "a computation trace ends with its return"
-    args = [a for a in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(a, Proxy)]
-    local = LocalValues(tp, layouts, {a.name for a in args if isinstance(a, TensorProxy) and a.requires_grad})
+    plan = plan_communication(trace, steps, layouts, tp, training=True)
+    local = LocalValues(tp, layouts, plan)
     new = from_trace(trace)
     with tracectx(new):
         for bsym in trace.bound_symbols:
@@ -123,20 +108,20 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
                 new.bound_symbols.append(bsym.from_bsym())
                 local.values[bsym.output.name] = bsym.output
         unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
-        replicated = {n for n, x in layouts.items() if isinstance(x, Shard) and x.is_replicated}
-        for name in sorted(local.needs_grad & replicated):  # same order on every rank
-            local.values[name] = replica_grads_summed(local.values[name], layouts[name], tp)
-        for step in steps:
-            _emit(step, local)
+        for t in plan.replica_sums:  # in the inputs' order: the same on every rank
+            local.values[t.name], copy = replica_grads_summed(local.values[t.name], layouts[t.name], tp)
+            local.coalesced.add(copy.name)
+        for step, needs in zip(steps, plan.needs):
+            _emit(step, needs, local)
         prims.python_return(*_returned_values(ret.args, local, unpacked))
-    new.bound_symbols = fuse_gather_into_tp_region(new.bound_symbols)
-    new.bound_symbols = coalesce_replicated_copies(new.bound_symbols, set(unpacked), tp)
+    new.bound_symbols = coalesce_replicated_copies(new.bound_symbols, local.coalesced, tp)
     new.set_provenance(TraceProvenance("thunder_tp: tensor-parallel rewrite"))
     return new
 
 
-def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> TensorProxy:
-    """`x` unchanged, but in backward each replicated chunk's grad is summed over the ranks that hold it.
+def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> tuple[TensorProxy, TensorProxy]:
+    """`x` unchanged, but in backward each replicated chunk's grad is summed over the ranks that hold it; with the
+    copy into the TP region whose backward sums them.
 
     A chunk held by r ranks (K/V heads shared by the query heads of r ranks) gets a partial grad on each:
     the contributions of that rank's query heads. Every rank writes its replicated chunks into a zero
@@ -164,7 +149,7 @@ def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> TensorPr
         start = at + offsets[i]
         pieces[i] = ltorch.getitem(summed, (slice(None),) * dim + (slice(start, start + chunks[i][1]),))
         at += blocks[i]
-    return ltorch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+    return (ltorch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]), summed
 
 
 def _check_simulated_offsets(layout: Shard, n: int, tp: TPGroup, replicated: list[int]) -> None:
@@ -199,13 +184,13 @@ def _returned_values(args: tuple, local: LocalValues, unpacked: dict[str, Any]) 
 
 def _returned(x: Any, local: LocalValues, unpacked: dict[str, Any]) -> Any:
     if isinstance(x, TensorProxy):
-        return unpacked[x.name] if x.name in unpacked else local.get(x, REPLICATE)
+        return unpacked[x.name] if x.name in unpacked else local.get(Need(x, REPLICATE))
     if isinstance(x, Proxy):
         return local.values.get(x.name, x)
     return x
 
 
-def _emit(step: Step, local: LocalValues) -> None:
+def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     bsym, strategy = step.bsym, step.strategy
     outputs = tree_flatten(bsym.output)[0]
     if not any(isinstance(o, TensorProxy) for o in outputs):
@@ -213,21 +198,18 @@ def _emit(step: Step, local: LocalValues) -> None:
         return
     emitted_from = len(get_tracectx().bound_symbols)
     flat, spec = tree_flatten((bsym.args, bsym.kwargs))
-    required = iter(strategy.inputs)
+    needed = iter(needs)
     local_flat = [
-        local.get(x, next(required), into_tp_region=strategy.enters_tp_region) if isinstance(x, TensorProxy)
+        local.get(next(needed)) if isinstance(x, TensorProxy)
         else local.values.get(x.name, x) if isinstance(x, Proxy)
         else x
         for x in flat
     ]
     args, kwargs = tree_unflatten(local_flat, spec)
     result = (strategy.local or bsym.sym)(*args, **kwargs)
-    needs_grad = any(t.name in local.needs_grad for t in _tensors(bsym))
     for logical, value in zip(outputs, tree_flatten(result)[0]):
         if isinstance(logical, Proxy):
             local.values[logical.name] = value
-            if needs_grad:
-                local.needs_grad.add(logical.name)
     if any(ProxyTag.RECOMPUTE_IN_BACKWARD in o.tags for o in outputs if isinstance(o, Proxy)):
         _recompute_in_backward(get_tracectx().bound_symbols[emitted_from:], outputs, local)
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.layouts import Layout, shard_tensor
-from thunder_tp.thunder_private import fake_args_built_under
+from thunder_tp.thunder_internals.private import fake_args_built_under
 
 __all__ = ["check_transforms", "for_each_rank", "is_simulating", "local_piece", "per_rank", "simulate"]
 

@@ -15,6 +15,7 @@ from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.constraints import constrain_styled_ops
+from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import (
     REPLICATE,
     Layout,
@@ -23,19 +24,19 @@ from thunder_tp.layouts import (
     group_device,
     local_shape,
 )
-from thunder_tp.agreement import CompileAgreement
+from thunder_tp.execution.agreement import CompileAgreement
 from thunder_tp.composition import check_composition
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
-from thunder_tp.overlapping_inputs import separating_overlapping_views
-from thunder_tp.plans.auto import AutoPlan, auto
+from thunder_tp.thunder_internals.overlapping_inputs import separating_overlapping_views
+from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.rewrite import rewrite
-from thunder_tp.saved_values import recompute_matmul_inputs
-from thunder_tp.prologue import flat_args, localize_prologue, trace_body, unpacked_tensor_names
+from thunder_tp.execution.saved_values import recompute_matmul_inputs
+from thunder_tp.thunder_internals.prologue import flat_args, localize_prologue, trace_body, unpacked_tensor_names
 from thunder_tp.styles import (
     Style, check_tied_layouts, match_plan, planned_tensors, styles_from_distparallel_type, tied_parameters,
 )
-from thunder_tp.thunder_private import (
+from thunder_tp.thunder_internals.private import (
     original_module,
     reuse_interpretation,
     set_parameter,
@@ -86,11 +87,9 @@ class TensorParallel(Transform):
     def transform_module(self, model) -> None:
         """Record every styled parameter's layout and replace it by this rank's shard."""
         check_composition(self, model)  # 2-D: TP before DDP/FSDP, on a group orthogonal to theirs
-        from thunder_tp.plans.hf import register_lookasides
-
         module = original_module(model)
         self._module = model
-        register_lookasides(module)  # an HF model traced alike whatever made its plan
+        prepare_for_tracing(module)  # a model traced alike whatever made its plan
         _trace_meta_tensors_on(module, self.tp.group)
         styles = styles_from_distparallel_type(module) | match_plan(module, self._resolved_plan(module))
         planned = planned_tensors(module, styles, self.tp.size)
@@ -198,7 +197,7 @@ class TensorParallel(Transform):
         return prologue, recompute_matmul_inputs(local), epilogue
 
     def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
-        """The end of a compile: every rank of the TP group compiled, or every rank raises (thunder_tp.agreement)."""
+        """The end of a compile: every rank of the TP group compiled, or every rank raises (thunder_tp.execution.agreement)."""
         if self._agreement is not None:
             self._agreement.compiled(self._module)
         return computation

@@ -23,7 +23,7 @@ from thunder_tp.checkpoint.tensors import (
 )
 from thunder_tp.layouts import REPLICATE, group_device
 from thunder_tp.styles import tied_parameters
-from thunder_tp.thunder_private import original_module
+from thunder_tp.thunder_internals.private import original_module
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:

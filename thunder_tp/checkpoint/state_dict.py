@@ -19,7 +19,7 @@ from thunder_tp.checkpoint.tensors import (
     sharded_tensor_without_deprecation_warnings,
     state_like,
 )
-from thunder_tp.thunder_private import original_module
+from thunder_tp.thunder_internals.private import original_module
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:

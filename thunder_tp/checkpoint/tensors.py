@@ -15,7 +15,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensor
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.layouts import REPLICATE, Layout, Shard, piece_parts, shard_chunks, shard_tensor
-from thunder_tp.thunder_private import applied_transforms, original_module
+from thunder_tp.thunder_internals.private import applied_transforms, original_module
 
 Chunks = list[tuple[tuple[int, ...], tuple[int, ...]]]
 

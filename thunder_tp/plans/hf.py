@@ -16,7 +16,8 @@ import warnings
 import torch
 import torch.nn as nn
 
-from thunder_tp import hf_attention, hf_moe
+from thunder_tp.models.hf import moe as hf_moe
+from thunder_tp.models.hf import register_lookasides
 from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
 
@@ -37,15 +38,6 @@ _HEAD_PROJECTIONS = {"q_proj": False, "k_proj": True, "v_proj": True, "query_key
 _FIXES = {("starcoder2", "mlp.c_proj"): "row"}  # Starcoder2 lists its down projection as "colwise"
 #: norms over all heads of q (of k), which a head split shards (OLMo-2; per-head q/k norms need nothing)
 _HEAD_NORMS = ("q_norm", "k_norm")
-
-
-def register_lookasides(model: nn.Module) -> None:
-    """Make thunder.jit trace a HuggingFace transformers model as TP needs it (HF's `repeat_kv` as
-    `repeat_interleave`, its causal-mask question answered as in eager mode, sparse MoE blocks as one `moe_layer`);
-    nothing for other models. `hf`, `auto` and `TensorParallel` call it, so every plan sees the same program."""
-    if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
-        hf_attention.register_lookasides(model)
-        hf_moe.register_lookasides(model)
 
 
 def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Style]:

@@ -8,7 +8,6 @@ from thunder_tp.propagation import (  # noqa: F401  (importing a family register
     indexing,
     losses,
     matmul,
-    moe,
     normalization,
     pointwise,
     reductions,

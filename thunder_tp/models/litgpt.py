@@ -1,12 +1,16 @@
-"""litgpt's KV cache in a form Thunder traces: a jit lookaside for `KVCache.forward`.
+"""The litgpt family: litgpt's KV cache and mixture of experts in forms Thunder traces (jit lookasides).
 
-litgpt's sliding-window cache (Gemma-2/3, Mistral-like configs) is a ring buffer: it writes at `input_pos %
+KV cache. litgpt's sliding-window cache (Gemma-2/3, Mistral-like configs) is a ring buffer: it writes at `input_pos %
 max_cache_len` (a tensor `%` that Thunder 0.2.6 has no method for) and then cuts the returned keys and values to
 `input_pos.max().item() + 1` (a data-dependent shape). Here the write uses `torch.remainder` and the whole ring is
 returned: the attention cuts its mask to the ring's length, and the mask row of a position before the ring first
 wraps hides the slots not yet written, as the cut did; once it wraps, every slot holds one of the last
-`max_cache_len` positions, as before. So the result is litgpt's, and a plain `thunder.jit` of such a model traces
-once thunder_tp is imported.
+`max_cache_len` positions, as before. So the result is litgpt's.
+
+Mixture of experts. `LLaMAMoE.forward` gathers each expert's tokens with `torch.where(mask)` (data-dependent shapes):
+it is traced as one `moe_layer` op (`thunder_tp.models.moe`).
+
+So a plain `thunder.jit` of such models traces once thunder_tp is imported.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from thunder.core.dtypes import to_torch_dtype
 from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
 
-__all__ = ["kv_cache_forward"]
+from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
+
+__all__ = ["kv_cache_forward", "llama_moe_forward"]
 
 
 def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,10 +53,26 @@ def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.T
             batched_index_copy_(cache.v[:bs, ...], -2, positions, v))
 
 
+def _shared_parameters(module) -> tuple:
+    """The shared experts' [fc_1, fc_2, proj] weights and biases (None where absent)."""
+    if not module.config.n_shared_expert:
+        return None, None
+    fc_1, fc_2, proj, *biases = mlp_parameters([module.shared_experts])
+    return [fc_1[0], fc_2[0], proj[0]], (None if biases[0] is None else [b[0] for b in biases])
+
+
+def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
+    """litgpt's LLaMAMoE.forward as one `moe_layer` call (same router, same result)."""
+    gate = module.gate
+    score_bias = getattr(gate, "e_score_correction_bias", None)
+    return moe_layer(x, gate.weight, score_bias, *mlp_parameters(module.experts), *_shared_parameters(module), None,
+                     Routing.of(module.config))
+
+
 try:
-    from litgpt.model import KVCache
+    from litgpt.model import KVCache, LLaMAMoE
 except ImportError:  # litgpt is optional: without it there is nothing to divert
-    KVCache = None
+    KVCache = LLaMAMoE = None
 
 if KVCache is not None:
 
@@ -58,3 +80,8 @@ if KVCache is not None:
     def _kv_cache_lookaside(cache, input_pos, k, v):
         """thunder.jit traces `kv_cache_forward` wherever litgpt's KVCache.forward is called."""
         return _interpret_call(kv_cache_forward, cache, input_pos, k, v)
+
+    @register_general_jit_lookaside(LLaMAMoE.forward)
+    def _llama_moe_lookaside(module, x):
+        """thunder.jit traces `llama_moe_forward` wherever litgpt's LLaMAMoE.forward is called."""
+        return _interpret_call(llama_moe_forward, module, x)

@@ -8,7 +8,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
 from thunder_tp.layouts import Layout, local_shape
-from thunder_tp.thunder_private import set_proxy_shape
+from thunder_tp.thunder_internals.private import set_proxy_shape
 
 _UNPACK_TENSOR = ("unpack_parameter", "unpack_buffer")
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.layouts import group_device
-from thunder_tp.thunder_private import wrap_module_call
+from thunder_tp.thunder_internals.private import wrap_module_call
 
 
 class CompileAgreement:

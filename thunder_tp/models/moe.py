@@ -1,4 +1,4 @@
-"""Mixture of experts that Thunder can trace: litgpt's `LLaMAMoE` as one opaque symbol, `moe_layer`.
+"""Mixture of experts that Thunder can trace: a whole MoE layer as one opaque symbol, `moe_layer`.
 
 litgpt's `LLaMAMoE.forward` gathers each expert's tokens with `torch.where(mask)`, whose result shape depends
 on the data, so Thunder cannot trace it. `moe_layer` takes the whole layer: activations (B, T, C), the
@@ -11,9 +11,10 @@ sums (each rank's experts' share) reduced by the rewrite's entry into the TP reg
 a dense Megatron MLP does (one reduction each way; with SP one reduce_scatter and one all_gather each way),
 plus one all_reduce of the router weight's grad.
 
-A jit lookaside for `LLaMAMoE.forward` calls this form, so a plain `thunder.jit` of a litgpt MoE model
-traces once thunder_tp is imported. The symbol's grad is `moe_layer_backward`, which recomputes the
-forward through torch.autograd (the forward keeps no data-dependent residuals).
+litgpt's and HF's MoE blocks are traced as this op by their families' lookasides (`thunder_tp.models.litgpt`,
+`thunder_tp.models.hf.moe`), so a plain `thunder.jit` of such a model traces once thunder_tp is imported. The
+symbol's grad is `moe_layer_backward`, which recomputes the forward through torch.autograd (the forward keeps no
+data-dependent residuals). Its propagation rule is at the end.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from thunder.core.interpreter import _interpret_call
-from thunder.core.jit_ext import register_general_jit_lookaside
 from thunder.core.prims import get_grad, put_grad
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import register_grad
 from thunder.extend import OperatorExecutor, add_default_executor, register_executor
+
+from thunder_tp.layouts import PARTIAL, REPLICATE, Layout, Shard
+from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 __all__ = ["Routing", "mlp_parameters", "moe_executor", "moe_layer", "moe_layer_backward", "moe_layer_torch"]
 
@@ -198,33 +200,28 @@ def mlp_parameters(experts, layers: tuple[str, str, str] = ("fc_1", "fc_2", "pro
     return (*weights, *biases)
 
 
-# --- litgpt ----------------------------------------------------------------------------------------------
+# --- its propagation rule -------------------------------------------------------------------------------
+
+#: fc_1 / fc_2 column-parallel (weight and bias dim 0), proj row-parallel (weight dim 1)
+_EXPERT_LAYOUTS = {"fc_1": Shard(0), "fc_2": Shard(0), "proj": Shard(1), "fc_1_bias": Shard(0), "fc_2_bias": Shard(0)}
+_SHARED_LAYOUTS = {"shared": (Shard(0), Shard(0), Shard(1)), "shared_bias": (Shard(0), Shard(0), REPLICATE)}
 
 
-def _shared_parameters(module) -> tuple:
-    """The shared experts' [fc_1, fc_2, proj] weights and biases (None where absent)."""
-    if not module.config.n_shared_expert:
-        return None, None
-    fc_1, fc_2, proj, *biases = mlp_parameters([module.shared_experts])
-    return [fc_1[0], fc_2[0], proj[0]], (None if biases[0] is None else [b[0] for b in biases])
+@register_rule(moe_layer)
+def moe(op: Op) -> list[Strategy]:
+    """Activations and router Replicate, experts sharded -> Partial: one reduction per MoE layer.
 
-
-def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
-    """litgpt's LLaMAMoE.forward as one `moe_layer` call (same router, same result)."""
-    gate = module.gate
-    score_bias = getattr(gate, "e_score_correction_bias", None)
-    return moe_layer(x, gate.weight, score_bias, *mlp_parameters(module.experts), *_shared_parameters(module), None,
-                     Routing.of(module.config))
-
-
-try:
-    from litgpt.model import LLaMAMoE
-except ImportError:  # litgpt is optional: without it there is nothing to divert
-    LLaMAMoE = None
-
-if LLaMAMoE is not None:
-
-    @register_general_jit_lookaside(LLaMAMoE.forward)
-    def _llama_moe_lookaside(module, x):
-        """thunder.jit traces `llama_moe_forward` wherever litgpt's LLaMAMoE.forward is called."""
-        return _interpret_call(llama_moe_forward, module, x)
+    The replicated inputs' grads are then partial sums (each rank's experts' share), reduced on entry into the
+    TP region. A proj bias would be added once per rank, so experts with one stay replicated.
+    """
+    if op.arg("proj_bias") is not None or (op.arg("shared_bias") or (None,) * 3)[2] is not None:
+        return [op.replicated()]
+    by_name: dict[str, Layout] = {}
+    for argument, layout in _EXPERT_LAYOUTS.items():
+        for t in op.arg(argument) or ():
+            by_name[t.name] = layout
+    for argument, layouts in _SHARED_LAYOUTS.items():
+        for t, layout in zip(op.arg(argument) or (), layouts):
+            by_name[t.name] = layout
+    sharded = tuple(by_name.get(t.name, REPLICATE) for t in op.tensors)
+    return [Strategy(sharded, (PARTIAL,)), op.replicated()]

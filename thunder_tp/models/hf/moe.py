@@ -1,7 +1,7 @@
 """HuggingFace sparse MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) as one `moe_layer` call, as litgpt's LLaMAMoE.
 
 Their forward loops over the experts that received tokens (`nonzero`, `torch.where(mask)`: data-dependent shapes),
-which Thunder cannot trace. `register_lookasides(model)` (called by `plans.hf`) diverts the forward of every such
+which Thunder cannot trace. `register_lookasides(model)` (the HF family's hook) diverts the forward of every such
 block class in the model to `hf_moe_forward`: the same router (softmax over all experts in float32, top-k,
 renormalized when the block says so), the same experts, Qwen2-MoE's sigmoid-gated shared expert, and the router
 logits the decoder layer expects back.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
 
-from thunder_tp.moe import Routing, mlp_parameters, moe_layer
+from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
 
 #: block class name -> the names of each expert's gate, up and down projections
 EXPERT_LAYERS = {

@@ -1,0 +1,19 @@
+"""The HuggingFace transformers family: HF models traced as TP needs them (attention, sparse MoE blocks)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from thunder_tp.families import register_family
+from thunder_tp.models.hf import attention, moe
+
+
+@register_family
+def register_lookasides(model: nn.Module) -> None:
+    """Make thunder.jit trace a HuggingFace transformers model as TP needs it (HF's `repeat_kv` as
+    `repeat_interleave`, its causal-mask question answered as in eager mode, sparse MoE blocks as one `moe_layer`);
+    nothing for other models. Registered as a family, so every plan (hf, auto, a hand-written one) sees the same
+    program."""
+    if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        attention.register_lookasides(model)
+        moe.register_lookasides(model)
