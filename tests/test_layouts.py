@@ -83,3 +83,20 @@ def test_thunder_parallel_type_only_where_thunder_means_it():
     assert _thunder_parallel_type(Shard(1), 3) is None  # not a weight's input dim
     assert _thunder_parallel_type(Shard(2), 3) is None
     assert _thunder_parallel_type(Replicate(), 2) is None
+
+
+def test_plan_key_suggestions_name_only_modules_with_tensors():
+    """A mistyped key is pointed at modules a style can split (own parameters or buffers), not at a ReLU."""
+    from thunder_tp.styles import ColwiseParallel, match_plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"'fc1' matches no module of Sequential; modules with parameters: 0, 2$"):
+        match_plan(model, {"fc1": ColwiseParallel()})
+    model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(4, 4), "fc1_act": torch.nn.ReLU(),
+                                 "cache": torch.nn.Module()})
+    model["cache"].register_buffer("k", torch.zeros(2))
+    with pytest.raises(ValueError, match=r"'fc1_ac' matches no module of ModuleDict; close names: fc1") as error:
+        match_plan(model, {"fc1_ac": ColwiseParallel()})
+    assert "fc1_act" not in str(error.value), error.value
+    with pytest.raises(ValueError, match=r"'cahce' matches no module of ModuleDict; close names: cache$"):
+        match_plan(model, {"cahce": ColwiseParallel()})

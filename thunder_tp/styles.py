@@ -195,14 +195,25 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     for pattern, style in plan.items():
         hits = plan_key_matches(pattern, names)
         if not hits:
-            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
-            hint = f"; close names: {', '.join(close)}" if close else ""
-            raise ValueError(f"TP plan key {pattern!r} matches no module of {type(model).__name__}{hint}")
+            raise ValueError(f"TP plan key {pattern!r} matches no module of {type(model).__name__}"
+                             f"{_suggestions(model, pattern)}")
         for name in hits:
             if name in matched and matched[name] != style:
                 raise ValueError(f"Module {name!r} matches two plan keys with different styles")
             matched[name] = style
     return matched
+
+
+def _suggestions(model: nn.Module, pattern: str) -> str:
+    """Names a mistyped plan key may have meant, drawn from the modules a style can split: those holding their own
+    parameters or buffers (a KV cache), never a parameterless ReLU or container."""
+    holders = [name for name, m in model.named_modules()
+               if name and (next(m.parameters(recurse=False), None) is not None
+                            or next(m.buffers(recurse=False), None) is not None)]
+    close = difflib.get_close_matches(pattern, holders, n=5, cutoff=0.5)
+    if close:
+        return f"; close names: {', '.join(close)}"
+    return f"; modules with parameters: {', '.join(holders)}" if 0 < len(holders) <= 10 else ""
 
 
 @dataclass
