@@ -2,10 +2,12 @@
 
 from thunder_tp import plans
 from thunder_tp.annotate import annotate
+from thunder_tp.clipping import clip_grad_norm_
 from thunder_tp.debug import collectives_table, dump_traces
 from thunder_tp.executor import executors
 from thunder_tp.layouts import Partial, Replicate, Shard
 from thunder_tp.mesh import Mesh, init_mesh, parallelize
+from thunder_tp.one_rank import one_rank
 from thunder_tp.simulate import per_rank, simulate
 from thunder_tp.styles import ColwiseParallel, KVCacheParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
@@ -23,10 +25,12 @@ __all__ = [
     "Shard",
     "TensorParallel",
     "annotate",
+    "clip_grad_norm_",
     "collectives_table",
     "dump_traces",
     "executors",
     "init_mesh",
+    "one_rank",
     "parallelize",
     "per_rank",
     "plans",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,9 @@ from thunder_tp.layouts import (
     local_shape,
 )
 from thunder_tp.execution.agreement import CompileAgreement
+from thunder_tp.execution.divergence import InputAgreement
 from thunder_tp.composition import check_composition
+from thunder_tp.one_rank import has_peers
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.propagation import Propagation
 from thunder_tp.thunder_internals.overlapping_inputs import separating_overlapping_views
@@ -54,6 +56,8 @@ class TensorParallel(Transform):
 
     `plan="auto"`: the plan `thunder_tp.plans.auto` searches for on a trace of the model made from
     `example_inputs` (args, kwargs), at jit, on every rank alike (the TP size is the process group's).
+    `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs before the module's "first"
+    call (one small all_gather) or before "every" call, and all raise if they differ (thunder_tp.execution.divergence).
     """
 
     def __init__(
@@ -62,8 +66,12 @@ class TensorParallel(Transform):
         process_group: dist.ProcessGroup | None = None,
         *,
         example_inputs: tuple[tuple, dict] | None = None,
+        check_inputs: Literal["first", "every"] = "first",
     ):
+        if check_inputs not in ("first", "every"):
+            raise ValueError(f'thunder_tp.TensorParallel: check_inputs must be "first" or "every", got {check_inputs!r}')
         self.plan = _checked_plan(plan, example_inputs)
+        self.check_inputs = check_inputs
         self.example_inputs = example_inputs
         self.process_group = process_group
         self.parameter_layouts: dict[str, Layout] = {}
@@ -109,9 +117,10 @@ class TensorParallel(Transform):
         self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
                                                *module.named_buffers(remove_duplicate=False))}
         wrap_module_call(model, separating_overlapping_views)  # Thunder would read one view for the other
-        if self.tp.size > 1 and not is_simulating():
+        if self.tp.size > 1 and has_peers(self.tp.group):  # a fake group has no peer to agree with
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
+            InputAgreement(self.tp.group, every_call=self.check_inputs == "every").install(model)  # runs first
 
     def _resolved_plan(self, module: nn.Module) -> Mapping[str, Style]:
         """The plan; "auto" is searched for here, once, before any parameter is sharded."""

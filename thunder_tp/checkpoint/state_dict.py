@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from thunder_tp.checkpoint.safetensors_dir import save_config
+from thunder_tp.execution.divergence import check_replicas
 from thunder_tp.checkpoint.tensors import (
     HeldTensor,
     model_tensor,
@@ -81,10 +82,20 @@ def _restore(param: HeldTensor, value):
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write a DCP checkpoint directory (collective): each rank writes only its shards, replicas once."""
+    """Write a DCP checkpoint directory (collective): each rank writes only its shards, replicas once (after checking
+    that the replicas agree: thunder_tp.execution.divergence)."""
+    _check_replicas(model)
     with sharded_tensor_without_deprecation_warnings():
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd} | ({"optim": optim_sd} if optimizer is not None else {})
         dcp.save(state, checkpoint_id=os.fspath(path))
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_config(original_module(model), os.fspath(path))  # an HF model's config, for export --hf
+
+
+def _check_replicas(model: nn.Module) -> None:
+    """Raise on every rank if the TP group's copies of a replicated tensor differ (collective over the TP group)."""
+    tensors = model_tensors(model)
+    group = next((t.group for t in tensors.values()), None)
+    if group is not None:
+        check_replicas({n: (t.local, t.layout) for n, t in tensors.items()}, group, "thunder_tp.checkpoint.save")

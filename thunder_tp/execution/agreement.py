@@ -4,6 +4,8 @@ A compile error can be rank-local (the interpreter, a transform or an executor p
 the ranks that compiled would then wait in the module's first collective until the process group's timeout.
 So each compile ends with one agreement: the ranks all-gather a flag (compiled / failed) after the last trace
 pass; a rank whose compile raised contributes "failed" from its error path, and every rank raises.
+A fake process group (``thunder_tp.one_rank``, ``thunder_tp.simulate``) has no peer process: TensorParallel holds
+no agreement there.
 """
 
 from __future__ import annotations
@@ -62,13 +64,19 @@ class CompileAgreement:
             )
 
 
+def gathered(values: list[int], group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's `values` (int64s, as many on every rank), in the group's rank order (one all_gather)."""
+    device = group_device(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    every = torch.zeros(group.size() * len(values), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group)
+    return every.view(group.size(), len(values)).tolist()
+
+
 def _failed_ranks(failed: bool, group: dist.ProcessGroup) -> list[int]:
     """The global ranks of `group` whose flag says failed (one all_gather of a flag per rank)."""
-    device = group_device(group)
-    flags = torch.zeros(group.size(), dtype=torch.int32, device=device)
-    dist.all_gather_into_tensor(flags, torch.tensor([int(failed)], dtype=torch.int32, device=device), group)
     ranks = dist.get_process_group_ranks(group)
-    return [ranks[i] for i in flags.nonzero().flatten().tolist()]
+    return [ranks[i] for i, (flag,) in enumerate(gathered([int(failed)], group)) if flag]
 
 
 def _tell_peers_of(error: Exception, group: dist.ProcessGroup) -> None:

@@ -1,0 +1,177 @@
+"""litgpt's own training loops driven through Lightning Fabric, for tests/test_fabric*.py: a Fabric on one device or
+on the ranks of a test pool with ThunderTPStrategy, a text data module and a loss-collecting logger."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+SEQ = 16
+TEXT = (
+    "Tensor parallelism splits each weight matrix of a model over the ranks of a group, so that every rank computes "
+    "its share of every layer on the same batch. The ranks then exchange partial sums at the end of each block. "
+) * 6
+
+
+def neox_config(**overrides):
+    """A tiny GPT-NeoX-like litgpt config (LayerNorm: float64 throughout, for exact comparisons)."""
+    from litgpt import Config
+
+    kw = dict(name="tiny-neox", block_size=SEQ, vocab_size=256, padded_vocab_size=256, n_layer=2, n_head=4,
+              n_query_groups=4, n_embd=32, head_size=8, intermediate_size=64, bias=True, mlp_class_name="GptNeoxMLP",
+              norm_class_name="LayerNorm", parallel_residual=True, rotary_percentage=0.25)
+    return Config(**(kw | overrides))
+
+
+def gqa_config(**overrides):
+    """The same with 2 K/V groups for 4 query heads: at TP 4 each K/V head is replicated on 2 ranks."""
+    return neox_config(**dict(name="tiny-gqa", n_query_groups=2) | overrides)
+
+
+class Losses:
+    """A Fabric logger that keeps every logged metric (on every rank)."""
+
+    name, version, root_dir, log_dir, group_separator = "losses", 0, None, None, "/"
+
+    def __init__(self):
+        self.metrics: list[dict] = []
+
+    def log_metrics(self, metrics: dict, step=None) -> None:
+        self.metrics.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))})
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def save(self) -> None:
+        pass
+
+    def finalize(self, status: str) -> None:
+        pass
+
+    def values(self, key: str = "loss") -> list[float]:
+        return [m[key] for m in self.metrics if key in m]
+
+
+class _Samples(Dataset):
+    def __init__(self, tokens: torch.Tensor, length: int):
+        self.tokens, self.length = tokens, length
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.length
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[i * self.length : i * self.length + self.length + 1]
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that Fabric saves and restores (state_dict: the batches yielded; after load_state_dict the next
+    iteration skips them), as litdata's StreamingDataLoader is for litgpt's pretraining data."""
+
+    def __iter__(self):
+        skip, self._skip = getattr(self, "_skip", 0), 0
+        self._yielded = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i < skip:
+                continue
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"yielded": getattr(self, "_yielded", 0)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skip = state["yielded"]
+
+
+@dataclass
+class TextBytes:
+    """A litgpt DataModule over a text file the test writes, one token per byte (no tokenizer, no download)."""
+
+    path: Path
+    batch_size: int = 1
+    seq: int = SEQ
+
+    def connect(self, tokenizer=None, batch_size: int = 1, max_seq_length: int | None = None, **kwargs) -> None:
+        self.batch_size = batch_size
+        self.seq = max_seq_length or self.seq
+
+    def prepare_data(self) -> None:
+        pass
+
+    def setup(self, stage: str = "") -> None:
+        self.tokens = torch.tensor(list(Path(self.path).read_bytes()), dtype=torch.long)
+
+    def train_dataloader(self) -> DataLoader:
+        return ResumableLoader(_Samples(self.tokens, self.seq), batch_size=self.batch_size, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_Samples(self.tokens[: 4 * self.seq + 1], self.seq), batch_size=self.batch_size)
+
+
+def write_text(directory: Path) -> Path:
+    path = Path(directory) / "text.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def fabric(strategy_kwargs: dict | None, logger: Losses, precision: str = "64-true"):
+    """A launched Fabric: one device (strategy_kwargs None), or ThunderTPStrategy on this pool's ranks."""
+    import lightning as L
+    import torch.distributed as dist
+
+    if strategy_kwargs is None:
+        return L.Fabric(accelerator="cpu", devices=1, precision=precision, loggers=[logger])
+    from thunder_tp.fabric import ThunderTPStrategy
+
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())  # the pool's processes are launched outside Fabric, as by torchrun
+    f = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ThunderTPStrategy(**strategy_kwargs),
+                 precision=precision, loggers=[logger])
+    f.launch()
+    return f
+
+
+@contextmanager
+def cli_args(*args: str):
+    """sys.argv as the script's CLI would have it (litgpt saves its hyperparameters from the command line)."""
+    saved = sys.argv
+    sys.argv = ["litgpt", *args]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def pretrain(directory: str, strategy_kwargs: dict | None, *, iters: int, config=None, accumulate: int = 1,
+             data_parallel: int = 1, resume: bool = False, save_interval: int | None = None,
+             micro_batch_size: int = 2) -> list[float]:
+    """litgpt.pretrain.main for `iters` iterations (micro-batches); the losses it logged."""
+    from litgpt import pretrain as litgpt_pretrain
+    from litgpt.args import EvalArgs, TrainArgs
+
+    logger = Losses()
+    f = fabric(strategy_kwargs, logger)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    train = TrainArgs(
+        save_interval=save_interval, log_interval=1, global_batch_size=micro_batch_size * accumulate * data_parallel,
+        micro_batch_size=micro_batch_size, max_tokens=iters * micro_batch_size * SEQ * f.world_size, max_norm=1.0,
+        min_lr=1e-4, lr_warmup_steps=1, tie_embeddings=False,
+    )
+    # on one device litgpt compiles the model; eager here (Inductor's CPU attention backward fails in float64)
+    eager = torch.compiler.set_stance("force_eager") if strategy_kwargs is None else contextlib.nullcontext()
+    with cli_args("tiny"), eager:
+        litgpt_pretrain.main(
+            f, devices=data_parallel, seed=7, initial_checkpoint_dir=None, resume=resume,
+            config=config or neox_config(), data=TextBytes(write_text(directory)), out_dir=directory / "out",
+            tokenizer_dir=None, tokenizer=None, train=train, eval=EvalArgs(interval=1000, max_iters=1,
+                                                                            final_validation=False),
+            optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.02, "weight_decay": 0.01}},
+        )
+    return logger.values()

