@@ -101,9 +101,16 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.cfg = cfg
         cos, sin = rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Recompute the RoPE tables (buffers outside the state dict), e.g. once a meta-device model is materialized
+        (Thunder's MaterializationTransform calls it)."""
+        cos, sin = rope_tables(self.cfg)
+        self.cos, self.sin = cos.to(self.cos), sin.to(self.sin)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         s = idx.shape[1]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from thunder_tp.one_rank import fake_group_device
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -191,10 +193,12 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout, ops=torch) ->
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a process group's tensors live: the current CUDA device for NCCL, else the CPU."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+    """Where a process group's tensors live: the current CUDA device for NCCL, ``thunder_tp.one_rank``'s device for
+    a fake group, else the CPU."""
+    backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else None
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return fake_group_device() if backend == "fake" else torch.device("cpu")
 
 
 @dataclass(frozen=True)
