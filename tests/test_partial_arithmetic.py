@@ -25,6 +25,7 @@ CASES = {
     "partial + partial": lambda a, b, c: _product(a, b) + _product(a * 2, b),
     "partial / replicate + replicate": lambda a, b, c: _product(a, b) / (c.abs() + 1) + c,
     "partial + replicate + partial": lambda a, b, c: _product(a, b) + c + _product(a, b * c[:1, :]),
+    "sum(partial) + sum(replicate)": lambda a, b, c: _product(a, b).sum() + c.sum(),  # 0-dim, see test_symbolic
 }
 
 

@@ -24,11 +24,19 @@ def _shape_arithmetic(x, w, s):
     return rows.reshape(rows.shape[0], -1) @ w * (s * x.shape[1])  # sizes of a sharded and a replicated tensor
 
 
+def _partial_sum_plus(a, b, c):
+    # a 0-dim Partial sum is all-reduced: no symbolic dim, yet its numel is deferred. (`... .sum() + c` with c of
+    # shape (4, 5) runs too, but Thunder 0.2.6 on CPU gives a 0-dim tensor broadcast in an add the unsummed grad,
+    # with or without TP, so c is summed to 0-dim here.)
+    return (annotate(a, Shard(1)) @ annotate(b, Shard(0))).sum() + c.sum()
+
+
 #: each program's calls: a tuple is a float64 tensor of that shape (requiring grad), a float a number
 PROGRAMS = {
     "matmul": (_matmul, [((4, 6), (6, 8)), ((6, 10), (10, 4))]),
     "mlp": (_mlp, [((3, 8), (8, 12), (12, 5)), ((5, 6), (6, 16), (16, 3))]),
     "shape_arithmetic": (_shape_arithmetic, [((4, 3, 2), (6, 5), 1.5), ((6, 2, 2), (4, 3), 2.5)]),
+    "partial_sum_plus": (_partial_sum_plus, [((4, 6), (6, 5), (4, 5)), ((6, 4), (4, 3), (6, 3))]),
 }
 
 

@@ -15,7 +15,8 @@ import thunder.distributed.prims as dist_prims
 import thunder.torch as ltorch
 import torch.distributed as dist
 from thunder.core import prims, utils
-from thunder.core.proxies import NumberProxy, TensorProxy
+from thunder.core.compile_data import using_symbolic_values
+from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.distributed.prims import DistributedReduceOps
@@ -44,10 +45,11 @@ from thunder_tp.layouts import Shard, local_shape, shard_tensor
 from thunder_tp.simulate import is_simulating
 
 
-def _symbolic(a: TensorProxy) -> bool:
-    """Shapes of symbolic values (cache="symbolic values"): Thunder 0.2.6's wait sorting cannot order async
-    collectives on them (it reads their numel outside a trace), so those stay synchronous (the symbol's own fn)."""
-    return any(isinstance(d, NumberProxy) for d in a.shape)
+def _synchronous() -> bool:
+    """True under cache="symbolic values", where collectives stay synchronous (the symbol's own fn): Thunder 0.2.6's
+    wait sorting reads each async collective's input numel outside a trace, and there every proxy's numel is
+    deferred (a function of its shape), symbolic dims or not (a 0-dim sum of a Partial product has none)."""
+    return using_symbolic_values()
 
 
 # --- collectives: Thunder's torchex prims + wait (sorted late by thunder's sort_waits) ---------------------
@@ -56,7 +58,7 @@ def _symbolic(a: TensorProxy) -> bool:
 def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
 
-    if _symbolic(a):
+    if _synchronous():
         return tp_reduce_from_tp(a, group)
 
     future = all_reduce_prim_impl(a, DistributedReduceOps.SUM, group, True, False)
@@ -66,7 +68,7 @@ def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
 def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
-    if _symbolic(a):
+    if _synchronous():
         return tp_gather(a, dim, blocks, group)
 
     a = tp_pack(a, 0, None, 1)
@@ -79,7 +81,7 @@ def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.Proc
 def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import reduce_scatter_prim_impl, wait_prim_impl
 
-    if _symbolic(a):
+    if _synchronous():
         return tp_reduce_scatter(a, dim, blocks, group)
 
     packed = tp_pack(a, dim, blocks, group.size())
@@ -93,7 +95,7 @@ def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.
 def _async_all_to_all(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import wait_prim_impl
 
-    if _symbolic(a):
+    if _synchronous():
         return tp_all_to_all(a, src_dim, dst_dim, group)
 
     size = group.size()
