@@ -1,0 +1,84 @@
+"""LoRA (litgpt.lora.GPT) under TP: each LoRA pair follows its base layer (plans.litgpt), base weights frozen, only
+LoRA parameters get grads, exact against one device (float64, real gloo ranks), with LoRA on all of q/k/v and on a
+subset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.tp_checks import FAST_EXECUTORS
+
+RTOL = 1e-9
+
+
+def lora_config(enable: str, n_query_groups: int = 2):
+    """A tiny LoRA config (LayerNorm, so float64 throughout) with LoRA on the q/k/v parts named in `enable`."""
+    from litgpt.lora import Config
+
+    return Config(
+        name="tiny-lora", block_size=16, vocab_size=256, padded_vocab_size=256, n_layer=2, n_head=4,
+        n_query_groups=n_query_groups, n_embd=32, head_size=8, intermediate_size=64, bias=False,
+        mlp_class_name="LLaMAMLP", norm_class_name="LayerNorm", parallel_residual=False, rotary_percentage=1.0,
+        lora_r=2, lora_alpha=4, lora_query="q" in enable, lora_key="k" in enable, lora_value="v" in enable,
+        lora_projection=True, lora_mlp=True, lora_head=True,
+    )
+
+
+def _lora_step(enable: str) -> dict:
+    import thunder
+    import torch.distributed as dist
+    from litgpt.lora import GPT, mark_only_lora_as_trainable
+
+    import thunder_tp
+    from thunder_tp.layouts import REPLICATE, shard_tensor
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    reference = GPT(lora_config(enable))
+    for name, p in reference.named_parameters():
+        if "lora_B" in name:  # litgpt starts lora_B at zero: nonzero, so that every LoRA grad is nonzero
+            torch.nn.init.normal_(p, std=0.05)
+    model = GPT(reference.config)
+    model.load_state_dict(reference.state_dict())
+    mark_only_lora_as_trainable(reference)
+    mark_only_lora_as_trainable(model)
+    transform = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))
+    jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+    loss = lambda logits: torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))  # noqa: E731
+    expected = loss(reference(idx))
+    expected.backward()
+    actual = loss(jm(idx))
+    actual.backward()
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=0)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    with_grads = []
+    for name, p in reference.named_parameters():
+        grad = jm.get_parameter(name).grad
+        if p.grad is None:
+            assert grad is None, f"{name} is frozen but got a grad"
+            continue
+        with_grads.append(name)
+        want = shard_tensor(p.grad, transform.parameter_layouts.get(name, REPLICATE), rank, size)
+        torch.testing.assert_close(grad, want, rtol=RTOL, atol=RTOL * p.grad.abs().max().item(), msg=name)
+    sharded = sorted(n for n, layout in transform.parameter_layouts.items() if "lora_" in n)
+    return {"with_grads": with_grads, "sharded_lora": sharded}
+
+
+@pytest.mark.parametrize("enable", ["qkv", "qv"])
+def test_lora_pairs_follow_their_base_tp2(enable):
+    info = run_ranks(_lora_step, 2, enable)[0]
+    assert info["with_grads"] and all("lora_" in n for n in info["with_grads"])
+    # every LoRA pair has one sharded member: lora_B of column-parallel bases, lora_A of row-parallel ones
+    assert "transformer.h.0.attn.qkv.lora_B" in info["sharded_lora"]
+    assert "transformer.h.0.attn.proj.lora_A" in info["sharded_lora"]
+    assert "transformer.h.0.mlp.proj.lora_A" in info["sharded_lora"] and "lm_head.lora_B" in info["sharded_lora"]
+
+
+@pytest.mark.slow  # reason: four ranks; K/V heads replicated (2 K/V groups on 4 ranks), LoRA on a subset with k
+def test_lora_with_replicated_kv_heads_tp4():
+    info = run_ranks(_lora_step, 4, "kv")[0]
+    assert all("lora_" in n for n in info["with_grads"])
