@@ -1,0 +1,274 @@
+"""One rank of a TP group at true shapes, alone on this device: per-rank step time and memory, and a projection to N.
+
+    python benchmarks/bench_rank.py --model Llama-3-8B --tp 1,2,4,8 --project          # a GPU
+    python benchmarks/bench_rank.py --model tiny --tp 4 --quick                          # CI, on the CPU
+
+Every run is rank ``--rank`` (default: the last) of a fake TP group of each size (``thunder_tp.one_rank``): the
+rank's own program, its own shards (built on the meta device, random weights), every collective returning at once.
+Training (forward + backward + AdamW, ``--seq`` tokens of ``--batch`` rows, sequence parallel and loss parallel)
+runs modes (a)-(c) of ``rank_modes.py``, decode (one token with ``--context`` cached positions, for each of
+``--decode_batches``) modes (d)-(f). Models: ``--model`` Llama-3-8B / Llama-3-70B (litgpt's configs) or ``tiny``,
+each dimension overridable. ``--layers`` are the depths measured: with two (default 0 and 2) every per-step
+figure is extrapolated linearly to the model's depth (``--full_layers``): the 70B rows are its first layers, scaled
+per layer. Per row: the median step time (forward, backward, optimizer), peak memory, parameter bytes per rank,
+the collectives (thunder modes: ``thunder_tp.debug.collective_calls`` of the final traces; compiled modes: counted
+at runtime), the loss finite; per TP size, whether the modes' structures (collectives, bytes, parameters) agree.
+``--project``: ``projection.py``'s step on an 8-GPU node from these figures (``--link``, ``--link_override``),
+without and with overlap, as tokens/s/GPU (training) and tokens/s (decode), beside the public references.
+Modes that need CUDA are skipped on the CPU with the reason. ``--quick``: no code generation (smoke tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import argparse
+import gc
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from harness import param_bytes, random_batch, step_context, write_json
+from llama import LlamaConfig
+from projection import LINKS, RecordedPass, extrapolate, project_step
+from rank_modes import DECODE, TRAINING, RankMode
+from rank_report import report
+from rank_timing import thunder_structure, timed_decode, timed_training
+
+#: --model presets: litgpt config name (None: tiny) and its dims
+PRESETS = {
+    "Llama-3-8B": dict(n_layer=32, n_embd=4096, n_head=32, n_query_groups=8, intermediate_size=14336, vocab=128256),
+    "Llama-3-70B": dict(n_layer=80, n_embd=8192, n_head=64, n_query_groups=8, intermediate_size=28672, vocab=128256),
+    "tiny": dict(n_layer=2, n_embd=64, n_head=8, n_query_groups=4, intermediate_size=128, vocab=256),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=list(PRESETS), default="tiny")
+    for dim in ("n_embd", "n_head", "n_query_groups", "intermediate_size", "vocab"):
+        p.add_argument(f"--{dim}", type=int, default=None, help="override the preset's")
+    p.add_argument("--full_layers", type=int, default=None, help="the depth reported (default: the preset's)")
+    p.add_argument("--layers", default="0,2", help="depths measured: two (extrapolated to --full_layers) or one (as is)")
+    p.add_argument("--tp", default="1,2,4,8", help="TP sizes")
+    p.add_argument("--rank", type=int, default=None, help="the rank run (default: the last of each group)")
+    p.add_argument("--train_modes", default="a,b,c", help="training modes ('' for none)")
+    p.add_argument("--decode_modes", default="d,e,f", help="decode modes ('' for none)")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1, help="training rows per step")
+    p.add_argument("--context", type=int, default=1024, help="decode: cached positions")
+    p.add_argument("--decode_batches", default="1,8")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (medians)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--quick", action="store_true", help="no code generation: Thunder's default executors, "
+                                                        "torch.compile(backend='eager'); plumbing, not speed")
+    p.add_argument("--project", action="store_true", help="print the projection to an 8-GPU node")
+    p.add_argument("--link", choices=list(LINKS), default="h100_nvlink")
+    p.add_argument("--decode_link", choices=list(LINKS), default="h100_nvlink_graph",
+                   help="the link for the CUDA-graph decode rows (e)/(f)")
+    p.add_argument("--link_override", default="", help="e.g. 'all_reduce.latency_us=18,all.bus_gbps=350'")
+    p.add_argument("--json_path", default="")
+    args = p.parse_args(argv)
+    args.depths = [int(d) for d in args.layers.split(",") if d]
+    if not 1 <= len(args.depths) <= 2 or len(set(args.depths)) != len(args.depths):
+        p.error("--layers: one depth, or two different ones")
+    return args
+
+
+def model_dims(args: argparse.Namespace) -> dict:
+    """The preset's dims with the command line's overrides."""
+    dims = dict(PRESETS[args.model])
+    dims.update({k: getattr(args, k) for k in dims if getattr(args, k, None) is not None})
+    dims["n_layer"] = args.full_layers or dims["n_layer"]
+    return dims
+
+
+def llama_config(dims: dict, layers: int, seq: int) -> LlamaConfig:
+    return LlamaConfig(dim=dims["n_embd"], n_layers=layers, n_heads=dims["n_head"], n_kv_heads=dims["n_query_groups"],
+                       vocab=dims["vocab"], ffn_hidden=dims["intermediate_size"], max_seq=seq, rope_theta=500000.0)
+
+
+def litgpt_config(dims: dict, layers: int):
+    from litgpt import Config
+
+    return Config(name="bench-rank", block_size=8192, vocab_size=dims["vocab"], padded_vocab_size=dims["vocab"],
+                  n_layer=layers, n_embd=dims["n_embd"], n_head=dims["n_head"], n_query_groups=dims["n_query_groups"],
+                  intermediate_size=dims["intermediate_size"], bias=False, mlp_class_name="LLaMAMLP",
+                  norm_class_name="RMSNorm", parallel_residual=False, rotary_percentage=1.0, rope_base=500000)
+
+
+# --- structure: collectives and parameters ------------------------------------------------------------------------
+
+
+def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg: LlamaConfig, device, tp: int) -> dict:
+    """The collectives of one more forward and backward of a compiled mode, counted by CommDebugMode (after timing:
+    a dispatch mode makes Dynamo run the rest eagerly)."""
+    from compare import comm_mode
+
+    idx, targets = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
+    forward, backward = comm_mode(), comm_mode()
+    with step_context(model):
+        with forward:
+            loss = model(idx, targets)
+        with backward:
+            loss.backward()
+    return {"traces": {}, "collectives": {"forward": [[k, tp, b] for k, b in forward.records],
+                                          "backward": [[k, tp, b] for k, b in backward.records]}}
+
+
+# --- one row --------------------------------------------------------------------------------------------------------
+
+
+def run_row(mode: RankMode, tp: int, rank: int, device: torch.device, measure: Callable[[], dict]) -> dict:
+    """``measure()`` as rank ``rank`` of a fake group of ``tp`` ranks; the error instead where it raised."""
+    import thunder_tp
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        with thunder_tp.one_rank(tp, rank, device):
+            return measure()
+    except Exception as e:
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+
+
+def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, device) -> dict:
+    def measure() -> dict:
+        cfg = llama_config(dims, depth, args.seq)
+        model = mode.build(cfg, device, DTYPES[args.dtype], args.quick)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        batch = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
+        result = timed_training(model, batch, optimizer, args.steps, args.warmup, device)
+        result["param_bytes"] = param_bytes(model)
+        result.update(thunder_structure(model) if mode.runtime == "thunder"
+                      else compiled_training_structure(model, args, cfg, device, tp))
+        return result
+
+    return run_row(mode, tp, rank, device, measure)
+
+
+def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, batch: int, device) -> dict:
+    def measure() -> dict:
+        from harness import kv_cache_bytes
+
+        model = mode.build(litgpt_config(dims, depth), args.context, batch, device, DTYPES[args.dtype], args.quick)
+        result = timed_decode(model, batch, args.context, args.steps, args.warmup, device)
+        result.update(param_bytes=param_bytes(model), kv_cache_bytes=kv_cache_bytes(model))
+        if mode.runtime == "thunder":
+            result.update(thunder_structure(model))
+        else:
+            result.update(traces={}, collectives={"forward": [[k, tp, b] for k, b in model.collectives], "backward": []})
+        return result
+
+    return run_row(mode, tp, rank, device, measure)
+
+
+# --- the sweep --------------------------------------------------------------------------------------------------
+
+
+def _selected(modes: tuple[RankMode, ...], keys: str, device: torch.device) -> tuple[list[RankMode], dict[str, str]]:
+    """The modes named in ``keys`` that can run on ``device``, and the skipped ones with their reasons."""
+    wanted = [k for k in keys.split(",") if k]
+    known = {m.key: m for m in modes}
+    unknown = [k for k in wanted if k not in known]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {list(known)}")
+    run = [known[k] for k in wanted if device.type == "cuda" or not known[k].cuda_only]
+    skipped = {k: known[k].skip_reason for k in wanted if known[k] not in run}
+    return run, skipped
+
+
+def sweep(args: argparse.Namespace, device: torch.device) -> dict:
+    """Every (workload, TP size, mode, depth) row, then the figures at the reported depth and the projections."""
+    dims = model_dims(args)
+    train, train_skipped = _selected(TRAINING, args.train_modes, device)
+    decode, decode_skipped = _selected(DECODE, args.decode_modes, device)
+    rows = []
+    for tp in [int(t) for t in args.tp.split(",") if t]:
+        rank = tp - 1 if args.rank is None else args.rank
+        for mode in train:
+            by_depth = {d: training_row(mode, args, dims, d, tp, rank, device) for d in args.depths}
+            rows.append(_row("training", mode, tp, rank, None, by_depth, args, dims))
+        for batch in [int(b) for b in args.decode_batches.split(",") if b]:
+            for mode in decode:
+                by_depth = {d: decode_row(mode, args, dims, d, tp, rank, batch, device) for d in args.depths}
+                rows.append(_row("decode", mode, tp, rank, batch, by_depth, args, dims))
+    return {"dims": dims, "rows": rows, "skipped": {**train_skipped, **decode_skipped}}
+
+
+def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, by_depth: dict, args, dims) -> dict:
+    """A row at the reported depth: each timing and byte figure extrapolated from the measured depths, the
+    projection of each depth extrapolated alike."""
+    row = {"workload": workload, "mode": mode.key, "description": mode.description, "tp": tp, "rank": rank,
+           "batch": batch if batch is not None else args.batch, "depths": by_depth}
+    errors = [r["error"] for r in by_depth.values() if "error" in r]
+    if errors:
+        row["error"] = errors[0]
+        return row
+    deepest = by_depth[max(by_depth)]
+    figures = ("forward_s", "backward_s", "optimizer_s", "step_s", "host_s", "back_to_back_s", "peak_bytes",
+               "param_bytes", "kv_cache_bytes")
+    for key in figures:
+        if all(r.get(key) is not None for r in by_depth.values()):
+            row[key] = _at_depth({d: r[key] for d, r in by_depth.items()}, dims["n_layer"])
+    row["loss_finite"] = all(r["loss_finite"] for r in by_depth.values())
+    row["collectives"] = deepest["collectives"]
+    row["projection"] = _projection(workload, mode, by_depth, args, dims)
+    return row
+
+
+def _at_depth(values: dict[int, float], layers: int) -> float:
+    return extrapolate(values, layers) if len(values) == 2 else next(iter(values.values()))
+
+
+def _projection(workload: str, mode: RankMode, by_depth: dict, args, dims) -> dict:
+    """The step on the link at each measured depth, extrapolated: seconds without and with overlap, and comm."""
+    graphs = workload == "decode" and mode.key in ("e", "f")
+    link = LINKS[args.decode_link if graphs else args.link].overridden(args.link_override)
+    per_depth = {}
+    for depth, r in by_depth.items():
+        compute = ({"forward": r["forward_s"], "backward": r["backward_s"]} if workload == "training"
+                   else {"forward": r["back_to_back_s"]})
+        traces = r["traces"] or _records_as_passes(r["collectives"])
+        step = project_step(traces, compute, link, other_s=r.get("optimizer_s", 0.0))
+        per_depth[depth] = {"no_overlap_s": step.no_overlap_s, "overlap_s": step.overlap_s, "comm_s": step.comm_s}
+    out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in ("no_overlap_s", "overlap_s", "comm_s")}
+    out["link"] = link.name
+    out["overlap_from_trace"] = bool(by_depth[max(by_depth)]["traces"])
+    return out
+
+
+def _records_as_passes(collectives: dict) -> dict:
+    """Runtime-counted collectives as a stand-in trace per pass (no schedule: every collective waited at once)."""
+    return {name: RecordedPass(calls) for name, calls in collectives.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep and print the tables; 1 where a row failed or a loss was not finite."""
+    args = parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    results = sweep(args, device)
+    failed = report(results, args, device)
+    if args.json_path:
+        for row in results["rows"]:
+            for r in row["depths"].values():
+                r.pop("traces", None)
+        print(f"results written to {write_json(args.json_path, {'args': vars(args), 'device': str(device), **results})}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""A step on N GPUs from one rank's measured compute and the collectives of its final traces (alpha-beta model).
+
+    link = LINKS["h100_nvlink"].overridden("all_reduce.latency_us=18")
+    p = project_pass(thunder.last_backward_traces(jm)[-1], compute_s=0.120, link=link)
+    p.no_overlap_s, p.overlap_s            # compute + every collective; the same on the trace's schedule
+
+Each collective of a trace (``thunder_tp.debug.collective_calls``: kind, bytes of the full tensor, group size n)
+costs ``latency + factor(kind, n) * bytes / bus_bandwidth``, the ring formulas in NCCL's bus-bandwidth convention:
+factor ``2 (n - 1) / n`` for all_reduce, ``(n - 1) / n`` for all_gather and reduce_scatter; a group of one rank
+costs nothing. The latency is per call as measured at the group size of the table (NCCL's figures: 8 ranks).
+
+Two projections per pass:
+- no overlap: the measured compute plus every collective's time;
+- overlap: the trace's schedule played on two resources, this rank's compute stream and one link. Each top-level
+  symbol takes a share of the measured compute proportional to its matmul and attention FLOPs; a collective starts
+  when it is issued (and the link is free) and its wait blocks the compute until it is done. So a backward
+  all_reduce issued before the weight-grad matmuls and waited for after them is hidden behind them, as far as they
+  last; a forward all_reduce waited for at once adds its whole time.
+
+What the model leaves out is in docs/gpu.md (contention of compute and communication for the GPU's memory and SMs,
+collectives of different groups at once, stragglers, data parallelism, the share of non-matmul kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "torch_linear", "torch_matmul"}
+#: symbols that only name or forward an issued collective's handle (thunder_tp's tp_name_work)
+PASS_THROUGH = {"tp_name_work"}
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta parameters per collective kind: latency (s) and bus bandwidth (bytes/s), with their sources."""
+
+    name: str
+    latency_s: dict[str, float]
+    bus_bytes_per_s: dict[str, float]
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
+        """One collective's time (ring formulas; all_to_all and broadcast priced as an all_gather)."""
+        if group_size <= 1:
+            return 0.0
+        kind = kind if kind in KINDS else "all_gather"
+        factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
+        return self.latency_s[kind] + factor * nbytes / self.bus_bytes_per_s[kind]
+
+    def overridden(self, spec: str) -> Link:
+        """A copy with ``kind.latency_us=X`` / ``kind.bus_gbps=Y`` (comma-separated; kind ``all`` for every kind)."""
+        latency, bandwidth, sources = dict(self.latency_s), dict(self.bus_bytes_per_s), dict(self.sources)
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            try:
+                key, value = item.split("=")
+                kind, what = key.split(".")
+                number = float(value)
+            except ValueError:
+                raise ValueError(f"--link_override: {item!r} is not kind.latency_us=X or kind.bus_gbps=Y "
+                                 f"(kinds: {', '.join(KINDS)}, all)") from None
+            kinds = KINDS if kind == "all" else (kind,)
+            if not set(kinds) <= set(KINDS) or what not in ("latency_us", "bus_gbps"):
+                raise ValueError(f"--link_override: unknown {key!r}; use <{'|'.join(KINDS)}|all>.<latency_us|bus_gbps>")
+            for k in kinds:
+                if what == "latency_us":
+                    latency[k] = number * 1e-6
+                else:
+                    bandwidth[k] = number * 1e9
+                sources[f"{k}.{what}"] = "command line"
+        return replace(self, latency_s=latency, bus_bytes_per_s=bandwidth, sources=sources)
+
+    def table(self) -> str:
+        """The parameters as a markdown table with their sources."""
+        lines = [f"alpha-beta parameters ({self.name}):", "", "| kind | latency (µs) | bus bandwidth (GB/s) | source |",
+                 "|---|---:|---:|---|"]
+        for k in KINDS:
+            source = "; ".join(s for key, s in self.sources.items() if key.startswith(k) or key == "all")
+            lines.append(f"| {k} | {self.latency_s[k] * 1e6:.1f} | {self.bus_bytes_per_s[k] / 1e9:.1f} | {source} |")
+        return "\n".join(lines)
+
+
+_NCCL = ("the issue's NCCL figures for 8 x H100 NVLink: all_reduce of 16-64 KB about 21-23 µs eager, 17-20 µs "
+         "under a CUDA graph; about 370 GB/s bus bandwidth for large ring collectives")
+_SAME = "assumed as all_reduce's (the issue quotes NCCL's all_reduce latency only)"
+
+#: the links the projection knows; ``--link`` picks one, ``--link_override`` changes its numbers
+LINKS: dict[str, Link] = {
+    "h100_nvlink": Link(
+        "8 x H100 SXM, NVLink 4 / NVSwitch, NCCL, eager",
+        {k: 22e-6 for k in KINDS}, {k: 370e9 for k in KINDS},
+        {"all_reduce": _NCCL, "all_gather": _SAME, "reduce_scatter": _SAME},
+    ),
+    "h100_nvlink_graph": Link(
+        "8 x H100 SXM, NVLink 4 / NVSwitch, NCCL inside a CUDA graph",
+        {k: 18e-6 for k in KINDS}, {k: 370e9 for k in KINDS},
+        {"all_reduce": _NCCL, "all_gather": _SAME, "reduce_scatter": _SAME},
+    ),
+}
+
+
+# --- FLOPs of a trace's symbols, to share a pass's measured compute among them ---------------------------------
+
+
+def _shape(p) -> tuple[int, ...]:
+    return tuple(int(d) for d in p.shape)
+
+
+def _matmul_flops(bsym: BoundSymbol) -> float:
+    tensors = [a for a in bsym.flat_args if isinstance(a, TensorProxy)]
+    out = next((o for o in bsym.flat_outs if isinstance(o, TensorProxy)), None)
+    if len(tensors) < 2 or out is None:
+        return 0.0
+    k = _shape(tensors[0])[-1] if tensors[0].ndim else 1
+    return 2.0 * math.prod(_shape(out)) * k
+
+
+def _attention_flops(bsym: BoundSymbol) -> float:
+    """4 b h s_q s_k d for the forward (QK^T and PV); a backward symbol counts 2.5 times that."""
+    q, k = [a for a in bsym.flat_args if isinstance(a, TensorProxy)][:2]
+    *batch, s_q, d = _shape(q)
+    flops = 4.0 * math.prod(batch) * s_q * _shape(k)[-2] * d
+    return 2.5 * flops if "backward" in bsym.sym.name else flops
+
+
+def flops(bsym: BoundSymbol) -> float:
+    """Matmul and attention FLOPs of a bound symbol (its subsymbols' for a fusion region or a composite)."""
+    name = bsym.sym.name
+    if name in MATMULS:
+        return _matmul_flops(bsym)
+    if "scaled_dot_product" in name or "sdpa" in name:
+        return _attention_flops(bsym)
+    return sum(flops(s) for s in bsym.subsymbols)
+
+
+# --- one pass on the link --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PassProjection:
+    compute_s: float
+    comm_s: float  # every collective's time, one after the other
+    no_overlap_s: float
+    overlap_s: float
+    collectives: list[dict]  # kind, bytes, group_size, seconds, hidden_s
+
+
+@dataclass(frozen=True)
+class RecordedPass:
+    """A pass's collectives counted at runtime (``[kind, group size, bytes]`` each), without a trace: no schedule,
+    so every collective is taken as waited for at once (no overlap)."""
+
+    calls: list
+
+
+def _names(proxies: Iterable) -> set[str]:
+    return {p.name for p in proxies if hasattr(p, "name")}
+
+
+def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: Link) -> PassProjection:
+    """The pass's time with the collectives of ``trace`` on ``link``, without and with the overlap its schedule
+    allows; ``compute_s``: the pass's measured compute (under the fake group: no communication)."""
+    from thunder_tp.debug import collective_calls
+
+    if trace is None:
+        return PassProjection(compute_s, 0.0, compute_s, compute_s, [])
+    if isinstance(trace, RecordedPass):
+        records = [{"kind": k, "bytes": b, "group_size": n, "seconds": link.seconds(k, b, n)} for k, n, b in trace.calls]
+        comm = sum(r["seconds"] for r in records)
+        return PassProjection(compute_s, comm, compute_s + comm, compute_s + comm, records)
+    calls = {id(c["bsym"]): c for c in collective_calls(trace)}
+    share = _compute_shares(trace, calls, compute_s)
+    clock = link_free = 0.0
+    pending: dict[str, dict] = {}  # a name carrying an issued collective -> its record
+    records = []
+    for bsym in trace.bound_symbols:
+        call = calls.get(id(bsym))
+        consumed = [pending[n] for n in _names(bsym.flat_args) if n in pending]
+        if call is not None:
+            seconds = link.seconds(call["kind"], call["bytes"], call["group_size"])
+            start = max(clock, link_free)
+            link_free = start + seconds
+            record = {"kind": call["kind"], "bytes": call["bytes"], "group_size": call["group_size"],
+                      "seconds": seconds, "issued_s": clock, "done_s": link_free}
+            records.append(record)
+            pending.update(dict.fromkeys(_names(bsym.flat_outs), record))
+            continue
+        if consumed and bsym.sym.name in PASS_THROUGH:
+            pending.update(dict.fromkeys(_names(bsym.flat_outs), consumed[0]))
+            continue
+        for record in consumed:  # a wait, or the first use of a synchronous collective's result
+            clock = max(clock, record["done_s"])
+        clock += share.get(id(bsym), 0.0)
+    comm = sum(r["seconds"] for r in records)
+    return PassProjection(compute_s, comm, compute_s + comm, max(clock, link_free), records)
+
+
+def _compute_shares(trace: TraceCtx, calls: dict, compute_s: float) -> dict[int, float]:
+    """Each non-collective top-level symbol's share of the pass's compute: by matmul and attention FLOPs, or
+    evenly where the pass has none."""
+    weights = {id(b): flops(b) for b in trace.bound_symbols if id(b) not in calls}
+    total = sum(weights.values())
+    if total == 0:
+        weights, total = dict.fromkeys(weights, 1.0), float(len(weights) or 1)
+    return {k: compute_s * w / total for k, w in weights.items()}
+
+
+# --- a whole step ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepProjection:
+    no_overlap_s: float
+    overlap_s: float
+    comm_s: float
+    passes: dict[str, PassProjection]
+
+
+def project_step(traces: dict[str, TraceCtx | None], compute_s: dict[str, float], link: Link,
+                 other_s: float = 0.0) -> StepProjection:
+    """A step of passes (``{"forward": trace, "backward": trace}`` with their measured compute) plus ``other_s`` of
+    work without collectives (the optimizer step)."""
+    passes = {name: project_pass(traces.get(name), compute_s[name], link) for name in compute_s}
+    return StepProjection(
+        no_overlap_s=sum(p.no_overlap_s for p in passes.values()) + other_s,
+        overlap_s=sum(p.overlap_s for p in passes.values()) + other_s,
+        comm_s=sum(p.comm_s for p in passes.values()),
+        passes=passes,
+    )
+
+
+def extrapolate(value_at: dict[int, float], layers: int) -> float:
+    """A per-step figure at ``layers`` layers, linear in the depth through the two measured depths."""
+    (d0, v0), (d1, v1) = sorted(value_at.items())[:2]
+    return v0 + (layers - d0) * (v1 - v0) / (d1 - d0)

@@ -1,0 +1,173 @@
+"""The modes ``bench_rank.py`` runs as one rank of a fake TP group: each builds its module on the meta device and
+materializes this rank's share with random weights (no full model is ever allocated).
+
+Training (``llama.py``'s Llama, the model compare.py trains, at Llama-3 shapes; its loss inside; sequence parallel
+and loss parallel, torchtitan's defaults):
+- (a) thunder_tp with nvFuser regions (CUDA only), (b) thunder_tp with Inductor regions: ``llama.thunder_tp_plan``;
+- (c) DTensor TP + SP with torchtitan's plan (``compare_modes.dtensor_plan("sp", loss_parallel=True)``) under
+  ``torch.compile``.
+Decode (litgpt's GPT with a KV cache, one token per step):
+- (d) thunder_tp as it is (``plans.litgpt``, ``thunder_tp.executors()``), (e) the same with Thunder's
+  ``CUDAGraphTransform`` (CUDA only);
+- (f) bench_generate.py's hand-written gpt-fast-style TP (``shard_by_hand``) under
+  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; on CPU the default mode).
+``quick`` builds (a)/(b)/(d) with Thunder's default executors and compiles (c)/(f) with ``backend="eager"``: no code
+generation, for smoke tests of the plumbing, not for timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from bench_generate import shard_by_hand
+from compare_modes import dtensor_plan
+from harness import thunder_default_executors
+from llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
+
+
+@dataclass(frozen=True)
+class RankMode:
+    """A way to run one rank: ``build(config, device, dtype, quick)`` gives the module; ``cuda_only`` modes skip on
+    the CPU with ``skip_reason``."""
+
+    key: str
+    description: str
+    runtime: str  # "thunder" or "compile"
+    build: Callable[..., nn.Module]
+    cuda_only: bool = False
+    skip_reason: str = ""
+
+
+# --- materializing one rank's share -----------------------------------------------------------------------------
+
+
+def random_weights(device: torch.device) -> object:
+    """Thunder's MaterializationTransform after TensorParallel: each module's own init (``reset_parameters``) at full
+    size, one module at a time, then this rank's shard, on ``device``."""
+    from thunder.transforms import MaterializationTransform
+
+    return MaterializationTransform(device, init=MaterializationTransform.init_from_original_module_init())
+
+
+def _init_local(module: nn.Module, device: torch.device) -> None:
+    """A meta-device module (DTensor or hand-sharded) on ``device`` with random local weights: matrices N(0, 0.02),
+    vectors (norm weights) ones, buffers recomputed by their modules' ``reset_parameters``."""
+    from torch.distributed.tensor import DTensor
+
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.normal_(0.0, 0.02) if local.ndim > 1 else local.fill_(1.0)
+        for m in module.modules():
+            if m._non_persistent_buffers_set and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
+def per_layer_keys_dropped(plan: dict, layers: int) -> dict:
+    """The plan without its per-layer (glob) keys for a model of no layers, which they would not match (measured at
+    depth 0 for the extrapolation)."""
+    return plan if layers else {k: v for k, v in plan.items() if "*" not in k}
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+def llama_on_meta(cfg: LlamaConfig, dtype: torch.dtype) -> nn.Module:
+    """compare.py's Llama with its loss, on the meta device."""
+    with torch.device("meta"):
+        return WithLoss(Llama(cfg)).to(dtype)
+
+
+def _thunder_training(backend: str | None) -> Callable[..., nn.Module]:
+    def build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
+        import thunder
+        import thunder_tp
+
+        executors = thunder_default_executors() if quick else thunder_tp.executors(backend)
+        plan = thunder_tp_plan(sequence_parallel=True, loss_parallel=True)
+        tp = thunder_tp.TensorParallel(per_layer_keys_dropped(plan, cfg.n_layers))
+        return thunder.jit(llama_on_meta(cfg, dtype), transforms=[tp, random_weights(device)], executors=executors)
+
+    return build
+
+
+def _dtensor_training(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
+    """torchtitan's TP + SP plan with loss parallel on the Llama, compiled (the targets replicated as DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    model = llama_on_meta(cfg, dtype)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    parallelize_module(model.model, mesh, per_layer_keys_dropped(dtensor_plan("sp", loss_parallel=True), cfg.n_layers))
+    _init_local(model, device)
+    model.register_forward_pre_hook(lambda _m, args: (args[0], DTensor.from_local(args[1], mesh, [Replicate()])))
+    model.step_context = loss_parallel  # harness.step_context: forward and backward of the loss inside it
+    return torch.compile(model, backend="eager" if quick else "inductor")
+
+
+TRAINING = (
+    RankMode("a", "thunder_tp, nvFuser regions", "thunder", _thunder_training("nvfuser"), cuda_only=True,
+             skip_reason="nvFuser runs on CUDA only"),
+    RankMode("b", "thunder_tp, Inductor regions", "thunder", _thunder_training("inductor")),
+    RankMode("c", "DTensor TP+SP (torchtitan plan), torch.compile", "compile", _dtensor_training),
+)
+
+
+# --- decode -------------------------------------------------------------------------------------------------------
+
+
+def gpt_on_meta(config, context: int, dtype: torch.dtype) -> nn.Module:
+    """litgpt's GPT on the meta device, for ``context`` cached positions plus the decoded one."""
+    from litgpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(config).to(dtype)
+    model.max_seq_length = context + 1
+    return model.eval()
+
+
+def _thunder_decode(cuda_graphs: bool) -> Callable[..., nn.Module]:
+    def build(config, context: int, batch: int, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
+        import thunder
+        import thunder_tp
+        from litgpt.model import build_mask_cache
+
+        model = gpt_on_meta(config, context, dtype)
+        model.set_kv_cache(batch_size=batch, device=torch.device("meta"), dtype=dtype)
+        model.mask_cache = build_mask_cache(context + 1, device)  # a plain attribute, not a buffer
+        plan = per_layer_keys_dropped(thunder_tp.plans.litgpt(model), config.n_layer)
+        transforms = [thunder_tp.TensorParallel(plan), random_weights(device)]
+        if cuda_graphs:
+            from thunder.transforms.cudagraph import CUDAGraphTransform
+
+            transforms.append(CUDAGraphTransform())
+        executors = thunder_default_executors() if quick else thunder_tp.executors()
+        return thunder.jit(model, transforms=transforms, executors=executors)
+
+    return build
+
+
+def _hand_decode(config, context: int, batch: int, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
+    """bench_generate.py's gpt-fast-style TP, sharded on the meta device, materialized, compiled."""
+    model = gpt_on_meta(config, context, dtype)
+    model.collectives = shard_by_hand(model, dist.get_rank(), dist.get_world_size())
+    _init_local(model, device)
+    model.set_kv_cache(batch_size=batch, device=device, dtype=dtype)
+    if quick:
+        return torch.compile(model, backend="eager")
+    return torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else "default")
+
+
+DECODE = (
+    RankMode("d", "thunder_tp", "thunder", _thunder_decode(cuda_graphs=False)),
+    RankMode("e", "thunder_tp + Thunder's CUDA graphs", "thunder", _thunder_decode(cuda_graphs=True), cuda_only=True,
+             skip_reason="CUDA graphs need CUDA"),
+    RankMode("f", "hand-written TP (gpt-fast style), torch.compile reduce-overhead", "compile", _hand_decode),
+)

@@ -1,0 +1,164 @@
+"""bench_rank.py's tables: per-rank figures, the structure check of each TP size, and the projection beside the
+public references (their sources in docs/gpu.md)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+
+from harness import fmt_bytes
+
+#: torchtitan, Llama-3-8B on H100s (FSDP 8 x TP 8, bf16): tokens/s/GPU (docs/gpu.md)
+TORCHTITAN_8B_TOKENS_PER_GPU = 4378
+#: gpt-fast decode, batch 1, Llama-3.1-8B on A100-80GB: tokens/s by TP size (docs/gpu.md)
+GPT_FAST_A100 = {1: 93.8, 2: 149.0, 4: 217.0, 8: 276.0}
+#: HBM bandwidth of an H100 SXM over an A100-80GB SXM (3.35 / 2.039 TB/s): decode is bound by it
+H100_OVER_A100_BANDWIDTH = 3.35 / 2.039
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _kinds(calls: list) -> str:
+    """'9 all_reduce + 1 all_gather' of ``[kind, group size, bytes]`` calls."""
+    counts = Counter(kind for kind, _, _ in calls)
+    return " + ".join(f"{n} {k}" for k, n in counts.items()) or "none"
+
+
+def _structure(row: dict) -> tuple:
+    """What must agree between modes: collectives (kind, bytes, in order) of each pass and parameter bytes."""
+    return tuple(tuple(map(tuple, row["collectives"][p])) for p in ("forward", "backward")), row.get("param_bytes")
+
+
+def _describe_difference(a: dict, b: dict) -> str:
+    parts = []
+    for p in ("forward", "backward"):
+        ka, kb = Counter((k, n) for k, _, n in a["collectives"][p]), Counter((k, n) for k, _, n in b["collectives"][p])
+        if ka != kb:
+            parts.append(f"{p}: {_kinds(a['collectives'][p])} vs {_kinds(b['collectives'][p])}"
+                         f" ({fmt_bytes(sum(x[2] for x in a['collectives'][p]))} vs "
+                         f"{fmt_bytes(sum(x[2] for x in b['collectives'][p]))})")
+    if a.get("param_bytes") != b.get("param_bytes"):
+        parts.append(f"parameters {fmt_bytes(a.get('param_bytes'))} vs {fmt_bytes(b.get('param_bytes'))}")
+    return "; ".join(parts) or "the same"
+
+
+def _training_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    lines = ["| TP | mode | step (ms) | forward | backward | AdamW | peak memory | params / rank "
+             f"| collectives fwd / bwd ({max(args.depths)} layers) "
+             "| loss finite | tokens/s/GPU, compute only |", "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['tp']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||")
+            continue
+        tokens = r["batch"] * args.seq / r["step_s"] / r["tp"]
+        lines.append(
+            f"| {r['tp']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['forward_s'])} | "
+            f"{_ms(r['backward_s'])} | {_ms(r['optimizer_s'])} | {fmt_bytes(r.get('peak_bytes'))} | "
+            f"{fmt_bytes(r['param_bytes'])} | {_kinds(r['collectives']['forward'])} / "
+            f"{_kinds(r['collectives']['backward'])} | {'yes' if r['loss_finite'] else 'NO'} | {tokens:.0f} |")
+    return lines
+
+
+def _decode_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    lines = ["| TP | batch | mode | step (ms) | host (ms) | back-to-back step (ms) | host / step | tokens/s, compute only "
+             f"| collectives / step ({max(args.depths)} layers) | params / rank | KV cache / rank |", "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} ||||||||")
+            continue
+        lines.append(
+            f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['host_s'])} | "
+            f"{_ms(r['back_to_back_s'])} | {r['host_s'] / r['step_s']:.2f} | {r['batch'] / r['back_to_back_s']:.1f} | "
+            f"{_kinds(r['collectives']['forward'])} | {fmt_bytes(r['param_bytes'])} | {fmt_bytes(r.get('kv_cache_bytes'))} |")
+    return lines
+
+
+def _structure_lines(rows: list[dict]) -> tuple[list[str], bool]:
+    """Per TP size: thunder_tp's two backends must agree exactly (else a failure); the others are compared."""
+    lines, failed = [], False
+    by_tp: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if "error" not in r:
+            by_tp.setdefault((r["workload"], r["tp"], r["batch"]), {})[r["mode"]] = r
+    for (workload, tp, batch), modes in by_tp.items():
+        keys = sorted(modes)
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                same = _structure(modes[a]) == _structure(modes[b])
+                must = {a, b} in ({"a", "b"}, {"d", "e"})
+                failed |= must and not same
+                verdict = "same collectives, bytes and parameters" if same else _describe_difference(modes[a], modes[b])
+                lines.append(f"- {workload} TP={tp}{f', batch {batch}' if workload == 'decode' else ''}: ({a}) vs ({b}): "
+                             f"{verdict}{' (must agree: FAILED)' if must and not same else ''}")
+    return lines, failed
+
+
+def _reference(workload: str, tp: int, model: str) -> str:
+    if workload == "training":
+        return f"torchtitan 8B: {TORCHTITAN_8B_TOKENS_PER_GPU} (FSDP8 x TP8)" if model == "Llama-3-8B" else "–"
+    a100 = GPT_FAST_A100.get(tp)
+    if a100 is None or model != "Llama-3-8B":
+        return "–"
+    return f"gpt-fast A100: {a100:g}; x H100/A100 bandwidth: {a100 * H100_OVER_A100_BANDWIDTH:.0f}"
+
+
+def _projection_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    lines = ["| workload | TP | batch | mode | compute (ms) | communication (ms) | step, no overlap (ms) | step, overlap (ms) "
+             "| no overlap | overlap | reference |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            continue
+        p = r["projection"]
+        if r["workload"] == "training":
+            rate = lambda s: r["batch"] * args.seq / s / r["tp"]  # noqa: E731  tokens/s/GPU
+            compute = r["step_s"]
+        else:
+            rate = lambda s: r["batch"] / s  # noqa: E731  tokens/s
+            compute = r["back_to_back_s"]
+        overlap = f"{rate(p['overlap_s']):.1f}" if p["overlap_from_trace"] else "– (no trace)"
+        lines.append(
+            f"| {r['workload']} | {r['tp']} | {r['batch']} | ({r['mode']}) | {_ms(compute)} | {_ms(p['comm_s'])} | "
+            f"{_ms(p['no_overlap_s'])} | {_ms(p['overlap_s'])} | {rate(p['no_overlap_s']):.1f} | {overlap} | "
+            f"{_reference(r['workload'], r['tp'], args.model)} |")
+    return lines
+
+
+def report(results: dict, args: argparse.Namespace, device: torch.device) -> bool:
+    """Print every table; True where a row failed, a loss was not finite or thunder_tp's modes disagreed."""
+    from projection import LINKS
+
+    dims = results["dims"]
+    depths = " and ".join(map(str, args.depths))
+    scaled = f"measured at {depths} layers, extrapolated per layer to {dims['n_layer']}" if len(args.depths) == 2 \
+        else f"{depths} layers as measured"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\n{args.model} shapes (n_embd {dims['n_embd']}, {dims['n_head']} heads / {dims['n_query_groups']} K/V, "
+          f"FFN {dims['intermediate_size']}, vocab {dims['vocab']}), {scaled}; {args.dtype}; one rank of a fake group "
+          f"on {name}{'; --quick (no code generation)' if args.quick else ''}; medians of {args.steps} steps")
+    for key, reason in results["skipped"].items():
+        print(f"mode ({key}) skipped: {reason}")
+    rows = results["rows"]
+    training = [r for r in rows if r["workload"] == "training"]
+    decode = [r for r in rows if r["workload"] == "decode"]
+    if training:
+        print(f"\nTraining (forward + backward + AdamW, batch {args.batch} x seq {args.seq}, SP + loss parallel):\n")
+        print(*_training_table(training, args), sep="\n")
+    if decode:
+        print(f"\nDecode (one token, {args.context} cached positions):\n")
+        print(*_decode_table(decode, args), sep="\n")
+    structure, failed = _structure_lines(rows)
+    print("\nStructure per TP size (collectives: kind, bytes, order; parameter bytes per rank):", *structure, sep="\n")
+    if args.project:
+        link = LINKS[args.link].overridden(args.link_override)
+        print("\nProjection to one 8-GPU node (compute measured here + alpha-beta communication; training in "
+              "tokens/s/GPU, decode in tokens/s):\n")
+        print(link.table(), "", *_projection_table(rows, args), sep="\n")
+        print(f"(decode rows (e), (f) on {args.decode_link}; details and what the model leaves out: docs/gpu.md)")
+    bad = [r for r in rows if "error" in r or not r.get("loss_finite", False)]
+    for r in bad:
+        print(f"ERROR: {r['workload']} TP={r['tp']} ({r['mode']}): {r.get('error', 'loss or logits not finite')}")
+    return bool(bad) or failed
