@@ -14,6 +14,17 @@
 # the benchmark together; under 90 left, no benchmark) and GPU_MODES (compare.py's --modes) narrow a rerun.
 # On a cold machine each litgpt test compiles for about a minute: the tests stop after 240 s by default, so the
 # whole set takes two runs.
+#
+# GPU_PARTS picks what runs (comma-separated; default "tests,bench", the above): "rank" runs issue 49's one-rank
+# table instead (docs/gpu.md): benchmarks/bench_rank.py as one rank of a fake TP group at Llama-3 shapes, in phases
+# by priority, each given what is left of GPU_RANK_S (default 660 s; a phase starts only with 60 s left):
+#   decode8b  Llama-3-8B decode at TP=8, batch 1: (d) thunder_tp, (e) + CUDA graphs, (f) hand TP compiled
+#   train8b   Llama-3-8B training at TP=8, seq 8192: (a) nvFuser, (b) Inductor, (c) DTensor + torch.compile
+#   batch8    Llama-3-8B decode at TP=8, batch 8: (d), (e), (f)
+#   sweep8b   the TP 1/2/4 points of the projection: (a) training, (d)/(e) decode
+#   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
+# Every phase measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.{json,log} into OUT_DIR.
+#   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 12 minutes with the install
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
@@ -45,13 +56,17 @@ from thunder.executors import nvfuserex
 print("thunder's nvFuser executor:", nvfuserex.nvfuserex)
 EOF
 
+PARTS=",${GPU_PARTS:-tests,bench},"
+
+if [[ $PARTS == *,tests,* ]]; then
 say "tests"
 timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py tests/test_executor.py -k "${GPU_TESTS:-cuda or nvfuser}" \
     2>&1 | tee "$OUT_DIR/tests.log" | grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|Error|error:" | head -60
 say "tests done"
+fi
 
 left=$((${GPU_CHECK_S:-480} - (SECONDS - T0)))
-if ((left > 90)); then
+if [[ $PARTS == *,bench,* ]] && ((left > 90)); then
     say "benchmark (${left} s left)"
     timeout "$left" python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29533 benchmarks/compare.py \
         --modes "${GPU_MODES:-single_eager,single_thunder,single_thunder_inductor,single_thunder_defaults}" \
@@ -60,5 +75,22 @@ if ((left > 90)); then
         --dump_traces /tmp/gpu_check_traces > "$OUT_DIR/compare_gpu.log" 2>&1
     tar czf "$OUT_DIR/traces.tar.gz" -C /tmp gpu_check_traces  # each thunder mode's final traces, in one file
     grep -E "^\[compare\].*median|^\|" "$OUT_DIR/compare_gpu.log" | tail -12
+fi
+rank_phase() {  # name, then bench_rank.py's arguments
+    local name=$1 left=$((${GPU_RANK_S:-660} - (SECONDS - T0)))
+    shift
+    if ((left < 60)); then say "rank $name skipped: ${left} s left"; return; fi
+    say "rank $name (${left} s left)"
+    timeout "$left" python3 benchmarks/bench_rank.py "$@" --layers 0,1 --project --json_path "$OUT_DIR/rank_$name.json" \
+        > "$OUT_DIR/rank_$name.log" 2>&1
+    echo "exit code $?"
+    grep -E "^\||^- |^mode|^ERROR|shapes" "$OUT_DIR/rank_$name.log" | head -60
+}
+if [[ $PARTS == *,rank,* ]]; then
+    rank_phase decode8b --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 1 --steps 20
+    rank_phase train8b --model Llama-3-8B --tp 8 --train_modes a,b,c --decode_modes "" --steps 5
+    rank_phase batch8 --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 8 --steps 20
+    rank_phase sweep8b --model Llama-3-8B --tp 1,2,4 --train_modes a --decode_modes d,e --decode_batches 1 --steps 5
+    rank_phase slice70b --model Llama-3-70B --tp 8 --train_modes a,c --decode_modes e,f --decode_batches 1 --steps 5
 fi
 say "end"

@@ -68,6 +68,8 @@ def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup
     before synchronizing) and the step of back-to-back calls (medians, seconds)."""
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     where = torch.tensor([position], device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # not the build's (materialization inits at full size)
     with torch.no_grad():
         for _ in range(warmup):
             logits = model(token, where)
