@@ -1,6 +1,7 @@
 """`python -m thunder_tp.generate` on a litgpt checkpoint directory the test makes (random weights, a tokenizer
-trained on a few sentences): TP=2 under torchrun generates the single-device tokens, at Megatron's decode minimum,
-with half the KV cache per rank and a bounded number of compiles; bad input gets a clear error."""
+trained on a few sentences): TP=2 under torchrun samples the single-device tokens (two samples at temperature 0.8,
+different from each other, alike on every rank), at Megatron's decode minimum, with half the KV cache per rank, a
+bounded number of compiles and timings taken after a warm-up; bad input gets a one-line error, no traceback."""
 
 from __future__ import annotations
 
@@ -48,16 +49,22 @@ def _run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
                           env=env, cwd=REPO_ROOT, timeout=600)
 
 
-def test_cli_tp2_generates_the_single_device_tokens(tmp_path):
+def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
+    """Seeded once per run: the two samples differ, and TP=2 draws the single-device ones (float64 logits agree to
+    ~1e-15, so the same random numbers pick the same tokens); the CLI raises if any rank sampled otherwise."""
     config = make_checkpoint_dir(tmp_path)
-    common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "6", "--temperature", "0",
-              "--precision", "64-true"]
+    common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "6", "--temperature", "0.8",
+              "--num_samples", "2", "--precision", "64-true"]
     single = _run([*common, "--compile", "eager", "--json_path", str(tmp_path / "single.json")], 1)
     assert single.returncode == 0, single.stderr[-3000:]
     tp = _run([*common, "--json_path", str(tmp_path / "tp.json")], 2)
     assert tp.returncode == 0, tp.stderr[-3000:]
     single, tp_report = json.loads((tmp_path / "single.json").read_text()), json.loads((tmp_path / "tp.json").read_text())
-    assert tp_report["samples"][0]["generated_ids"] == single["samples"][0]["generated_ids"]
+    samples = [s["generated_ids"] for s in tp_report["samples"]]
+    assert samples == [s["generated_ids"] for s in single["samples"]], (samples, single["samples"])
+    assert samples[0] != samples[1], samples
+    assert tp_report["warm_up_s"] > 0 and single["warm_up_s"] is None  # compiled before timing; eager compiles nothing
+    assert "Compiled in" in tp.stdout and "Time to first token" in tp.stdout, tp.stdout
     assert tp_report["kv_cache_bytes_per_rank"] * 2 == single["kv_cache_bytes_per_rank"]
     counts = {row["kind"]: row["count"] for row in tp_report["decode_step_collectives"]}
     assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts
@@ -79,6 +86,21 @@ def test_cli_bad_input(tmp_path, extra, message):
     make_checkpoint_dir(tmp_path)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         main(["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, *extra])
+
+
+def test_cli_error_is_one_line_on_rank_0(tmp_path):
+    """A refused request (prompt + new tokens past block_size): one line, no traceback, exit code 2; under torchrun
+    printed once (rank 0) and every rank exits (torchrun then adds its own failure report)."""
+    make_checkpoint_dir(tmp_path)
+    args = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "100"]
+    message = "thunder_tp.generate: error: a prompt of 5 tokens plus 100 new tokens needs 105 positions"
+    plain = _run(args, 1)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
+    assert [line for line in plain.stderr.splitlines() if "error" in line.lower()] == [
+        message + ", but the model's block_size is 64: shorten the prompt or lower --max_new_tokens"], plain.stderr
+    ranks = _run(args, 2)
+    assert ranks.returncode != 0 and ranks.stderr.count(message) == 1, ranks.stderr
+    assert 'generate.py", line' not in ranks.stderr, ranks.stderr  # no traceback from the CLI's processes
 
 
 def test_cli_tp2_bf16_with_sampling(tmp_path):

@@ -4,8 +4,11 @@ The counterpart of litgpt's ``generate``: the model is built on the meta device,
 TensorParallel (each rank holds its share of the weights and of the cache) and loaded from ``lit_model.pth`` slice
 by slice; or, with ``--model_name``, built with random weights (token ids are printed). The prompt is prefilled in
 chunks of powers of two, so prompts of any length reuse at most log2(max_seq_length) + 1 compiled programs, the
-one-token chunk being the decode program. Every rank seeds its sampler alike and samples from the same gathered
-logits, so all ranks pick the same tokens; that is checked once per sequence.
+one-token chunk being the decode program. Those programs are compiled by a warm-up run before any timing, so the
+reported time to first token and decode rate exclude compilation. The sampler is seeded once per run (as litgpt's
+``generate``), alike on every rank: samples differ from each other, and all ranks sample the same tokens from the
+same gathered logits; that is checked once per sequence. Errors in the arguments are printed as one line on rank 0
+(exit code 2), without a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,10 @@ import thunder_tp
 import thunder_tp.checkpoint as ck
 from thunder_tp.collectives import comm_executor
 from thunder_tp.one_rank import has_peers
+
+class GenerateError(ValueError):
+    """A request the CLI refuses on purpose (printed as one line by ``cli``, without a traceback)."""
+
 
 PRECISIONS = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
@@ -63,32 +71,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jm = _jit(model, args.compile, tp_size)
     if args.checkpoint_dir is not None:
         ck.load(str(args.checkpoint_dir / "lit_model.pth"), jm)
+    warm_up_s = _warm_up(jm, prompt) if args.compile != "eager" else None
+    torch.manual_seed(args.seed)  # once per run: each sample draws on from where the previous one stopped
     samples = [_sample_once(jm, model, prompt, args, tokenizer) for _ in range(args.num_samples)]
-    report = _report(jm, samples, tp_size, args.compile)
+    report = _report(jm, samples, tp_size, args.compile, warm_up_s)
     if _rank() == 0:
         _print(report, tokenizer)
         if args.json_path is not None:
             args.json_path.write_text(json.dumps(report, indent=2))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    _finish()
     return report
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` for the command line: a refused request is one line on rank 0's stderr and exit code 2 on every
+    rank (after a barrier, so that torchrun does not stop rank 0 before it printed)."""
+    try:
+        main(argv)
+    except GenerateError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"thunder_tp.generate: error: {error}", file=sys.stderr, flush=True)
+        _finish()
+        return 2
+    return 0
+
+
+def _finish() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _init_distributed(args: argparse.Namespace) -> int:
-    """The TP size: the world size under torchrun (one TP group over all ranks), 1 in a plain process."""
+    """The TP size: the world size under torchrun (one TP group over all ranks), 1 in a plain process. The group
+    is joined before the arguments are checked, so that every rank reaches ``cli``'s barrier."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp_size = args.tp_size or world
-    if args.compile == "eager" and tp_size > 1:
-        raise ValueError("--compile eager runs on one device only (--tp_size 1): TP needs thunder or thunder_default")
-    if tp_size != world:
-        raise ValueError(f"--tp_size {tp_size} must equal the number of processes ({world}): launch with "
-                         f"torchrun --nproc-per-node {tp_size}")
     if world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
+    tp_size = args.tp_size or world
+    if args.compile == "eager" and tp_size > 1:
+        raise GenerateError("--compile eager runs on one device only (--tp_size 1): TP needs thunder or "
+                            "thunder_default")
+    if tp_size != world:
+        raise GenerateError(f"--tp_size {tp_size} must equal the number of processes ({world}): launch with "
+                            f"torchrun --nproc-per-node {tp_size}")
     return tp_size
 
 
@@ -127,11 +156,11 @@ def _check_lengths(config, prompt_length: int, new_tokens: int) -> int:
     """The cache length the sequence needs; a clear error where the model cannot hold it."""
     needed = prompt_length + new_tokens
     if needed > config.block_size:
-        raise ValueError(f"a prompt of {prompt_length} tokens plus {new_tokens} new tokens needs {needed} positions, "
+        raise GenerateError(f"a prompt of {prompt_length} tokens plus {new_tokens} new tokens needs {needed} positions, "
                          f"but the model's block_size is {config.block_size}: shorten the prompt or lower --max_new_tokens")
     window = config.sliding_window_size if config.sliding_window_indices and any(config.sliding_window_indices) else None
     if window is not None and prompt_length > window:
-        raise ValueError(f"a prompt of {prompt_length} tokens is longer than the model's sliding window ({window}): "
+        raise GenerateError(f"a prompt of {prompt_length} tokens is longer than the model's sliding window ({window}): "
                          "litgpt's ring-buffer KV cache cannot prefill it; shorten the prompt")
     return needed
 
@@ -176,6 +205,19 @@ def prefill(jm, prompt: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def _warm_up(jm, prompt: torch.Tensor) -> float:
+    """Compile the prefill programs and the decode program by running them once, so that no timing includes a
+    compilation (the cache they fill is reset before each sample); the seconds it took."""
+    if _rank() == 0:
+        print("Compiling the prefill and decode programs (minutes for a deep model on a CPU)...", flush=True)
+    start = time.perf_counter()
+    prefill(jm, prompt)
+    last = prompt.numel() - 1  # a decode step at the prompt's last position: in range whatever --max_new_tokens
+    _synchronize(jm(prompt[None, last:], torch.tensor([last], device=prompt.device)))
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
 def _sample_once(jm, model, prompt: torch.Tensor, args: argparse.Namespace, tokenizer) -> dict[str, Any]:
     """One sequence: prefill, then one token per step until --max_new_tokens or the end-of-sequence token."""
     from litgpt.generate.base import sample
@@ -184,7 +226,6 @@ def _sample_once(jm, model, prompt: torch.Tensor, args: argparse.Namespace, toke
         block.attn.kv_cache.reset_parameters()
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     eos_id = tokenizer.eos_id if tokenizer is not None else None
-    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     token = sample(prefill(jm, prompt), **sampling).to(torch.int64)
     _synchronize(token)
@@ -221,11 +262,12 @@ def _check_ranks_agree(tokens: list[int]) -> None:
                            "from the same logits with the same seed")
 
 
-def _report(jm, samples: list[dict[str, Any]], tp_size: int, compile: str) -> dict[str, Any]:
+def _report(jm, samples: list[dict[str, Any]], tp_size: int, compile: str, warm_up_s: float | None) -> dict[str, Any]:
     """Per-rank bytes, timings and (compiled modes) the collectives of one decode step and the compiles."""
     buffers = dict(jm.named_buffers())
     report = {
         "tp_size": tp_size,
+        "warm_up_s": warm_up_s,
         "samples": samples,
         "parameter_bytes_per_rank": sum(p.numel() * p.element_size() for p in jm.parameters()),
         "kv_cache_bytes_per_rank": sum(b.numel() * b.element_size() for n, b in buffers.items() if ".kv_cache." in n),
@@ -237,12 +279,14 @@ def _report(jm, samples: list[dict[str, Any]], tp_size: int, compile: str) -> di
 
 
 def _print(report: dict[str, Any], tokenizer) -> None:
+    if report["warm_up_s"] is not None:
+        print(f"Compiled in {report['warm_up_s']:.1f} s (a warm-up run; the times below exclude compilation)")
     for sample in report["samples"]:
         ids = sample["prompt_ids"] + sample["generated_ids"]
         print(tokenizer.decode(torch.tensor(ids)) if tokenizer is not None else f"token ids: {ids}")
         rate = sample["decode_tokens_per_s"]
-        print(f"Time to first token: {sample['time_to_first_token_s']:.3f} s; decode: "
-              f"{rate:.2f} tokens/s" if rate else "decode: no tokens after the first")
+        decode = f"{rate:.2f} tokens/s" if rate else "no tokens after the first"
+        print(f"Time to first token: {sample['time_to_first_token_s']:.3f} s; decode: {decode}")
     print(f"Parameters per rank: {report['parameter_bytes_per_rank'] / 2**20:.2f} MiB; KV cache per rank: "
           f"{report['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB (TP={report['tp_size']})")
     for row in report.get("decode_step_collectives", []):
@@ -252,4 +296,4 @@ def _print(report: dict[str, Any], tokenizer) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())
