@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -110,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hand: plans.litgpt / plans.hf; auto: plans.auto searches the plan (printed by rank 0)")
     p.add_argument("--loss_parallel", type=str2bool, default=False, help="cross-entropy over vocab-sharded logits")
     p.add_argument("--dump_thunder_traces", type=str2bool, default=False,
-                   help="rank 0 prints the final traces; every rank writes them to --trace_dir")
+                   help="every rank writes its final traces to --trace_dir (one line says where)")
     p.add_argument("--trace_dir", default="traces", help="where --dump_thunder_traces writes rank{r}_* files")
     p.add_argument("--json_path", default="", help="write the results as JSON here (rank 0)")
     p.add_argument("--return_metrics_as_json", type=str2bool, default=False,
@@ -263,11 +262,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     dist.all_gather_object(peaks, results["peak_memory_bytes"])
     results["peak_memory_bytes_per_rank"] = peaks
 
-    report(results, rank)
     if args.dump_thunder_traces and args.compile != "eager":
         dump(args, jm, rank)
     if args.json_path and rank == 0:
         log(rank, f"results written to {write_json(args.json_path, results)}")
+    report(results, rank)  # last, so that the summary is the screen a run ends on
     return 0
 
 
@@ -302,16 +301,9 @@ def report(r: dict, rank: int) -> None:
 
 
 def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
-    import thunder
+    """Every rank's final traces into --trace_dir; one line (rank 0) says where."""
     import thunder_tp
 
-    if rank == 0:
-        backward = thunder.last_backward_traces(jm)
-        print("##########\n# final forward trace (rank 0)\n##########", flush=True)
-        print(thunder.last_traces(jm)[-1], flush=True)
-        if backward:
-            print("##########\n# final backward trace (rank 0)\n##########", flush=True)
-            print(backward[-1], flush=True)
     paths = thunder_tp.dump_traces(jm, args.trace_dir)
     dist.barrier()
     log(rank, f"traces of every rank written to {Path(args.trace_dir).resolve()} "
