@@ -1,0 +1,37 @@
+"""thunder_tp's import quiets the messages its use causes (thunder_tp/quiet.py) and only those."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+from tests.dist import REPO_ROOT
+
+import thunder_tp.quiet  # noqa: F401
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter where every UserWarning is an error."""
+    return subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=300)
+
+
+def test_importing_thunder_tp_does_not_raise_the_transformer_engine_warning():
+    control = _python("import thunder")  # the warning this environment raises (no Transformer Engine here)
+    assert control.returncode != 0 and "transformer_engine module not found!" in control.stderr, control
+    quiet = _python("import thunder_tp, thunder, warnings\n"
+                    "try:\n    warnings.warn('a user warning', UserWarning)\n"
+                    "except UserWarning:\n    print('user warnings untouched')")
+    assert quiet.returncode == 0 and "transformer_engine" not in quiet.stderr, quiet.stderr
+    assert quiet.stdout.strip() == "user warnings untouched", quiet
+
+
+def test_only_the_no_cuda_runtime_record_is_dropped():
+    logger = logging.getLogger("torch.utils.cpp_extension")
+
+    def record(msg: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, msg, ("/usr/local",), None)
+
+    assert not logger.filter(record("No CUDA runtime is found, using CUDA_HOME='%s'"))
+    assert logger.filter(record("another message about CUDA_HOME='%s'"))
