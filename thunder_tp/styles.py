@@ -207,9 +207,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
 def _suggestions(model: nn.Module, pattern: str) -> str:
     """Names a mistyped plan key may have meant, drawn from the modules a style can split: those holding their own
     parameters or buffers (a KV cache), never a parameterless ReLU or container."""
-    holders = [name for name, m in model.named_modules()
-               if name and (next(m.parameters(recurse=False), None) is not None
-                            or next(m.buffers(recurse=False), None) is not None)]
+    holders = [name for name, m in model.named_modules() if name and (m._parameters or m._buffers)]
     close = difflib.get_close_matches(pattern, holders, n=5, cutoff=0.5)
     if close:
         return f"; close names: {', '.join(close)}"
