@@ -1,9 +1,10 @@
 """gloo's alpha-beta on this machine, per collective kind, as ``projection.Link`` (run on every rank of a group).
 
-Each collective is timed right after a matmul of about a millisecond on every rank (as in a TP step, where a
-collective follows compute; bench_gloo.py shows gloo's latency after compute is several times its back-to-back
-latency), at a small and a large size: the bus bandwidth from the difference, the latency from the small size
-(ring formulas of projection.py, bytes of the full tensor). Medians over ``repeats`` per size, the slowest rank's.
+gloo's latency depends on how long its threads slept before a call: the README measured a small all_reduce at
+0.3 ms back to back and at 1.3-4 ms after a matmul. So each kind's small collective (8 KiB) is timed after the
+link sat idle for each of ``IDLE_S`` (every rank busy computing in between, as in a TP step), giving
+``Link.latency_after_idle``; the bus bandwidth comes from a large one (2 MiB) against the small one after 1 ms idle
+(ring formulas of projection.py, bytes of the full tensor). Medians over ``repeats`` per point, the slowest rank's.
 
     torchrun --nproc-per-node 2 benchmarks/gloo_link.py      # prints the table
 """
@@ -21,6 +22,8 @@ from harness import pin_to_core, slowest_rank
 from projection import KINDS, Link
 
 SMALL, LARGE = 8 << 10, 2 << 20  # bytes of the full tensor
+#: idle times of the link before a small collective (seconds); the bandwidth is measured after BANDWIDTH_IDLE_S
+IDLE_S, BANDWIDTH_IDLE_S = (0.0, 1e-3, 4e-3, 16e-3), 1e-3
 
 
 def _collective(kind: str, nbytes: int) -> Callable[[], None]:
@@ -35,13 +38,21 @@ def _collective(kind: str, nbytes: int) -> Callable[[], None]:
     return lambda: dist.reduce_scatter_tensor(piece, full)
 
 
-def after_compute_s(step: Callable[[], None], repeats: int) -> float:
-    """The median seconds of ``step`` right after a ~1 ms matmul on every rank (the slowest rank's)."""
-    a, b = torch.randn(512, 512), torch.randn(512, 1024)
+def _busy(seconds: float) -> None:
+    """Compute (small matmuls) for ``seconds``: the core busy, gloo's threads idle."""
+    a = torch.randn(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+
+
+def after_idle_s(step: Callable[[], None], idle_s: float, repeats: int) -> float:
+    """The median seconds of ``step`` after the link sat idle ``idle_s`` (a barrier, then compute on every rank;
+    the slowest rank's)."""
     times = []
     for i in range(repeats + 2):
         dist.barrier()
-        a @ b
+        _busy(idle_s)
         t0 = time.perf_counter()
         step()
         if i >= 2:
@@ -52,16 +63,22 @@ def after_compute_s(step: Callable[[], None], repeats: int) -> float:
 def measure_link(repeats: int = 20) -> Link:
     """gloo's Link on this machine and group (every rank calls it)."""
     n = dist.get_world_size()
-    latency, bandwidth, sources = {}, {}, {}
+    latency, bandwidth, idle, sources = {}, {}, {}, {}
     for kind in KINDS:
-        small = after_compute_s(_collective(kind, SMALL), repeats)
-        large = after_compute_s(_collective(kind, LARGE), repeats)
+        small = {gap: after_idle_s(_collective(kind, SMALL), gap, repeats) for gap in IDLE_S}
+        large = after_idle_s(_collective(kind, LARGE), BANDWIDTH_IDLE_S, repeats)
         factor = (2 if kind == "all_reduce" else 1) * (n - 1) / n
-        bandwidth[kind] = factor * (LARGE - SMALL) / max(large - small, 1e-4)  # noise: at most ~20 GB/s
-        latency[kind] = max(small - factor * SMALL / bandwidth[kind], 0.0)
-        sources[kind] = (f"measured here: {kind} of {SMALL >> 10} KiB and {LARGE >> 20} MiB after a matmul, "
-                         f"{small * 1e3:.2f} / {large * 1e3:.2f} ms (medians of {repeats}, slowest rank)")
-    return Link(f"gloo on this machine, {n} ranks", latency, bandwidth, sources)
+        base = small[BANDWIDTH_IDLE_S]
+        bandwidth[kind] = factor * (LARGE - SMALL) / max(large - base, 1e-4)  # noise: at most ~20 GB/s
+        transfer = factor * SMALL / bandwidth[kind]
+        idle[kind] = tuple((gap, max(t - transfer, 0.0)) for gap, t in sorted(small.items()))
+        latency[kind] = max(base - transfer, 0.0)
+        sources[kind] = (f"measured here: {kind} of {SMALL >> 10} KiB after " +
+                         ", ".join(f"{g * 1e3:g}" for g in IDLE_S) + " ms idle: " +
+                         " / ".join(f"{t * 1e3:.2f}" for _, t in sorted(small.items())) +
+                         f" ms; of {LARGE >> 20} MiB after {BANDWIDTH_IDLE_S * 1e3:g} ms: {large * 1e3:.2f} ms "
+                         f"(medians of {repeats}, slowest rank)")
+    return Link(f"gloo on this machine, {n} ranks", latency, bandwidth, sources, idle)
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ Two projections per pass:
   symbol takes a share of the measured compute proportional to its matmul and attention FLOPs; a collective starts
   when it is issued (and the link is free) and its wait blocks the compute until it is done. So a backward
   all_reduce issued before the weight-grad matmuls and waited for after them is hidden behind them, as far as they
-  last; a forward all_reduce waited for at once adds its whole time.
+  last; a forward all_reduce waited for at once adds its whole time. Where the link's latency depends on how long
+  it sat idle (gloo: ``Link.latency_after_idle``), the idle time before each collective is read off the timeline.
 
 What the model leaves out is in docs/gpu.md (contention of compute and communication for the GPU's memory and SMs,
 collectives of different groups at once, stragglers, data parallelism, the share of non-matmul kernels).
@@ -45,18 +46,33 @@ class Link:
     latency_s: dict[str, float]
     bus_bytes_per_s: dict[str, float]
     sources: dict[str, str] = field(default_factory=dict)
+    #: kind -> ((idle seconds, latency seconds), ...) ascending: a transport whose latency grows with how long it sat
+    #: idle before the call (gloo: its threads sleep; measured by gloo_link.py). Empty: ``latency_s`` always.
+    latency_after_idle: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
-    def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
-        """One collective's time (ring formulas; all_to_all and broadcast priced as an all_gather)."""
+    def seconds(self, kind: str, nbytes: float, group_size: int, idle_s: float | None = None) -> float:
+        """One collective's time (ring formulas; all_to_all and broadcast priced as an all_gather); ``idle_s``: how
+        long the link was idle before it (used where the link's latency depends on it)."""
         if group_size <= 1:
             return 0.0
         kind = kind if kind in KINDS else "all_gather"
         factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
-        return self.latency_s[kind] + factor * nbytes / self.bus_bytes_per_s[kind]
+        return self.latency(kind, idle_s) + factor * nbytes / self.bus_bytes_per_s[kind]
+
+    def latency(self, kind: str, idle_s: float | None = None) -> float:
+        """The latency of ``kind``: interpolated in ``idle_s`` between the measured points (clamped at both ends)."""
+        points = self.latency_after_idle.get(kind)
+        if not points or idle_s is None:
+            return self.latency_s[kind]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if idle_s <= x1:
+                return y0 + (y1 - y0) * min(max((idle_s - x0) / (x1 - x0), 0.0), 1.0)
+        return points[-1][1]
 
     def overridden(self, spec: str) -> Link:
         """A copy with ``kind.latency_us=X`` / ``kind.bus_gbps=Y`` (comma-separated; kind ``all`` for every kind)."""
         latency, bandwidth, sources = dict(self.latency_s), dict(self.bus_bytes_per_s), dict(self.sources)
+        idle = dict(self.latency_after_idle)
         for item in filter(None, (s.strip() for s in spec.split(","))):
             try:
                 key, value = item.split("=")
@@ -71,10 +87,11 @@ class Link:
             for k in kinds:
                 if what == "latency_us":
                     latency[k] = number * 1e-6
+                    idle.pop(k, None)
                 else:
                     bandwidth[k] = number * 1e9
                 sources[f"{k}.{what}"] = "command line"
-        return replace(self, latency_s=latency, bus_bytes_per_s=bandwidth, sources=sources)
+        return replace(self, latency_s=latency, bus_bytes_per_s=bandwidth, sources=sources, latency_after_idle=idle)
 
     def table(self) -> str:
         """The parameters as a markdown table with their sources."""
@@ -82,7 +99,10 @@ class Link:
                  "|---|---:|---:|---|"]
         for k in KINDS:
             source = "; ".join(s for key, s in self.sources.items() if key.startswith(k) or key == "all")
-            lines.append(f"| {k} | {self.latency_s[k] * 1e6:.1f} | {self.bus_bytes_per_s[k] / 1e9:.1f} | {source} |")
+            latency = f"{self.latency_s[k] * 1e6:.1f}"
+            if self.latency_after_idle.get(k):
+                latency = ", ".join(f"{y * 1e6:.0f} after {x * 1e3:g} ms idle" for x, y in self.latency_after_idle[k])
+            lines.append(f"| {k} | {latency} | {self.bus_bytes_per_s[k] / 1e9:.2f} | {source} |")
         return "\n".join(lines)
 
 
@@ -183,8 +203,8 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
         call = calls.get(id(bsym))
         consumed = [pending[n] for n in _names(bsym.flat_args) if n in pending]
         if call is not None:
-            seconds = link.seconds(call["kind"], call["bytes"], call["group_size"])
             start = max(clock, link_free)
+            seconds = link.seconds(call["kind"], call["bytes"], call["group_size"], idle_s=start - link_free)
             link_free = start + seconds
             record = {"kind": call["kind"], "bytes": call["bytes"], "group_size": call["group_size"],
                       "seconds": seconds, "issued_s": clock, "done_s": link_free}
