@@ -40,7 +40,7 @@ from rank_modes import DECODE, TRAINING, RankMode
 from rank_report import report
 from rank_timing import thunder_structure, timed_decode, timed_training
 
-#: --model presets: litgpt config name (None: tiny) and its dims
+#: --model presets: the dims of litgpt's configs of those names (tiny: for the CPU)
 PRESETS = {
     "Llama-3-8B": dict(n_layer=32, n_embd=4096, n_head=32, n_query_groups=8, intermediate_size=14336, vocab=128256),
     "Llama-3-70B": dict(n_layer=80, n_embd=8192, n_head=64, n_query_groups=8, intermediate_size=28672, vocab=128256),
