@@ -175,3 +175,72 @@ def pretrain(directory: str, strategy_kwargs: dict | None, *, iters: int, config
             optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.02, "weight_decay": 0.01}},
         )
     return logger.values()
+
+
+# --- finetuning: a checkpoint directory and a JSON instruction file the test writes ------------------------------
+
+INSTRUCTIONS = [
+    {"instruction": f"Explain in plain words what step {i} of tensor parallel training does to the weights of block {i % 3}.",
+     "input": "", "output": f"Step {i} splits the weights of block {i % 3} over the ranks and sums their partial outputs."}
+    for i in range(16)
+]
+
+
+def write_checkpoint_dir(directory: Path, config, lora: bool) -> Path:
+    """lit_model.pth (seeded weights; for LoRA with nonzero lora_B), model_config.yaml, and a small tokenizer trained
+    on the instructions (tokenizer.json, tokenizer_config.json)."""
+    import json
+
+    from litgpt import GPT
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.utils import save_config
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(3)
+    with torch.device("cpu"):
+        model = (LoRAGPT if lora else GPT)(config).double()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # litgpt starts it at zero: nonzero, so that every LoRA parameter trains from step 1
+            torch.nn.init.normal_(p, std=0.05)
+    torch.save(model.state_dict(), directory / "lit_model.pth")
+    save_config(config, directory)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = [TEXT, *(" ".join(d.values()) for d in INSTRUCTIONS), "Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request. ### Instruction: ### Response:"]
+    tokenizer.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (directory / "instructions.json").write_text(json.dumps(INSTRUCTIONS))
+    return directory
+
+
+def finetune(kind: str, checkpoint_dir: str, out_dir: str, strategy_kwargs: dict | None, config, *, steps: int = 3,
+             accumulate: int = 2, cli: tuple[str, ...] = ()) -> list[float]:
+    """litgpt.finetune.full.main or litgpt.finetune.lora.main for `steps` optimizer steps; the losses it logged."""
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.data import JSON
+
+    logger = Losses()
+    f = fabric(strategy_kwargs, logger)
+    checkpoint_dir = Path(checkpoint_dir)
+    data = JSON(checkpoint_dir / "instructions.json", val_split_fraction=0.25, num_workers=0)
+    train = TrainArgs(save_interval=None, log_interval=1, global_batch_size=2 * accumulate, micro_batch_size=2,
+                      lr_warmup_steps=1, epochs=5, max_steps=steps, max_seq_length=SEQ)
+    # max_new_tokens beyond the sequence length: litgpt skips the sample it would generate on rank 0 alone
+    evaluation = EvalArgs(interval=1000, max_new_tokens=1000, max_iters=1, initial_validation=False, final_validation=False)
+    optimizer = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.02, "weight_decay": 0.01}}
+    if kind == "full":
+        from litgpt.finetune import full as script
+
+        arguments = dict(resume=False)
+    else:
+        from litgpt.finetune import lora as script
+
+        arguments = dict(precision="64-true")
+    with cli_args(str(checkpoint_dir), *cli):
+        script.main(f, devices=1, seed=5, config=config, data=data, checkpoint_dir=checkpoint_dir,
+                    out_dir=Path(out_dir), train=train, eval=evaluation, optimizer=optimizer, **arguments)
+    return logger.values()

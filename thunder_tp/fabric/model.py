@@ -1,16 +1,16 @@
-"""What ThunderTPStrategy does to a model: the plan, the transforms, each rank's shards, and the optimizer's view.
+"""What ThunderTPStrategy does to a model: the plan, the transforms, each rank's shards, and Fabric's view of them.
 
-Fabric keeps the user's module (`_FabricModule` reads its attributes and `.parameters()`), while a TP-jitted module
-computes with its own tensors, each rank's shards (Thunder traces the original module, whose parameters keep their
-full, logical shapes). So the optimizer that a loop builds from `model.parameters()` after `fabric.setup` holds the
-original parameters; `ShardedModel.optimizer_parameters` swaps them for the shards when Fabric sets the optimizer up.
+Fabric keeps the user's module (its `_FabricModule` reads the original's attributes, `.parameters()`, `state_dict()`
+and `load_state_dict()`), while a TP-jitted module computes with its own tensors, each rank's shards (Thunder traces
+the original module, whose parameters keep their full, logical shapes). So after setup the original's parameters are
+placeholders of their full shapes, which the optimizer that a loop builds from `model.parameters()` holds until
+Fabric sets it up (then it steps the shards), and its state_dict() / load_state_dict() read and write the shards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import thunder
 import torch
 import torch.nn as nn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from thunder.transforms import MaterializationTransform
 
 from thunder_tp.executor import executors as default_executors
@@ -184,10 +185,8 @@ def _run_eagerly_under_torch_compile(jitted) -> None:
     @torch.compiler.disable
     def forward_outside_dynamo(*args, **kwargs):
         if not forward_outside_dynamo.told and _in_torch_compile():
-            warnings.warn(
-                "ThunderTPStrategy: the model was torch.compile'd; Thunder compiles it instead (torch.compile is not "
-                "applied on top of a Thunder-jitted module)", stacklevel=2,
-            )
+            rank_zero_warn("ThunderTPStrategy: the model was torch.compile'd; Thunder compiles it instead (torch.compile "
+                           "is not applied on top of a Thunder-jitted module)")
         forward_outside_dynamo.told = True
         return forward(*args, **kwargs)
 
@@ -240,26 +239,34 @@ def swap_optimizer_parameters(optimizer: torch.optim.Optimizer, shards: Mapping[
 
 
 def load_raw(jitted, path, strict: bool) -> None:
-    """A plain state-dict file (litgpt's lit_model.pth) into the jitted module: each rank copies its slices (the
-    file is memory-mapped), through the original module's own load_state_dict (its key mapping, as LoRA's for a base
-    checkpoint, and its strictness), one module at a time."""
-    full = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    """A plain state-dict file (litgpt's lit_model.pth) into the jitted module: memory-mapped, each rank copies its
+    slices (load_full_state_dict)."""
+    load_full_state_dict(jitted, torch.load(path, mmap=True, weights_only=True, map_location="cpu"), strict)
+
+
+def load_full_state_dict(jitted, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+    """A full (logical) state dict into the jitted module's shards, through the original module's own load_state_dict
+    (its key mapping, as LoRA's for a base checkpoint, and its strictness), module by module; returns its
+    missing and unexpected keys."""
+    state_dict = {k: v._load_tensor() if hasattr(v, "_load_tensor") else v for k, v in state_dict.items()}
     plain = original_module(jitted)
-    with _assigned(plain, full, strict) as loaded:
+    with _assigned(plain, state_dict, strict) as (loaded, keys):
         dtypes = {n: t.dtype for n, t in (*jitted.named_parameters(), *jitted.named_buffers())}
         jitted.load_original_state_dict({n: t.to(dtypes.get(n, t.dtype)) for n, t in loaded.items()})
+    return keys
 
 
 @contextlib.contextmanager
-def _assigned(plain: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> Iterator[dict[str, torch.Tensor]]:
-    """`plain.load_state_dict(state_dict, strict, assign=True)` meanwhile (its full tensors, by reference); yields
-    the entries it loaded, keyed as the module names them; the module's own tensors are back afterwards."""
+def _assigned(plain: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> Iterator[tuple[dict, Any]]:
+    """`plain.load_state_dict(state_dict, strict, assign=True)` meanwhile (its full tensors, by reference); yields the
+    entries it loaded, keyed as the module names them, and its incompatible keys; the module's own tensors are back
+    afterwards."""
     before = dict(plain.state_dict(keep_vars=True))
     owners = {n: plain.get_submodule(n.rpartition(".")[0]) for n in before}
     try:
-        plain.load_state_dict(state_dict, strict=strict, assign=True)
+        keys = nn.Module.load_state_dict(plain, state_dict, strict=strict, assign=True)
         after = plain.state_dict(keep_vars=True)
-        yield {n: t.detach() for n, t in after.items() if t is not before[n]}
+        yield {n: t.detach() for n, t in after.items() if t is not before[n]}, keys
     finally:
         for n, t in before.items():
             attr = n.rpartition(".")[2]
@@ -267,10 +274,11 @@ def _assigned(plain: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: 
             (module._parameters if attr in module._parameters else module._buffers)[attr] = t
 
 
-def full_state_dict_on_request(jitted) -> None:
-    """The original module's `state_dict()` (what Fabric's module returns, and what litgpt's LoRA save reads) holds the
-    full tensors, gathered from the ranks (collective: every rank calls it, as litgpt does); `state_dict(keep_vars=
-    True)` (thunder_tp's checkpoint code, which reads only names and shapes) is left as it is."""
+def route_state_dicts_to_shards(jitted) -> None:
+    """The original module (what Fabric's module reads and writes) saves and loads the jitted module's tensors:
+    `state_dict()` holds the full tensors, gathered from the ranks, and `load_state_dict(full)` loads each rank's
+    slices (both collective: every rank calls them, as litgpt's loops do). `state_dict(keep_vars=True)` (thunder_tp's
+    checkpoint code, which reads only names and shapes) is left as it is."""
     def full_entries(module, state_dict, prefix, local_metadata) -> None:
         if any(isinstance(v, nn.Parameter) for v in state_dict.values()):
             return
@@ -279,4 +287,6 @@ def full_state_dict_on_request(jitted) -> None:
             if name[len(prefix):] in full:
                 state_dict[name] = full[name[len(prefix):]]
 
-    original_module(jitted).register_state_dict_post_hook(full_entries)
+    plain = original_module(jitted)
+    plain.register_state_dict_post_hook(full_entries)
+    plain.load_state_dict = functools.partial(load_full_state_dict, jitted)

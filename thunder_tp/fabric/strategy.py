@@ -42,7 +42,7 @@ import thunder_tp.clipping as clipping
 from thunder_tp.fabric import checkpoints
 from thunder_tp.fabric.data import shard_by_data_parallel
 from thunder_tp.fabric.model import (
-    ModelOptions, full_state_dict_on_request, jit, placeholders_for_shards, swap_optimizer_parameters,
+    ModelOptions, route_state_dicts_to_shards, jit, placeholders_for_shards, swap_optimizer_parameters,
 )
 from thunder_tp.fabric.precision import check_precision
 from thunder_tp.mesh import Mesh, init_mesh
@@ -124,9 +124,10 @@ class ThunderTPStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank of a TP group gets the same batches: the data is split by the data-parallel group."""
-        return {"num_replicas": self.mesh.dp, "rank": self.mesh.dp_rank}
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """Every rank of a TP group gets the same batches: the data is split by the data-parallel group (with one
+        data-parallel rank, not at all: the loader's own sampler, as on one device)."""
+        return {"num_replicas": self.mesh.dp, "rank": self.mesh.dp_rank} if self.mesh.dp > 1 else None
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -176,7 +177,7 @@ class ThunderTPStrategy(ParallelStrategy):
             module.to(self.root_device)
         jitted = jit(module, self.options, self.mesh, self.root_device)
         self._shards.update(placeholders_for_shards(jitted, self.root_device))
-        full_state_dict_on_request(jitted)
+        route_state_dicts_to_shards(jitted)
         return jitted
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
