@@ -149,7 +149,7 @@ def cli_args(*args: str):
 
 
 def pretrain(directory: str, strategy_kwargs: dict | None, *, iters: int, config=None, accumulate: int = 1,
-             data_parallel: int = 1, resume: bool = False, save_interval: int | None = None,
+             data_parallel: int = 1, resume: bool | Path = False, save_interval: int | None = None,
              micro_batch_size: int = 2) -> list[float]:
     """litgpt.pretrain.main for `iters` iterations (micro-batches); the losses it logged."""
     from litgpt import pretrain as litgpt_pretrain

@@ -32,6 +32,22 @@ def _pretrain_ranks(directory: str, strategy: dict, iters: int, accumulate: int,
     return {"losses": losses, "replicas": _replicated_checksums()}
 
 
+def _pretrain_saving(directory: str, iters: int) -> list[float]:
+    """TP over the pool's ranks, a checkpoint after every step (accumulating nothing)."""
+    import torch.distributed as dist
+
+    return fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", {}, iters=iters, config=fabric_loops.gqa_config(),
+                                 save_interval=1)
+
+
+def _pretrain_resuming(directory: str, checkpoint: str, iters: int) -> list[float]:
+    import torch.distributed as dist
+    from pathlib import Path
+
+    return fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", {}, iters=iters, config=fabric_loops.gqa_config(),
+                                 resume=Path(checkpoint))
+
+
 def _replicated_checksums() -> list[int]:
     """Checksums of every replicated parameter of the last model the strategy set up, in name order."""
     import gc
@@ -79,3 +95,16 @@ def test_pretrain_four_ranks_equals_one_device(tmp_path, strategy):
     expected = _one_device(4, 2, "gqa", str(tmp_path / "one"))
     results = run_ranks(_pretrain_ranks, 4, str(tmp_path), strategy, 4 // dp, 2 // dp, "gqa", dp, timeout=TIMEOUT_S)
     _check(results, expected, tp)
+
+
+@pytest.mark.slow  # reason: a TP=2 run saving every step, then a TP=4 run resuming from its second step
+def test_save_at_tp2_resume_at_tp4_equals_an_uninterrupted_run(tmp_path):
+    """litgpt's pretrain saves (fabric.save: a sharded DCP directory) at TP=2 and resumes (fabric.load: model,
+    optimizer, iter_num, step_count, the dataloader's position) at TP=4: the losses after the resume equal the
+    uninterrupted run's."""
+    uninterrupted = run_ranks(_pretrain_saving, 2, str(tmp_path / "a"), 4, timeout=TIMEOUT_S)[0]
+    checkpoint = tmp_path / "a" / "rank0" / "out" / "step-00000002" / "lit_model.pth"
+    assert (checkpoint / ".metadata").is_file() and (checkpoint / "meta.pt").is_file()
+    resumed = run_ranks(_pretrain_resuming, 4, str(tmp_path / "b"), str(checkpoint), 4, timeout=TIMEOUT_S)
+    for losses in resumed:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted[2:]), rtol=RTOL, atol=0)

@@ -50,7 +50,20 @@ def _regionable(bsym: BoundSymbol) -> bool:
     of symbolic values are no kernel's work), and neither it nor a subsymbol outputs a plain number, as shape
     queries do for dims that symbolic values leave constant (Thunder's region would fail on it:
     ``AttributeError: 'int' object has no attribute 'name'``)."""
-    return any(isinstance(o, TensorProxy) for o in bsym.flat_outs) and _outputs_proxies(bsym)
+    return any(isinstance(o, TensorProxy) for o in bsym.flat_outs) and _outputs_proxies(bsym) and \
+        bsym.sym.id not in _automatic_backwards()
+
+
+@functools.cache
+def _automatic_backwards() -> frozenset:
+    """The backward ops of the torch functions Thunder registers automatically (no symbol of its own, e.g.
+    `Tensor.index_copy_` in litgpt's LoRA): they call torch.autograd.functional.vjp, which dynamo cannot trace."""
+    from thunder.core.prims import OpTags
+    from thunder.core.transforms import backward_impls
+    from thunder.torch import _torch_to_thunder_function_map
+
+    automatic = (s for s in _torch_to_thunder_function_map.values() if OpTags.AUTO_REGISTERED in (getattr(s, "tags", None) or ()))
+    return frozenset(backward_impls[s.id].id for s in automatic if s.id in backward_impls)
 
 
 def _outputs_proxies(bsym: BoundSymbol) -> bool:
