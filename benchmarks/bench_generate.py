@@ -60,8 +60,9 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harness import (
-    EXECUTORS, collectives_lines, exit_without_teardown, fmt_bytes, init_distributed, kv_cache_bytes, log, on_ranks,
-    param_bytes, pin_to_core, random_batch, seeded_model, slowest_rank, tensor_bytes, write_json,
+    EXECUTORS, Mode, alternating_rounds, collectives_lines, exit_without_teardown, fmt_bytes, init_distributed,
+    kv_cache_bytes, log, on_ranks, param_bytes, pin_to_core, random_batch, seeded_model, slowest_rank, tensor_bytes,
+    write_json,
 )
 from litgpt_setup import DTYPES
 
@@ -71,18 +72,6 @@ MODEL_SEED, PROMPT_SEED = 1337, 1234
 #: top two are often 0-2 ulps apart); at the default size eager litgpt's logits are within 6 (fp32) and 1.1 (bf16)
 #: eps x the largest logit of float64's, so two implementations' within ~12, and two tokens' gaps within ~24
 NEAR_TIE_EPS = 32
-
-
-@dataclass(frozen=True)
-class Mode:
-    """A way to generate: ``build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0 only);
-    ``ranks`` 1 runs it on rank 0 alone, with ``threads`` threads."""
-
-    name: str
-    description: str
-    ranks: int
-    build: Callable[[nn.Module | None], nn.Module]
-    threads: int = 1
 
 
 class TokenMismatch(Exception):
@@ -172,7 +161,8 @@ def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, in
 
 
 def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
-    """Every mode of the module docstring, built for ``args`` on ``device``."""
+    """Every mode of the module docstring, built for ``args`` on ``device``: ``mode.build(shared)`` makes its module
+    (``shared``: the single-device GPT, on rank 0 only)."""
     import thunder
     import thunder_tp
 
@@ -193,9 +183,9 @@ def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
         return thunder.jit(shared, executors=executors())
 
     return [
-        Mode("single_thunder", "(a) single device, thunder.jit", 1, thunder_build),
+        Mode("single_thunder", "(a) single device, thunder.jit", 1, thunder_build, runtime="thunder"),
         Mode("single_eager", "(b) single device, eager litgpt", 1, lambda shared: shared),
-        Mode("thunder_tp", f"(c) thunder_tp TP={world}", world, thunder_tp_build),
+        Mode("thunder_tp", f"(c) thunder_tp TP={world}", world, thunder_tp_build, runtime="thunder"),
         Mode("manual_tp", f"(d) hand-written TP={world}, eager", world, manual_build),
         Mode("eager_2threads", "(e) eager litgpt, one process, 2 threads", 1, lambda shared: shared, threads=2),
     ]
@@ -384,15 +374,14 @@ def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device,
         if agreed(module is not None or rank != 0 and mode.ranks == 1):
             modules[mode.name] = module
     ready = [m for m in modes if m.name in modules]
-    for r in range(args.warmup - 1 + args.rounds):  # the order reversed every other round
-        for mode in ready if r % 2 == 0 else ready[::-1]:
-            def run(mode: Mode = mode, timed: bool = r >= args.warmup - 1) -> None:
-                ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref, cores)
-                if timed:
-                    results[mode.name]["ttft_s"].append(ttft)
-                    results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
+    for r, mode in alternating_rounds(ready, args.warmup - 1 + args.rounds):  # one generation per mode and round
+        def run(mode: Mode = mode, timed: bool = r >= args.warmup - 1) -> None:
+            ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref, cores)
+            if timed:
+                results[mode.name]["ttft_s"].append(ttft)
+                results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
 
-            on_ranks(mode.ranks, run)
+        on_ranks(mode.ranks, run)
     for name, module in modules.items():  # over every generation of the run
         if isinstance(module, thunder.ThunderModule):
             results[name]["compiles"] = thunder.cache_misses(module)

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import set_other_threads_scheduling
+from harness import alternating_rounds, set_other_threads_scheduling
 
 
 def _median_ms(step, repeats: int) -> tuple[float, float]:
@@ -42,15 +42,14 @@ def _after_matmul_ms(activation: torch.Tensor, rounds: int = 3, steps: int = 40)
     except PermissionError:
         del policies["SCHED_FIFO 1"]
     times: dict[str, list[float]] = {name: [] for name in policies}
-    for r in range(rounds):
-        for name, policy in policies.items() if r % 2 == 0 else reversed(policies.items()):
-            set_other_threads_scheduling(*policy)
-            for _ in range(steps):
-                dist.barrier()
-                a @ b
-                t = time.perf_counter()
-                dist.all_reduce(activation, async_op=True).wait()
-                times[name].append(time.perf_counter() - t)
+    for _, name in alternating_rounds(list(policies), rounds):
+        set_other_threads_scheduling(*policies[name])
+        for _ in range(steps):
+            dist.barrier()
+            a @ b
+            t = time.perf_counter()
+            dist.all_reduce(activation, async_op=True).wait()
+            times[name].append(time.perf_counter() - t)
     set_other_threads_scheduling(os.SCHED_OTHER)
     return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
 

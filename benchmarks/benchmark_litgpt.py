@@ -14,8 +14,8 @@ tokens/s, parameter bytes per rank, peak memory (CUDA: ``torch.cuda.max_memory_a
 max RSS), bytes saved for backward, and the collectives of one iteration (forward/backward, from the final traces
 via ``thunder_tp.collectives_table``). ``--json_path`` writes all of it, per-iteration losses and times included.
 
-Distributed modes are entries of ``MODES`` in ``litgpt_setup.py`` (mode -> ``Mode(transforms=..., data_parallel=...)``;
-shared measuring and timing in ``harness.py``): a mode is a
+Distributed modes are entries of ``MODES`` in ``litgpt_setup.py`` (mode ->
+``DistributedMode(transforms=..., data_parallel=...)``; shared measuring and timing in ``harness.py``): a mode is a
 function that builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process
 groups: ``none``, ``tp``, ``tp_sp`` and the 2-D ``tp_ddp`` / ``tp_fsdp`` (TP over ``--tp_size`` consecutive ranks
 inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parallel groups), e.g.::
@@ -30,7 +30,7 @@ lines, e.g.::
         from thunder.distributed.transforms.ddp_v2 import DDPTransform
         return [*_tp(model, args, groups), DDPTransform(process_group=groups.dp_group, bucket_size_in_mb=25.0,
                                                         broadcast_from=None)]
-    MODES["tp_ddp"] = Mode(_tp_ddp, data_parallel=True)
+    MODES["tp_ddp"] = DistributedMode(_tp_ddp, data_parallel=True)
 """
 
 from __future__ import annotations

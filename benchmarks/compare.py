@@ -57,13 +57,13 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from breakdown import step_breakdown
-from compare_modes import Mode, all_modes, make_model, select_modes
+from compare_modes import all_modes, make_model, select_modes
 from compare_report import report, summary_line
 from gate import GradientMismatch, check_gradients, full_grads
 from harness import (
-    exit_without_teardown, init_distributed, on_ranks, param_bytes, peak_step_bytes, pin_to_core, random_batch,
-    saved_for_backward, set_other_threads_scheduling, slowest_rank, step_context, sync, tensor_bytes, time_stats,
-    timed, train_step,
+    Mode, add_round, alternating_rounds, exit_without_teardown, init_distributed, on_ranks, param_bytes,
+    peak_step_bytes, pin_to_core, random_batch, saved_for_backward, set_other_threads_scheduling, slowest_rank,
+    step_context, steps_per_round, sync, tensor_bytes, time_stats, timed, train_step,
 )
 from llama import LlamaConfig, transform_scaling
 from transport import communication_cost, steps_without_transport
@@ -161,9 +161,9 @@ def hooked_saved_bytes(fn: Callable[[], torch.Tensor], params) -> tuple[int, tor
 # --- one mode: build, gate, time, measure ---------------------------------------------------------------------
 
 
-def reference_run(family: str, cfg: LlamaConfig, state: dict, idx, targets, lr: float) -> dict:
+def reference_run(kind: str, cfg: LlamaConfig, state: dict, idx, targets, lr: float) -> dict:
     """Eager single-device first and second-step losses and first-step gradients (float64 copies)."""
-    model = make_model(family, cfg, 0)
+    model = make_model(kind, cfg, 0)
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     loss1 = train_step(model, opt, idx, targets).item()
@@ -184,10 +184,10 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     loss1 = train_step(jm, opt, idx, targets)
     sync()
     result["first_iter_s"] = time.perf_counter() - t0
-    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.family]["grads"], args.grad_rtol)
+    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.model]["grads"], args.grad_rtol)
     loss2 = train_step(jm, opt, idx, targets)
     result["loss_step1"], result["loss_step2"] = loss1.item(), loss2.item()
-    ref1, ref2 = reference[mode.family]["losses"]
+    ref1, ref2 = reference[mode.model]["losses"]
     ok1 = math.isclose(loss1.item(), ref1, rel_tol=args.rtol)
     ok2 = math.isclose(loss2.item(), ref2, rel_tol=10 * args.rtol)
     result["loss_ok"] = ok1 and ok2
@@ -358,15 +358,15 @@ def prioritize_transport_threads(device: torch.device) -> int:
 
 def prepare_all(modes: list[Mode], cfg: LlamaConfig, idx, targets, args, results: dict) -> dict:
     """Build, gate and warm up every mode; each ready mode's (jm, opt, params)."""
-    families = sorted({m.family for m in modes})
-    initial = {f: make_model(f, cfg, 0).state_dict() for f in families}
+    kinds = sorted({m.model for m in modes})
+    initial = {k: make_model(k, cfg, 0).state_dict() for k in kinds}
     # every rank runs the reference itself: each checks the full gradients it gathered
-    reference = {f: reference_run(f, cfg, initial[f], idx, targets, args.lr) for f in families}
+    reference = {k: reference_run(k, cfg, initial[k], idx, targets, args.lr) for k in kinds}
     states: dict = {}
 
     def prepare(mode: Mode) -> None:
-        model = make_model(mode.family, cfg, 0)
-        model.load_state_dict(initial[mode.family])
+        model = make_model(mode.model, cfg, 0)
+        model.load_state_dict(initial[mode.model])
         try:
             results[mode.name], state = prepare_mode(mode, model, idx, targets, args, reference)
             if state is not None:
@@ -394,21 +394,15 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
     timed_modes = [m for m, ok in zip(modes, ready.tolist()) if ok]
     runs = [(m, transport) for m in timed_modes for transport in (True, False)
             if transport or (args.without_transport and measures_transport(m))]
-    rounds = max(1, min(args.rounds, args.steps))
-    for r in range(rounds):  # alternate: every mode a few steps per round, order reversed every other round
-        steps = args.steps // rounds + (r < args.steps % rounds)
-        for mode, transport in runs if r % 2 == 0 else runs[::-1]:
-            def run(mode=mode, transport=transport):
-                jm, opt, params = states[mode.name]
-                around = contextlib.nullcontext() if transport else steps_without_transport(params)
-                times, faults = time_steps(mode, jm, opt, idx, targets, steps, around)
-                record = results[mode.name] if transport else results[mode.name].setdefault(
-                    "without_transport", {"times_s": [], "round_medians_s": [], "minor_faults": []})
-                record["times_s"] += times
-                record["round_medians_s"].append(statistics.median(times))
-                record["minor_faults"] += faults
+    per_round = steps_per_round(args.steps, args.rounds)
+    for r, (mode, transport) in alternating_rounds(runs, len(per_round)):  # every mode a few steps per round
+        def run(mode=mode, transport=transport, steps=per_round[r]):
+            jm, opt, params = states[mode.name]
+            around = contextlib.nullcontext() if transport else steps_without_transport(params)
+            times, faults = time_steps(mode, jm, opt, idx, targets, steps, around)
+            add_round(results[mode.name], times, transport, faults)
 
-            on_ranks(mode.ranks, run)
+        on_ranks(mode.ranks, run)
     return timed_modes
 
 

@@ -32,9 +32,11 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -43,13 +45,44 @@ import torch.nn as nn
 from compare import comm_mode, hooked_saved_bytes, prioritize_transport_threads, summarize_records
 from gate import check_gradients, full_grads
 from harness import (
-    EXECUTORS, collectives_per_iteration, exit_without_teardown, init_distributed, log, peak_step_bytes, pin_to_core,
-    random_batch, saved_for_backward, slowest_rank, time_stats, timed, write_json,
+    EXECUTORS, Mode, add_round, alternating_rounds, collectives_per_iteration, exit_without_teardown,
+    init_distributed, log, peak_step_bytes, pin_to_core, random_batch, saved_for_backward, slowest_rank,
+    steps_per_round, time_stats, timed, write_json,
 )
 from litgpt_setup import HF_SIZES
 
-MODES = ("hf_tp", "thunder_tp", "thunder_tp_lp")
 LR = 1e-3
+
+
+def _hf_tp(directory: str, executors: str) -> nn.Module:
+    """HF's own TP of the saved Llama (its DTensor plan, eager), with the loss."""
+    from transformers import AutoModelForCausalLM
+
+    from thunder_tp.plans.hf import CausalLMLoss
+
+    return CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", torch_dtype=torch.float32))
+
+
+def _thunder_tp(directory: str, executors: str, loss_parallel: bool = False) -> nn.Module:
+    """thunder.jit of the saved Llama with its loss, TensorParallel(plans.hf), ``--executors``."""
+    from transformers import AutoModelForCausalLM
+
+    import thunder
+    import thunder_tp
+    from thunder_tp.plans.hf import CausalLMLoss
+
+    model = CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32))
+    plan = thunder_tp.plans.hf(model, loss_parallel=loss_parallel)
+    return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=EXECUTORS[executors]())
+
+
+#: each mode's module is ``mode.build(directory, executors)``, called as module(idx, targets) -> loss
+MODES = {m.name: m for m in (
+    Mode("hf_tp", "HF tp_plan='auto' (DTensor), eager", 0, _hf_tp),
+    Mode("thunder_tp", "thunder_tp, plans.hf", 0, _thunder_tp, runtime="thunder"),
+    Mode("thunder_tp_lp", "thunder_tp, plans.hf, loss parallel", 0, partial(_thunder_tp, loss_parallel=True),
+         runtime="thunder"),
+)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--without_transport", type=int, default=0,
                    help="1: every mode's steps of each round run again with collectives that move nothing "
                         "(transport.py): what communication adds to a step, paired by round")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.modes.split(",")) - set(MODES))
+    if unknown:
+        p.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    return args
 
 
 def save_model(args: argparse.Namespace, rank: int) -> str:
@@ -92,21 +129,6 @@ def save_model(args: argparse.Namespace, rank: int) -> str:
     return directory[0]
 
 
-def build(mode: str, directory: str, executors: str) -> nn.Module:
-    """The module a mode trains: called as module(idx, targets) -> loss."""
-    from transformers import AutoModelForCausalLM
-
-    import thunder
-    import thunder_tp
-    from thunder_tp.plans.hf import CausalLMLoss
-
-    if mode == "hf_tp":
-        return CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", torch_dtype=torch.float32))
-    model = CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32))
-    plan = thunder_tp.plans.hf(model, loss_parallel=mode == "thunder_tp_lp")
-    return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=EXECUTORS[executors]())
-
-
 def step(module: nn.Module, optimizer, idx, targets) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     loss = module(idx, targets)
@@ -115,15 +137,15 @@ def step(module: nn.Module, optimizer, idx, targets) -> torch.Tensor:
     return loss.detach()
 
 
-def prepare_mode(mode: str, directory: str, idx, targets, reference: dict, args) -> tuple[dict, tuple]:
+def prepare_mode(mode: Mode, directory: str, idx, targets, reference: dict, args) -> tuple[dict, tuple]:
     """Build, gate the first step's loss and gradients and the second step's loss against one device, warm up."""
-    module = build(mode, directory, args.executors)
+    module = mode.build(directory, args.executors)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     optimizer.zero_grad(set_to_none=True)
     loss = module(idx, targets)
     loss.backward()
     torch.testing.assert_close(loss.detach(), reference["losses"][0], rtol=1e-4, atol=1e-5)
-    grad_error = check_gradients(mode, full_grads(module), reference["grads"], args.grad_rtol)
+    grad_error = check_gradients(mode.name, full_grads(module), reference["grads"], args.grad_rtol)
     optimizer.step()
     loss2 = step(module, optimizer, idx, targets)
     torch.testing.assert_close(loss2, reference["losses"][1], rtol=1e-4, atol=1e-5)
@@ -138,31 +160,23 @@ def time_rounds(states: dict, idx, targets, args, results: dict) -> None:
     """Every mode's timed steps in alternating rounds (order reversed every other round); a step starts at a barrier
     and lasts until its slowest rank is done. With ``--without_transport 1`` each mode's steps of every round run
     again right after, with collectives that move nothing (``transport.py``)."""
-    import contextlib
-
     from transport import steps_without_transport
 
-    runs = [(mode, transport) for mode in states for transport in (True, False)
+    runs = [(name, transport) for name in states for transport in (True, False)
             if transport or args.without_transport]
-    rounds = max(1, min(args.rounds, args.steps))
-    for r in range(rounds):
-        steps = args.steps // rounds + (r < args.steps % rounds)
-        for mode, transport in runs if r % 2 == 0 else runs[::-1]:
-            module, optimizer = states[mode]
-            around = contextlib.nullcontext() if transport else steps_without_transport(list(module.parameters()))
-            times = []
-            with around:
-                for _ in range(steps):
-                    dist.barrier()
-                    times.append(timed(lambda: step(module, optimizer, idx, targets))[1])
-            times = slowest_rank(times)
-            record = results[mode] if transport else results[mode].setdefault(
-                "without_transport", {"times_s": [], "round_medians_s": []})
-            record["times_s"] += times
-            record["round_medians_s"].append(statistics.median(times))
+    per_round = steps_per_round(args.steps, args.rounds)
+    for r, (name, transport) in alternating_rounds(runs, len(per_round)):
+        module, optimizer = states[name]
+        around = contextlib.nullcontext() if transport else steps_without_transport(list(module.parameters()))
+        times = []
+        with around:
+            for _ in range(per_round[r]):
+                dist.barrier()
+                times.append(timed(lambda: step(module, optimizer, idx, targets))[1])
+        add_round(results[name], slowest_rank(times), transport)
 
 
-def finish_mode(mode: str, state: tuple, idx, targets, args, result: dict) -> None:
+def finish_mode(mode: Mode, state: tuple, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps; diagnostics asked for; memory and collectives of more steps."""
     import thunder
 
@@ -176,23 +190,23 @@ def finish_mode(mode: str, state: tuple, idx, targets, args, result: dict) -> No
         without["minor_faults"] = [0.0]
         result["transport"] = communication_cost(result, without)
     if args.profile:
-        profile_steps(mode, module, optimizer, idx, targets, args.profile if dist.get_rank() == 0 else None)
-    if args.breakdown and mode != "hf_tp":
+        profile_steps(mode.name, module, optimizer, idx, targets, args.profile if dist.get_rank() == 0 else None)
+    if args.breakdown and mode.runtime == "thunder":
         from breakdown import step_breakdown
 
         result["breakdown"] = step_breakdown(module, lambda: step(module, optimizer, idx, targets), args.breakdown,
                                              distributed=True)
-    if args.dump_traces and mode != "hf_tp":
+    if args.dump_traces and mode.runtime == "thunder":
         import thunder_tp
 
-        thunder_tp.dump_traces(module, os.path.join(args.dump_traces, mode))
+        thunder_tp.dump_traces(module, os.path.join(args.dump_traces, mode.name))
     result["peak_step_bytes"] = peak_step_bytes(lambda: step(module, optimizer, idx, targets))
     # saved for backward as saved-tensor hooks see it (distinct storages, parameters left out), every mode alike
     saved_hooks, loss = hooked_saved_bytes(lambda: module(idx, targets), list(module.parameters()))
     loss.backward()
     optimizer.zero_grad(set_to_none=True)
     result["saved_bytes_hooks"] = saved_hooks
-    if mode == "hf_tp":
+    if mode.runtime != "thunder":  # HF's TP: what CommDebugMode counts
         with comm_mode() as comm:
             loss = module(idx, targets)
             loss.backward()
@@ -247,18 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     results = {"world": world, "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "steps": args.steps,
                "load_before": os.getloadavg(), "modes": {}}
     states = {}
-    for mode in args.modes.split(","):
-        results["modes"][mode], states[mode] = prepare_mode(mode, directory, idx, targets, reference, args)
-        log(rank, f"{mode}: gated (loss {results['modes'][mode]['loss']:.6f}, worst grad error "
-                  f"{results['modes'][mode]['grad_error']:.2e} of the largest entry)")
+    modes = [MODES[name] for name in args.modes.split(",")]
+    for mode in modes:
+        results["modes"][mode.name], states[mode.name] = prepare_mode(mode, directory, idx, targets, reference, args)
+        log(rank, f"{mode.name}: gated (loss {results['modes'][mode.name]['loss']:.6f}, worst grad error "
+                  f"{results['modes'][mode.name]['grad_error']:.2e} of the largest entry)")
     if args.transport_threads == "fifo":
         count = prioritize_transport_threads(device)
         log(rank, f"--transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)")
     results["transport_threads"] = args.transport_threads
     time_rounds(states, idx, targets, args, results["modes"])
     results["load_after"] = os.getloadavg()
-    for mode in list(states):
-        finish_mode(mode, states.pop(mode), idx, targets, args, results["modes"][mode])
+    for mode in modes:
+        finish_mode(mode, states.pop(mode.name), idx, targets, args, results["modes"][mode.name])
     base = results["modes"].get("hf_tp")
     for mode, r in results["modes"].items():
         r["vs_hf_tp"] = r["median_s"] / base["median_s"] if base else None

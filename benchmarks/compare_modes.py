@@ -3,14 +3,11 @@ the Llama), each a function that turns the model into the module to train."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import EXECUTORS, seeded_model
+from harness import EXECUTORS, Mode, seeded_model
 from llama import Llama, LlamaConfig, WithLoss, litgpt_config, thunder_tp_plan
 
 
@@ -49,19 +46,7 @@ def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
     return plan
 
 
-
-
-# --- modes ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Mode:
-    name: str
-    family: str  # "llama" or "litgpt"
-    ranks: int  # 1: runs on rank 0 only
-    runtime: str  # "eager", "thunder", "compile"
-    build: Callable[[nn.Module], nn.Module]
-    description: str
+# --- modes (harness.Mode; model: "llama" or "litgpt") ----------------------------------------------------
 
 
 def _thunder_single(executors_fn):
@@ -126,36 +111,38 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
     def litgpt_plan(sp):
         return lambda model: thunder_tp.plans.litgpt(model, sequence_parallel=sp)
 
+    def llama(name, ranks, runtime, build, description):
+        return Mode(name, description, ranks, build, runtime=runtime, model="llama")
+
+    def litgpt(name, ranks, build, description):
+        return Mode(name, description, ranks, build, runtime="thunder", model="litgpt")
+
     return [
-        Mode("single_eager", "llama", 1, "eager", lambda m: m, "1 rank, eager PyTorch"),
-        Mode("single_thunder", "llama", 1, "thunder", _thunder_single(chosen), f"1 rank, thunder.jit, executors={name}"),
-        Mode("single_thunder_defaults", "llama", 1, "thunder", _thunder_single(thunder.get_default_executors),
-             "1 rank, thunder.jit, Thunder's default executors"),
-        Mode("single_thunder_inductor", "llama", 1, "thunder",
-             _thunder_single(lambda: thunder_tp.executors("inductor")),
-             "1 rank, thunder.jit, thunder_tp.executors('inductor') (on CUDA: Inductor's Triton kernels, not nvFuser)"),
-        Mode("thunder_tp_tp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False), chosen), "thunder_tp TP"),
-        Mode("thunder_tp_sp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True), chosen),
-             "thunder_tp TP+SP"),
-        Mode("thunder_tp_auto", "llama", 0, "thunder", _thunder_tp(_auto_plan, chosen),
-             "thunder_tp, the plan plans.auto searched (no hand plan)"),
-        Mode("thunder_tp_tp_lp", "llama", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False, True), chosen),
-             "thunder_tp TP, loss parallel (logits stay vocab-sharded; compare with dtensor_tp_lp)"),
-        Mode("dtensor_tp_lp", "llama", 0, "eager", _dtensor("best", loss_parallel=True),
-             "DTensor TP, best eager plan, loss parallel (torch's loss_parallel(); compare with thunder_tp_tp_lp)"),
-        Mode("dtensor_tp_default", "llama", 0, "eager", _dtensor("default"),
-             "DTensor TP, default plan (Colwise/Rowwise per linear)"),
-        Mode("dtensor_tp", "llama", 0, "eager", _dtensor("best"),
-             "DTensor TP, best eager plan (+PrepareModuleInput per attention/MLP)"),
-        Mode("dtensor_sp", "llama", 0, "eager", _dtensor("sp"), "DTensor TP+SP (torchtitan's plan)"),
-        Mode("dtensor_tp_compile", "llama", 0, "compile", _dtensor("best", compile=True),
-             "DTensor TP, best plan, torch.compile"),
-        Mode("litgpt_single_thunder", "litgpt", 1, "thunder", _thunder_single(chosen),
-             f"litgpt GPT, 1 rank, thunder.jit, {name}"),
-        Mode("litgpt_thunder_tp_tp", "litgpt", 0, "thunder", _thunder_tp(litgpt_plan(False), chosen),
-             "litgpt GPT, thunder_tp TP (plans.litgpt)"),
-        Mode("litgpt_thunder_tp_sp", "litgpt", 0, "thunder", _thunder_tp(litgpt_plan(True), chosen),
-             "litgpt GPT, thunder_tp TP+SP (plans.litgpt)"),
+        llama("single_eager", 1, "eager", lambda m: m, "1 rank, eager PyTorch"),
+        llama("single_thunder", 1, "thunder", _thunder_single(chosen), f"1 rank, thunder.jit, executors={name}"),
+        llama("single_thunder_defaults", 1, "thunder", _thunder_single(thunder.get_default_executors),
+              "1 rank, thunder.jit, Thunder's default executors"),
+        llama("single_thunder_inductor", 1, "thunder", _thunder_single(lambda: thunder_tp.executors("inductor")),
+              "1 rank, thunder.jit, thunder_tp.executors('inductor') (on CUDA: Inductor's Triton kernels, not nvFuser)"),
+        llama("thunder_tp_tp", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False), chosen), "thunder_tp TP"),
+        llama("thunder_tp_sp", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True), chosen), "thunder_tp TP+SP"),
+        llama("thunder_tp_auto", 0, "thunder", _thunder_tp(_auto_plan, chosen),
+              "thunder_tp, the plan plans.auto searched (no hand plan)"),
+        llama("thunder_tp_tp_lp", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False, True), chosen),
+              "thunder_tp TP, loss parallel (logits stay vocab-sharded; compare with dtensor_tp_lp)"),
+        llama("dtensor_tp_lp", 0, "eager", _dtensor("best", loss_parallel=True),
+              "DTensor TP, best eager plan, loss parallel (torch's loss_parallel(); compare with thunder_tp_tp_lp)"),
+        llama("dtensor_tp_default", 0, "eager", _dtensor("default"),
+              "DTensor TP, default plan (Colwise/Rowwise per linear)"),
+        llama("dtensor_tp", 0, "eager", _dtensor("best"),
+              "DTensor TP, best eager plan (+PrepareModuleInput per attention/MLP)"),
+        llama("dtensor_sp", 0, "eager", _dtensor("sp"), "DTensor TP+SP (torchtitan's plan)"),
+        llama("dtensor_tp_compile", 0, "compile", _dtensor("best", compile=True), "DTensor TP, best plan, torch.compile"),
+        litgpt("litgpt_single_thunder", 1, _thunder_single(chosen), f"litgpt GPT, 1 rank, thunder.jit, {name}"),
+        litgpt("litgpt_thunder_tp_tp", 0, _thunder_tp(litgpt_plan(False), chosen),
+               "litgpt GPT, thunder_tp TP (plans.litgpt)"),
+        litgpt("litgpt_thunder_tp_sp", 0, _thunder_tp(litgpt_plan(True), chosen),
+               "litgpt GPT, thunder_tp TP+SP (plans.litgpt)"),
     ]
 
 
@@ -169,9 +156,9 @@ def select_modes(modes: list[Mode], wanted: str, skip: str) -> list[Mode]:
     return [m for m in modes if m.name in names]
 
 
-def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
-    """The model of a mode family with its loss: the Llama, or litgpt's GPT of the same dims."""
-    if family == "litgpt":
+def make_model(kind: str, cfg: LlamaConfig, seed: int) -> nn.Module:
+    """The model a mode runs (its ``model``) with its loss: the Llama, or litgpt's GPT of the same dims."""
+    if kind == "litgpt":
         from thunder_tp.plans.litgpt import GPTWithLoss
 
         return seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)

@@ -1,7 +1,9 @@
-"""What the benchmarks share: process group and device, seeded models and batches, the training step, timing,
-bytes (parameters, saved for backward, collectives, memory) and the JSON report.
+"""What the benchmarks share: process group and device, the modes a benchmark compares and the alternating rounds
+that time them, seeded models and batches, the training step, timing, bytes (parameters, saved for backward,
+collectives, memory) and the JSON report.
 
-Used by ``benchmark_litgpt.py`` and ``compare.py`` (imported as a sibling module: run them as scripts).
+Imported as a sibling module by every benchmark (run them as scripts); one module, so that a benchmark's imports
+name one place, which is why it runs past 300 lines.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -79,16 +82,6 @@ def pin_to_core() -> set[int]:
     return before
 
 
-def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on the ranks that run a mode of ``ranks`` ranks (all, or for 1 rank 0 alone while the others wait
-    at a barrier)."""
-    if ranks != 1:
-        return fn()
-    out = fn() if dist.get_rank() == 0 else None
-    dist.barrier()
-    return out
-
-
 def exit_without_teardown(code: int | None) -> NoReturn:
     """Exit with ``code`` after flushing output and running the exit handlers, skipping the interpreter's teardown.
 
@@ -128,6 +121,64 @@ def thunder_default_executors() -> list:
 
 #: --compile -> the executors list for thunder.jit
 EXECUTORS: dict[str, Callable[[], list]] = {"thunder": thunder_tp_executors, "thunder_default": thunder_default_executors}
+
+
+# --- modes compared side by side, in alternating rounds ------------------------------------------------------
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to run what a benchmark compares. ``build`` makes its module (the benchmark decides the arguments);
+    ``ranks`` 1 runs it on rank 0 alone while the others wait (``on_ranks``), any other value on every rank;
+    ``runtime``: "eager", "thunder" or "compile"; ``threads``: the torch threads of a one-rank mode; ``model``:
+    which of the benchmark's models it runs, where there are several."""
+
+    name: str
+    description: str
+    ranks: int
+    build: Callable[..., Any]
+    runtime: str = "eager"
+    threads: int = 1
+    model: str = ""
+
+
+def alternating_rounds(runs: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
+    """``(round, run)`` for every run in each of ``rounds`` rounds, the order reversed every other round: the runs
+    compared share the host's drift over the rounds alike, and none always follows the same other."""
+    for r in range(rounds):
+        for run in runs if r % 2 == 0 else runs[::-1]:
+            yield r, run
+
+
+def steps_per_round(steps: int, rounds: int) -> list[int]:
+    """``steps`` spread over ``rounds`` rounds (at least one step each, so at most ``steps`` rounds), the first
+    rounds one more where they do not divide."""
+    rounds = max(1, min(rounds, steps))
+    return [steps // rounds + (r < steps % rounds) for r in range(rounds)]
+
+
+def add_round(result: dict, times: list[float], transport: bool = True, faults: list[float] | None = None) -> None:
+    """One round of a mode's timed steps into ``result``: the times, their median and (given) the minor page
+    faults; with ``transport`` False into ``result["without_transport"]`` (steps whose collectives move nothing)."""
+    record = result if transport else result.setdefault(
+        "without_transport", {"times_s": [], "round_medians_s": [], "minor_faults": []})
+    record["times_s"] += times
+    record["round_medians_s"].append(statistics.median(times))
+    if faults is not None:
+        record["minor_faults"] += faults
+
+
+def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the ranks that run a mode of ``ranks`` ranks (all, or for 1 rank 0 alone while the others wait
+    at a barrier)."""
+    if ranks != 1:
+        return fn()
+    out = fn() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out
+
 
 # --- models and batches ---------------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The litgpt benchmark's setup: process groups, distributed modes (``MODES``), the model and the batches.
 
-A distributed mode is an entry of ``MODES`` (mode -> ``Mode(transforms=..., data_parallel=...)``): a function that
-builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process groups.
+A distributed mode is an entry of ``MODES`` (mode -> ``DistributedMode(transforms=..., data_parallel=...)``): a
+function that builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process groups
+(one mode per run, picked by ``--distributed_mode``; the modes a benchmark compares side by side are
+``harness.Mode``).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def make_groups(tp_size: int) -> Groups:
 
 
 @dataclass(frozen=True)
-class Mode:
+class DistributedMode:
     """``transforms(model, args, groups)`` builds the ``transforms=`` list; ``data_parallel``: the mode syncs grads
     over the DP groups (without it, a TP size smaller than the world size is refused: the replicas would train
     independently)."""
@@ -105,10 +107,10 @@ def _auto_plan(model: nn.Module, args: argparse.Namespace, groups: Groups, seque
     return plan
 
 
-MODES: dict[str, Mode] = {
-    "none": Mode(_none),
-    "tp": Mode(_tp),
-    "tp_sp": Mode(partial(_tp, sequence_parallel=True)),
+MODES: dict[str, DistributedMode] = {
+    "none": DistributedMode(_none),
+    "tp": DistributedMode(_tp),
+    "tp_sp": DistributedMode(partial(_tp, sequence_parallel=True)),
 }
 
 
@@ -133,8 +135,8 @@ def _tp_fsdp(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list
     return [*_tp(model, args, groups), FSDPTransform(device=device, process_group=_dp_group(groups))]
 
 
-MODES["tp_ddp"] = Mode(_tp_ddp, data_parallel=True)
-MODES["tp_fsdp"] = Mode(_tp_fsdp, data_parallel=True)
+MODES["tp_ddp"] = DistributedMode(_tp_ddp, data_parallel=True)
+MODES["tp_fsdp"] = DistributedMode(_tp_fsdp, data_parallel=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
