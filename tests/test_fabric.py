@@ -86,14 +86,17 @@ def test_pretrain_tp2_with_accumulation_equals_one_device(tmp_path):
 
 
 @pytest.mark.slow  # reason: four ranks compiling two programs each (minutes on 2 cores)
-@pytest.mark.parametrize("strategy", [{"tensor_parallel_size": 4}, {"tensor_parallel_size": 2, "data_parallel": "fsdp"}])
-def test_pretrain_four_ranks_equals_one_device(tmp_path, strategy):
-    """TP=4 (2 K/V groups on 4 ranks: each K/V head replicated), and a 2 x 2 mesh with FSDP over the data-parallel
-    group (each data-parallel rank takes one of the two micro-batches of a step)."""
+@pytest.mark.parametrize("strategy,iters,accumulate", [
+    ({"tensor_parallel_size": 4}, 4, 2),                            # 2 K/V groups on 4 ranks: K/V heads replicated
+    ({"tensor_parallel_size": 2, "data_parallel": "fsdp"}, 2, 1),   # 2 x 2 mesh, FSDP over the data-parallel group
+    ({"tensor_parallel_size": 2, "data_parallel": "ddp"}, 4, 2),    # 2 x 2 mesh, DDP, accumulation under no_sync
+])
+def test_pretrain_four_ranks_equals_one_device(tmp_path, strategy, iters, accumulate):
+    """Each data-parallel rank takes its share of each step's micro-batches (one device: all of them in turn)."""
     tp = strategy["tensor_parallel_size"]
     dp = 4 // tp
-    expected = _one_device(4, 2, "gqa", str(tmp_path / "one"))
-    results = run_ranks(_pretrain_ranks, 4, str(tmp_path), strategy, 4 // dp, 2 // dp, "gqa", dp, timeout=TIMEOUT_S)
+    expected = _one_device(iters * dp, accumulate * dp, "gqa", str(tmp_path / "one"))
+    results = run_ranks(_pretrain_ranks, 4, str(tmp_path), strategy, iters, accumulate, "gqa", dp, timeout=TIMEOUT_S)
     _check(results, expected, tp)
 
 
