@@ -29,7 +29,6 @@ import json
 import statistics
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -234,7 +234,7 @@ def swap_optimizer_parameters(optimizer: torch.optim.Optimizer, shards: Mapping[
     if meta:
         raise ValueError(
             f"ThunderTPStrategy: the optimizer holds {len(meta)} meta-device parameters of no model set up by this "
-            "strategy (e.g. of shapes {meta[:3]}); build it from the parameters of the model that fabric.setup returned"
+            f"strategy (e.g. of shapes {meta[:3]}); build it from the parameters of the model that fabric.setup returned"
         )
 
 

@@ -1,0 +1,48 @@
+"""ThunderTPStrategy's activation_checkpointing_policy: litgpt Blocks recomputed in the backward under TP, exact
+against one device (float64, real gloo ranks), the recomputed forward's collectives in the backward trace."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist import run_ranks
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts
+
+
+def _checkpointed_step() -> dict:
+    import thunder
+    import torch.distributed as dist
+    from litgpt.model import Block
+
+    import thunder_tp
+    from tests.litgpt_models import GPTWithLoss, batch, expected_counts, make_config
+    from thunder_tp.fabric.model import checkpoint_activations
+    from thunder_tp.layouts import REPLICATE, shard_tensor
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    reference = GPTWithLoss(make_config("neox"))
+    model = GPTWithLoss(reference.config)
+    model.load_state_dict(reference.state_dict())
+    checkpoint_activations(model, frozenset({Block}))
+    transform = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))
+    jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+    idx, targets = batch(0)
+    expected = reference(idx, targets)
+    expected.backward()
+    loss = jm(idx, targets)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for name, p in reference.named_parameters():
+        want = shard_tensor(p.grad, transform.parameter_layouts.get(name, REPLICATE), rank, size)
+        assert_close_scaled(jm.get_parameter(name).grad, want, rtol=1e-10, atol=1e-12, what=name)
+    _, backward = expected_counts(reference.config, "tp", size)
+    return {"backward": collective_counts(thunder.last_backward_traces(jm)[-1]), "plain": backward,
+            "n_layer": reference.config.n_layer}
+
+
+def test_checkpointed_blocks_tp2():
+    info = run_ranks(_checkpointed_step, 2)[0]
+    # each block's recomputed forward re-issues its all_reduce (parallel residual: one per block)
+    assert info["backward"]["all_reduce"] == info["plain"]["all_reduce"] + info["n_layer"], info
