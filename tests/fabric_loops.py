@@ -131,6 +131,10 @@ def fabric(strategy_kwargs: dict | None, logger: Losses, precision: str = "64-tr
     from thunder_tp.fabric import ThunderTPStrategy
 
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # the pool's processes are launched outside Fabric, as by torchrun
+    if strategy_kwargs.get("executors") == "fast":  # no Inductor compile: tests/tp_checks.FAST_EXECUTORS
+        from tests.tp_checks import FAST_EXECUTORS
+
+        strategy_kwargs = strategy_kwargs | {"executors": FAST_EXECUTORS}
     f = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ThunderTPStrategy(**strategy_kwargs),
                  precision=precision, loggers=[logger])
     f.launch()

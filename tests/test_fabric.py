@@ -79,9 +79,10 @@ def _check(results: list[dict], expected: tuple[float, ...], tp: int) -> None:
 
 
 def test_pretrain_tp2_with_accumulation_equals_one_device(tmp_path):
-    """TP=2, 2 micro-batches per step, max_norm=1.0: litgpt.pretrain.main's losses equal one device's."""
-    expected = _one_device(6, 2, "neox", str(tmp_path / "one"))
-    results = run_ranks(_pretrain_ranks, 2, str(tmp_path), {}, 6, 2, "neox", timeout=TIMEOUT_S)
+    """TP=2, 2 micro-batches per step, max_norm=1.0: litgpt.pretrain.main's losses equal one device's (Thunder's
+    default executors: the fusion executor's compile is left to the slow runs)."""
+    expected = _one_device(4, 2, "neox", str(tmp_path / "one"))
+    results = run_ranks(_pretrain_ranks, 2, str(tmp_path), {"executors": "fast"}, 4, 2, "neox", timeout=TIMEOUT_S)
     _check(results, expected, 2)
 
 
