@@ -18,6 +18,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
+from thunder_tp.annotate import tp_annotate
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import ALPHA_BYTES, collective_cost, collective_kind, nbytes
@@ -110,17 +111,29 @@ class Communication:
 
 @dataclass
 class CommunicationPlan:
-    """What a propagated program communicates: per step the layout of each tensor argument, the redistributions
-    and grad sums they imply, the replicated chunks of inputs whose grads are summed, and the returned values."""
+    """What a propagated program communicates: per step the value each tensor argument is read as, the
+    redistributions and grad sums those reads imply, the replicated chunks of inputs whose grads are summed, and
+    the returned values. An annotation emits nothing: its output is an alias, its input in the annotated layout."""
 
     tp: TPGroup
     needs_grad: set[str]
     needs: list[list[Need]]
     returned: list[Need]
+    aliases: dict[str, Need]
     redistributions: dict[tuple[str, Layout], Redistribution]
     grad_sums: dict[str, GradSum]
     replica_sums: list[TensorProxy]
     issued: list[tuple[str, int]]
+
+    def resolved(self, t: TensorProxy, layout: Layout, into_tp_region: bool = False) -> list[Need]:
+        """What reading `t` in `layout` reads, through aliases: the value it ends up with last, after the needs
+        that materialize an alias read in another layout than its own."""
+        alias = self.aliases.get(t.name)
+        if alias is None:
+            return [Need(t, layout, into_tp_region)]
+        if alias.layout == layout:
+            return self.resolved(alias.value, layout, into_tp_region)
+        return [*self.resolved(alias.value, alias.layout), Need(t, layout, into_tp_region)]
 
     def price(self) -> Communication:
         """The collectives each way and their cost (a coalesced all_reduce pays its latency once per dtype)."""
@@ -152,28 +165,43 @@ def plan_communication(
     `training`) backward; what the program returns is made Replicate (but the inputs it hands back as held)."""
     inputs, returned = flat_args(trace), _returned_outputs(trace)
     input_names = {t.name for t in inputs}
-    needs_grad = {t.name for t in inputs if training and t.requires_grad}
+    plan = CommunicationPlan(tp, {t.name for t in inputs if training and t.requires_grad}, [], [], {}, {}, {}, [], [])
     from_inputs = set(input_names)  # computed from the inputs alone, with no communication on the way
-    needs: list[list[Need]] = []
+    every: list[Need] = []  # every read, materializations of aliases included
     for step in steps:
+        reads = _step_reads(step, plan)
+        plan.needs.append([r[-1] for r in reads])
+        every.extend(n for r in reads for n in r)
         tensors, outputs = _tensors(step.bsym.args, step.bsym.kwargs), _tensors(step.bsym.output)
-        required = [normalize(r, t.ndim) for t, r in zip(tensors, step.strategy.inputs)] if outputs else []
-        enters = step.strategy.enters_tp_region
-        needs.append([Need(t, r, enters and isinstance(r, Replicate) and t.name in needs_grad)
-                      for t, r in zip(tensors, required)])
-        if any(t.name in needs_grad for t in _differentiable(step.bsym, tensors)) and outputs:
-            needs_grad.update(o.name for o in outputs if dtypes.is_inexact_dtype(o.dtype))
-        if outputs and tensors and not step.strategy.issues and all(
-                t.name in from_inputs and layouts[t.name] == r for t, r in zip(tensors, required)):
+        if any(t.name in plan.needs_grad for t in _differentiable(step.bsym, tensors)) and outputs:
+            plan.needs_grad.update(o.name for o in outputs if dtypes.is_inexact_dtype(o.dtype))
+        if reads and not step.strategy.issues and all(
+                r[-1].value.name in from_inputs and layouts[r[-1].value.name] == r[-1].layout for r in reads):
             from_inputs.update(o.name for o in outputs)
-    out = [Need(t, REPLICATE) for t in _tensors(returned) if t.name not in input_names]
-    replica_sums = [t for t in inputs if t.name in needs_grad and _replicated_chunks(layouts[t.name])]
-    every = [n for step_needs in needs for n in step_needs] + out
-    redistributions = _redistributions(every, layouts, needs_grad)
-    grad_sums = _grad_sums(every, layouts, from_inputs)
-    grad_sums |= {t.name: GradSum(t, coalesced=True) for t in replica_sums}
-    issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
-    return CommunicationPlan(tp, needs_grad, needs, out, redistributions, grad_sums, replica_sums, issued)
+    returned_reads = [plan.resolved(t, REPLICATE) for t in _tensors(returned) if t.name not in input_names]
+    plan.returned = [r[-1] for r in returned_reads]
+    every.extend(n for r in returned_reads for n in r)
+    plan.replica_sums = [t for t in inputs if t.name in plan.needs_grad and _replicated_chunks(layouts[t.name])]
+    plan.redistributions = _redistributions(every, layouts, plan.needs_grad)
+    plan.grad_sums = _grad_sums(every, layouts, from_inputs)
+    plan.grad_sums |= {t.name: GradSum(t, coalesced=True) for t in plan.replica_sums}
+    plan.issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
+    return plan
+
+
+def _step_reads(step: Step, plan: CommunicationPlan) -> list[list[Need]]:
+    """For each tensor argument of `step`, the needs its read resolves to (the last one: what the op receives); an
+    annotation reads nothing and makes its output an alias (a metadata query reads nothing either)."""
+    tensors, outputs = _tensors(step.bsym.args, step.bsym.kwargs), _tensors(step.bsym.output)
+    if not outputs:
+        return []
+    required = [normalize(r, t.ndim) for t, r in zip(tensors, step.strategy.inputs)]
+    if step.bsym.sym.id == tp_annotate.id:
+        plan.aliases[outputs[0].name] = Need(tensors[0], required[0])
+        return []
+    enters = step.strategy.enters_tp_region
+    return [plan.resolved(t, r, enters and isinstance(r, Replicate) and t.name in plan.needs_grad)
+            for t, r in zip(tensors, required)]
 
 
 def _redistributions(needs: list[Need], layouts: dict[str, Layout], needs_grad: set[str]) -> dict:

@@ -38,13 +38,20 @@ class LocalValues:
             self._memo[need.key] = self._make(need)
         return self._memo[need.key]
 
+    def value_of(self, t: TensorProxy) -> TensorProxy:
+        """The local value of logical `t` in its own layout (an annotation's: its input's, made that layout)."""
+        alias = self.plan.aliases.get(t.name)
+        if alias is None:
+            return self.values[t.name]
+        return self.get(self.plan.resolved(alias.value, alias.layout)[-1])
+
     def _make(self, need: Need) -> TensorProxy:
         t, group = need.value, self.tp.group
         if not need.into_tp_region:
-            return redistribute(self.values[t.name], self.layouts[t.name], need.layout, group)
+            return redistribute(self.value_of(t), self.layouts[t.name], need.layout, group)
         summed = self.plan.grad_sums[t.name]
         if summed.gathered:
-            return gather_into_tp_region(self.values[t.name], self.layouts[t.name], group)
+            return gather_into_tp_region(self.value_of(t), self.layouts[t.name], group)
         copy = C.tp_copy_to_tp(self.get(Need(t, need.layout)), group)
         if summed.coalesced:
             self.coalesced.add(copy.name)
@@ -184,7 +191,7 @@ def _returned_values(args: tuple, local: LocalValues, unpacked: dict[str, Any]) 
 
 def _returned(x: Any, local: LocalValues, unpacked: dict[str, Any]) -> Any:
     if isinstance(x, TensorProxy):
-        return unpacked[x.name] if x.name in unpacked else local.get(Need(x, REPLICATE))
+        return unpacked[x.name] if x.name in unpacked else local.get(local.plan.resolved(x, REPLICATE)[-1])
     if isinstance(x, Proxy):
         return local.values.get(x.name, x)
     return x
@@ -195,6 +202,8 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     outputs = tree_flatten(bsym.output)[0]
     if not any(isinstance(o, TensorProxy) for o in outputs):
         _emit_metadata_query(bsym, local)
+        return
+    if outputs[0].name in local.plan.aliases:  # an annotation: its output is read through the plan's alias
         return
     emitted_from = len(get_tracectx().bound_symbols)
     flat, spec = tree_flatten((bsym.args, bsym.kwargs))
@@ -237,8 +246,8 @@ def _emit_metadata_query(bsym, local: LocalValues) -> None:
     tensors = _tensors(bsym)
     is_shape = bsym.sym.id == prims.PrimIDs.SHAPE
     if is_shape or all(isinstance(local.layouts[t.name], Replicate) for t in tensors):
-        args, kwargs = tree_map(lambda x: local.values.get(x.name, x) if isinstance(x, Proxy) else x,
-                                (bsym.args, bsym.kwargs))
+        held = lambda x: local.value_of(x) if isinstance(x, TensorProxy) else local.values.get(x.name, x)  # noqa: E731
+        args, kwargs = tree_map(lambda x: held(x) if isinstance(x, Proxy) else x, (bsym.args, bsym.kwargs))
         result = bsym.sym(*args, **kwargs)
         if is_shape:
             result = _full_shape(result, local.layouts[tensors[0].name], local.tp)
