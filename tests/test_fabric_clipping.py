@@ -9,7 +9,7 @@ import torch
 from tests.dist import run_ranks
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled
 
-RTOL = 1e-10
+RTOL = 1e-9  # float64: the data-parallel average and the norm's summation order differ from one device's (~1e-10)
 
 
 def _clip(config_name: str, tp: int, data_parallel: str | None) -> dict:

@@ -3,6 +3,7 @@ any other out), with the loop's plain state beside it; a plain state-dict file (
 
     path/                 a DCP directory (thunder_tp.checkpoint.save: the model and the optimizer)
     path/meta.pt          everything else of the state (iter_num, step_count, a dataloader's state_dict()), rank 0
+    path/rank{r}.pt       under FSDP instead of the DCP files: each rank's shards and optimizer state (same mesh only)
 
 A `filter` (litgpt's LoRA-only files) writes one plain file instead, from rank 0: the filtered full tensors.
 """
@@ -23,6 +24,7 @@ from lightning.fabric.utilities.types import _Stateful
 from thunder.core.module import ThunderModule
 
 import thunder_tp.checkpoint as ck
+from thunder_tp.thunder_internals.private import applied_transforms
 from thunder_tp.fabric.model import load_raw
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
@@ -37,7 +39,10 @@ def save(path: Path, state: Mapping[str, Any], filter: Filter | None, rank: int)
     if rank == 0 and path.is_file():
         path.unlink()
     _barrier()
-    ck.save(path, model, optimizer)  # checks that the TP group's replicas agree first (thunder_tp.execution.divergence)
+    if _fsdp(model):
+        _save_local(path, model, optimizer, rank)
+    else:
+        ck.save(path, model, optimizer)  # checks that the TP group's replicas agree first (thunder_tp.execution.divergence)
     metadata = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items()
                 if k not in (model_key, optimizer_key)}
     if rank == 0:
@@ -59,7 +64,10 @@ def load(path: Path, state: Any, strict: bool) -> dict[str, Any]:
             f"and a checkpoint directory that fabric.save wrote; got {type(state).__name__} and {path}"
         )
     model_key, model, optimizer_key, optimizer = _model_and_optimizer(state, "load")
-    ck.load(path, model, optimizer)
+    if (path / _LOCAL.format(rank=0)).exists():
+        _load_local(path, model, optimizer)
+    else:
+        ck.load(path, model, optimizer)
     metadata = torch.load(path / _METADATA_FILENAME, weights_only=False) if (path / _METADATA_FILENAME).exists() else {}
     rest = [k for k in state if k not in (model_key, optimizer_key)]
     _validate_keys_for_strict_loading(rest, metadata.keys(), strict=strict)
@@ -71,6 +79,43 @@ def load(path: Path, state: Any, strict: bool) -> dict[str, Any]:
         else:
             state[key] = metadata.pop(key)
     return metadata
+
+
+#: under FSDP, each rank's own file (thunder_tp.checkpoint cannot describe FSDP's padded chunks to DCP yet)
+_LOCAL = "rank{rank}.pt"
+
+
+def _fsdp(model: ThunderModule) -> bool:
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    return any(isinstance(t, FSDPTransform) for t in applied_transforms(model))
+
+
+def _save_local(path: Path, model: ThunderModule, optimizer, rank: int) -> None:
+    """Each rank's tensors as it holds them (TP and FSDP shards) and its optimizer state, in its own file: loadable
+    on the same mesh only."""
+    path.mkdir(parents=True, exist_ok=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    state = {"model": model.state_dict(), "world_size": world}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    torch.save(state, path / _LOCAL.format(rank=rank))
+    _barrier()
+
+
+def _load_local(path: Path, model: ThunderModule, optimizer) -> None:
+    """What _save_local wrote, on the same mesh (a clear error on another one)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    state = torch.load(path / _LOCAL.format(rank=rank), weights_only=False)
+    if state["world_size"] != world:
+        raise ValueError(
+            f"ThunderTPStrategy: {path} holds each rank's FSDP shards of a run on {state['world_size']} ranks; it loads "
+            f"on the same mesh only (this run has {world}). Save with data_parallel=\"ddp\" for checkpoints that load at "
+            "any TP size"
+        )
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
 
 
 def _model_and_optimizer(state: Mapping[str, Any], what: str) -> tuple[str, ThunderModule, str | None, Any]:

@@ -116,7 +116,9 @@ def jit(module: nn.Module, options: ModelOptions, mesh: Mesh, device: torch.devi
     if mesh.dp > 1:
         transforms.append(_data_parallel(options.data_parallel, mesh, device))
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        transforms.append(MaterializationTransform(device, init=reset_each_module))
+        # after FSDP (each rank materializes its FSDP shards), before DDP (which records its parameters' devices)
+        where = len(transforms) - (options.data_parallel == "ddp" and mesh.dp > 1)
+        transforms.insert(where, MaterializationTransform(device, init=reset_each_module))
     executors = list(options.executors) if options.executors is not None else default_executors()
     jitted = thunder.jit(module, transforms=transforms, executors=executors)
     _run_eagerly_under_torch_compile(jitted)

@@ -123,7 +123,10 @@ class LoRAPairParallel:
         """Layouts of `lora_A` and `lora_B`."""
         if isinstance(self.base, RowwiseParallel):
             return {"lora_A": Shard(1), "lora_B": REPLICATE}
-        return {"lora_A": REPLICATE, "lora_B": _enabled_blocks(module, self.base.tensor_layouts(module.linear, size)["weight"])}
+        rows = _enabled_blocks(module, self.base.tensor_layouts(module.linear, size)["weight"])
+        # K/V heads replicated over ranks (fewer K/V groups than ranks): the LoRA path's product (a grouped conv1d)
+        # would need lora_B whole, which a layout with copies cannot be gathered into; it stays whole
+        return {"lora_A": REPLICATE, "lora_B": REPLICATE if rows.is_replicated else rows}
 
 
 def _enabled_blocks(module: nn.Module, layout: Shard) -> Shard:
