@@ -148,6 +148,8 @@ class CommunicationPlan:
             comm.add(kind, full_bytes, size)
         coalesced: set = set()
         for s in self.grad_sums.values():
+            if s.gathered:  # the gather is the grad sum's own: forward all_gather, backward reduce_scatter
+                comm.add("all_gather", nbytes(s.value), size)
             if not s.coalesced:
                 comm.add(s.backward, nbytes(s.value), size, backward=True)
                 continue
