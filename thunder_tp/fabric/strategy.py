@@ -95,6 +95,8 @@ class ThunderTPStrategy(ParallelStrategy):
         self._timeout = timeout
         self._mesh: Mesh | None = None
         self._shards: dict[int, nn.Parameter] = {}
+        #: the jitted modules this strategy set up (fabric.setup returns each wrapped in Fabric's module)
+        self.models: list[nn.Module] = []
         self._backward_sync_control = _DataParallelSyncControl(self)
 
     # --- the world -------------------------------------------------------------------------------------------
@@ -178,6 +180,7 @@ class ThunderTPStrategy(ParallelStrategy):
         jitted = jit(module, self.options, self.mesh, self.root_device)
         self._shards.update(placeholders_for_shards(jitted, self.root_device))
         route_state_dicts_to_shards(jitted)
+        self.models.append(jitted)
         return jitted
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
