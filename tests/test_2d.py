@@ -18,7 +18,7 @@ from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 import thunder_tp
 from tests.dist import run_ranks
 from tests.litgpt_models import CONFIGS, SEQ, VOCAB, GPTWithLoss, batch, expected_counts
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards
 from thunder_tp.debug import collective_kind
 from thunder_tp.executor import is_communication
 from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
@@ -47,11 +47,19 @@ def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return pieces
 
 
-def _full(local: torch.Tensor, name: str, tp: thunder_tp.TensorParallel, mesh, kind: str | None, tp_shape) -> torch.Tensor:
-    """The single-device tensor from this rank's piece: undo FSDP over dp (dim 0, padding), then TP over tp."""
-    if kind == "fsdp":
-        local = torch.cat(_gather(local, mesh.dp_group))[: tp_shape[0]]
-    return unshard_tensor(_gather(local, mesh.tp_group), tp.parameter_layouts.get(name, REPLICATE))
+def _assert_gathered(reference, jm, tp: thunder_tp.TensorParallel, mesh, kind: str | None, *, parameters: bool = False,
+                     what: str = "grad") -> None:
+    """Every grad (parameters=True: every parameter) gathered from the ranks' pieces, FSDP over dp undone first (dim 0,
+    padded), then TP over tp, equals the single-device one."""
+    for n, p in reference.named_parameters():
+        full, local = (p.detach(), jm.get_parameter(n).detach()) if parameters else (p.grad, jm.get_parameter(n).grad)
+        assert local is not None, f"no {what} of {n}"
+        layout = tp.parameter_layouts.get(n, REPLICATE)
+        if kind == "fsdp":
+            tp_rows = shard_tensor(full, layout, mesh.tp_rank, mesh.tp).shape[0]
+            local = torch.cat(_gather(local, mesh.dp_group))[:tp_rows]
+        gathered = unshard_tensor(_gather(local, mesh.tp_group), layout)
+        assert_close_scaled(gathered, full, rtol=RTOL, atol=ATOL, what=f"gathered {what} of {n}")
 
 
 # --- trace checks -------------------------------------------------------------------------------------
@@ -108,8 +116,6 @@ def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer
         tp = thunder_tp.TensorParallel(plan, process_group=mesh.tp_group)
         transforms = [tp] + ([_dp_transform(kind, mesh)] if kind else [])
         jm = thunder.jit(model, executors=executors, transforms=transforms)
-    tp_shapes = {n: shard_tensor(p, tp.parameter_layouts.get(n, REPLICATE), mesh.tp_rank, mesh.tp).shape
-                 for n, p in reference.named_parameters()}
     opt_ref = torch.optim.SGD(reference.parameters(), lr=LR)
     opt = torch.optim.SGD(jm.parameters(), lr=LR)
     per_dp = GLOBAL_BATCH // dp
@@ -124,14 +130,9 @@ def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer
         expected.backward()
         actual.backward()
         if step == 0:
-            for n, p in reference.named_parameters():
-                grad = jm.get_parameter(n).grad
-                assert grad is not None, f"no grad for {n}"
-                if kind != "fsdp":  # DDP / TP only: each rank's grad is the TP shard of the full grad
-                    want = shard_tensor(p.grad, tp.parameter_layouts.get(n, REPLICATE), mesh.tp_rank, mesh.tp)
-                    assert_close_scaled(grad, want, rtol=RTOL, atol=ATOL, what=f"grad of {n}")
-                full = _full(grad, n, tp, mesh, kind, tp_shapes[n])
-                assert_close_scaled(full, p.grad, rtol=RTOL, atol=ATOL, what=f"gathered grad of {n}")
+            if kind != "fsdp":  # DDP / TP only: each rank's grad is the TP shard of the full grad
+                assert_grads_are_shards(reference, jm, tp.parameter_layouts, mesh.tp_rank, mesh.tp, rtol=RTOL, atol=ATOL)
+            _assert_gathered(reference, jm, tp, mesh, kind)
             info["forward"] = _collectives(thunder.last_traces(jm)[-1], mesh)
             info["backward"] = _collectives(thunder.last_backward_traces(jm)[-1], mesh)
             info["fusions"] = sum(b.sym.is_fusion for b in thunder.last_traces(jm)[-1].bound_symbols)
@@ -143,9 +144,7 @@ def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer
                 wrong = {n: t for n, t in types.items() if t is not want_type}
                 assert not wrong, f"parameters lost their {want_type.name}: {wrong}"
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
-    for n, p in reference.named_parameters():
-        full = _full(jm.get_parameter(n).detach(), n, tp, mesh, kind, tp_shapes[n])
-        assert_close_scaled(full, p.detach(), rtol=RTOL, atol=ATOL, what=f"{n} after {STEPS} steps")
+    _assert_gathered(reference, jm, tp, mesh, kind, parameters=True, what=f"value after {STEPS} steps")
     if fused:  # skip a second Inductor compile
         return info
     with torch.no_grad():  # a second cache entry: both transforms' trace hooks run again
@@ -179,6 +178,7 @@ def test_tp_inside_fsdp_matches_single_device():
     assert info["backward"] == {**backward, "dp reduce_scatter": n}, info["backward"]  # one reduce_scatter each
 
 
+@pytest.mark.slow  # TP on 4 ranks: test_litgpt's TP=4 case; parallelize(): test_fsdp_only_on_a_tp1_mesh
 def test_tp_only_on_a_dp1_mesh():
     info = run_ranks(_train, WORLD, 1, 4, None, helper=True)[0]
     forward, backward = _expected_tp()
@@ -195,6 +195,7 @@ def test_fsdp_only_on_a_tp1_mesh():
     assert tp_forward in ({}, _expected_tp()[0]), info["forward"]  # TP on one rank may skip its no-op collectives
 
 
+@pytest.mark.slow  # TP inside FSDP: the test above; FSDP's collectives out of fusions: test_executor's FSDP case
 def test_tp_inside_fsdp_with_the_fusion_executor():
     """thunder_tp.executors(): compute fused by Inductor, every TP / FSDP collective outside the regions."""
     info = run_ranks(_train, WORLD, 2, 2, "fsdp", True, 1, timeout=900)[0]
@@ -230,8 +231,6 @@ def _odd_mlp_fsdp():
     tp = thunder_tp.TensorParallel(plan, process_group=mesh.tp_group)
     fsdp = _dp_transform("fsdp", mesh)
     jm = thunder.jit(model, executors=FAST_EXECUTORS, transforms=[tp, fsdp])
-    tp_shapes = {n: shard_tensor(p, tp.parameter_layouts.get(n, REPLICATE), mesh.tp_rank, mesh.tp).shape
-                 for n, p in reference.named_parameters()}
     torch.manual_seed(1)
     x = torch.randn(8, 3, 5)
     mine = slice(mesh.dp_rank * 4, mesh.dp_rank * 4 + 4)
@@ -241,9 +240,7 @@ def _odd_mlp_fsdp():
     assert_close_scaled(mean_loss / 2, expected, rtol=RTOL, atol=ATOL, what="mean loss")
     expected.backward()
     actual.backward()
-    for n, p in reference.named_parameters():
-        full = _full(jm.get_parameter(n).grad, n, tp, mesh, "fsdp", tp_shapes[n])
-        assert_close_scaled(full, p.grad, rtol=RTOL, atol=ATOL, what=f"gathered grad of {n}")
+    _assert_gathered(reference, jm, tp, mesh, "fsdp")
     return {n: (tuple(old), tuple(new)) for n, (old, new, _) in fsdp.sharded_params.items()}
 
 

@@ -17,13 +17,12 @@ import torch
 
 import thunder_tp
 from thunder_tp import TensorParallel
-from thunder_tp.layouts import REPLICATE, shard_tensor
 from thunder_tp.plans.litgpt import GPTWithLoss
 from tests import custom_models
 from tests.dist import run_ranks
 from tests.litgpt_models import batch, zoo_config
-from tests.test_litgpt_zoo import simulated_at_tp8
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
+from tests.zoo_checks import simulated_at_tp8
 
 
 @dataclass
@@ -93,9 +92,7 @@ def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
     assert_close_scaled(actual, expected, rtol=0, atol=case.tolerance, what=f"{name} loss")
     expected.backward()
     actual.backward()
-    for n, p in reference.named_parameters():
-        want = shard_tensor(p.grad, transform.parameter_layouts.get(n, REPLICATE), rank, size)
-        assert_close_scaled(jm.get_parameter(n).grad, want, rtol=0, atol=case.tolerance, what=f"{name} grad of {n}")
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=0, atol=case.tolerance, what=name)
     return {
         "ran": (collective_counts(thunder.last_traces(jm)[-1]), collective_counts(thunder.last_backward_traces(jm)[-1])),
         "priced": (dict(plan.communication.forward), dict(plan.communication.backward)),
@@ -107,8 +104,9 @@ def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
     }
 
 
-#: the MLP stack: test_tensor_parallel_auto_searches_at_jit; the ViT's transformer is in conv_vit
-CUSTOM = [pytest.param("vit", marks=pytest.mark.slow), "t5", "conv_vit"]
+#: the MLP stack: test_tensor_parallel_auto_searches_at_jit; the ViT's transformer is in conv_vit; T5's
+#: encoder-decoder slow-marked (conv_vit and the MLP stack search models without a plan by default)
+CUSTOM = [pytest.param("vit", marks=pytest.mark.slow), pytest.param("t5", marks=pytest.mark.slow), "conv_vit"]
 
 
 @pytest.mark.parametrize("name", CUSTOM)
@@ -144,8 +142,9 @@ def _hf_sizes() -> list[tuple[str, int]]:
 
 
 def _hf_cases() -> list[tuple[str, int, str]]:
-    """Llama at TP=2 by default; every dense architecture at TP=2 and 4 where its heads allow, slow."""
-    return [(n, w, "" if (n, w) == ("llama", 2) else "slow") for n, w in _hf_sizes()]
+    """Every dense architecture at TP=2 and 4 where its heads allow, slow: the search is the same for every family
+    and runs by default on litgpt (test_litgpt_auto_plan_*) and on models without a plan."""
+    return [(n, w, "slow") for n, w in _hf_sizes()]
 
 
 HF = _hf_cases()

@@ -9,7 +9,7 @@ from thunder.core.proxies import DistParallelType
 import thunder_tp
 from thunder_tp import ColwiseParallel, RowwiseParallel, Shard, TensorParallel, annotate
 from tests.dist import run_ranks
-from tests.test_core_mlp import HIDDEN, MLP, PLAN, _mlp_input
+from tests.parallel_mlp import HIDDEN, MLP, PLAN, mlp_input
 from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device, rank_and_size
 
 
@@ -57,7 +57,7 @@ def _meta_mlp():
     jm = thunder.jit(model, transforms=transforms, executors=FAST_EXECUTORS)
     torch.manual_seed(0)
     reference = MLP()
-    (x,) = _mlp_input()
+    (x,) = mlp_input()
     torch.testing.assert_close(jm(x), reference(x), rtol=1e-5, atol=1e-5)
     rank, size = rank_and_size()
     expected = torch.chunk(reference.fc1.weight, size, 0)[rank]
@@ -78,7 +78,7 @@ def _annotated_mlp():
 
 def _distparallel_type():
     transform = TensorParallel()
-    info = compare_with_single_device(_annotated_mlp, _mlp_input, transform)
+    info = compare_with_single_device(_annotated_mlp, mlp_input, transform)
     info["layouts"] = {k: repr(v) for k, v in transform.parameter_layouts.items()}
     return info
 
@@ -170,7 +170,7 @@ class MLPWithUnknownOp(MLP):
 
 
 def _unknown_op():
-    return compare_with_single_device(MLPWithUnknownOp, _mlp_input, TensorParallel(PLAN))
+    return compare_with_single_device(MLPWithUnknownOp, mlp_input, TensorParallel(PLAN))
 
 
 def test_op_without_rule_falls_back_to_replicate():
@@ -180,7 +180,7 @@ def test_op_without_rule_falls_back_to_replicate():
 
 def _bf16():
     make = lambda: MLP().to(torch.bfloat16)  # noqa: E731
-    inputs = lambda: tuple(x.detach().to(torch.bfloat16).requires_grad_() for x in _mlp_input())  # noqa: E731
+    inputs = lambda: tuple(x.detach().to(torch.bfloat16).requires_grad_() for x in mlp_input())  # noqa: E731
     return compare_with_single_device(make, inputs, TensorParallel(PLAN), rtol=2e-2, atol=2e-2)
 
 
@@ -235,7 +235,7 @@ def test_uninitialized_process_group_is_a_clear_error():
 
 def _proxy_types():
     jm = thunder.jit(MLP(), transforms=[TensorParallel(PLAN)], executors=FAST_EXECUTORS)
-    jm(*_mlp_input())
+    jm(*mlp_input())
     names = {b.output.name: b.args[1] for b in thunder.last_prologue_traces(jm)[-1].bound_symbols
              if b.sym.name == "unpack_parameter"}
     computation = thunder.last_traces(jm)[0]

@@ -1,37 +1,16 @@
-"""Core TP on a Megatron ParallelMLP-shaped block and single Linear/Embedding layers, vs single device."""
+"""Core TP on a Megatron ParallelMLP-shaped block (tests/parallel_mlp.py) vs single device."""
 
 import pytest
-import torch
-import torch.nn as nn
 
 import thunder_tp
 from tests.dist import run_ranks
+from tests.parallel_mlp import MLP, PLAN, mlp_input
 from tests.tp_checks import compare_with_single_device
-
-SEQ, BATCH, HIDDEN, FFN = 32, 4, 128, 512
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden=HIDDEN, ffn=FFN, bias=True):
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, ffn, bias=bias)
-        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
-
-    def forward(self, x):
-        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-
-def _mlp_input():
-    torch.manual_seed(2)
-    return (torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True),)
-
-
-PLAN = {"fc1": thunder_tp.ColwiseParallel(), "fc2": thunder_tp.RowwiseParallel()}
 
 
 def _mlp(grad, fused=False):
     executors = thunder_tp.executors() if fused else None
-    return compare_with_single_device(MLP, _mlp_input, thunder_tp.TensorParallel(PLAN), grad=grad, executors=executors)
+    return compare_with_single_device(MLP, mlp_input, thunder_tp.TensorParallel(PLAN), grad=grad, executors=executors)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -17,11 +17,10 @@ from thunder.executors import nvfuserex
 import thunder_tp
 from thunder_tp import TensorParallel
 from thunder_tp.executor import fusion_executor, is_communication
-from thunder_tp.layouts import REPLICATE, shard_tensor
 from tests.dist import run_ranks
 from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
-from tests.test_generate import NEW_TOKENS, PROMPT, _local_cache_shapes, _models, gen_config, greedy
-from tests.tp_checks import assert_close_scaled, collective_counts, rank_and_size
+from tests.generation import NEW_TOKENS, PROMPT, gen_config, greedy, local_cache_shapes, models_with_cache
+from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 
 pytestmark = pytest.mark.cuda
 
@@ -45,9 +44,7 @@ def _same_step(reference: torch.nn.Module, jm: torch.nn.Module, transform: Tenso
     assert_close_scaled(actual, expected, rtol=RTOL, atol=ATOL, what="loss")
     expected.backward()
     actual.backward()
-    for name, p in reference.named_parameters():
-        want = shard_tensor(p.grad, transform.parameter_layouts.get(name, REPLICATE), rank, size)
-        assert_close_scaled(jm.get_parameter(name).grad, want, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=RTOL, atol=ATOL)
 
 
 def _step_counts(jm: torch.nn.Module) -> tuple[dict, dict]:
@@ -100,7 +97,7 @@ def _generate_on_shared_gpu(arch: str, backend: str) -> dict:
     _, size = rank_and_size()
     config = gen_config(arch)
     device = _gpu()
-    reference, model = _models(config, 2, torch.float32, device)
+    reference, model = models_with_cache(config, 2, torch.float32, device)
     jm = thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))],
                      executors=thunder_tp.executors(backend))
     prompt = torch.randint(0, config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(1)).to(device)
@@ -113,7 +110,7 @@ def _generate_on_shared_gpu(arch: str, backend: str) -> dict:
     shapes = {n: tuple(b.shape) for n, b in jm.named_buffers() if ".kv_cache." in n}
     return {"same_tokens": torch.equal(tokens, expected_tokens), "decode_counts": decode_counts,
             "minimum": expected_counts(config, "tp", size)[0],
-            "cache_shapes_sharded": shapes == _local_cache_shapes(config, 2, size),
+            "cache_shapes_sharded": shapes == local_cache_shapes(config, 2, size),
             "cache_misses": thunder.cache_misses(jm)}
 
 

@@ -7,7 +7,7 @@ import torch
 
 import thunder_tp
 from tests.dist import run_ranks
-from tests.test_core_mlp import BATCH, HIDDEN, MLP, PLAN, SEQ
+from tests.parallel_mlp import BATCH, HIDDEN, MLP, PLAN, SEQ
 from tests.tp_checks import FAST_EXECUTORS
 
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)

@@ -34,7 +34,7 @@ def _rank_main(mode: str, rank: int, port: int) -> None:
     import torch.distributed as dist
 
     import thunder_tp
-    from tests.test_core_mlp import MLP, PLAN, _mlp_input
+    from tests.parallel_mlp import MLP, PLAN, mlp_input
     from tests.tp_checks import FAST_EXECUTORS
 
     torch.set_num_threads(1)
@@ -42,7 +42,7 @@ def _rank_main(mode: str, rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
     torch.manual_seed(0)
     jm = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=FAST_EXECUTORS)
-    (x,) = _mlp_input()
+    (x,) = mlp_input()
     try:
         for step in range(STEPS):
             failing = rank == 1 and step == FAILING_STEP
@@ -132,7 +132,7 @@ class _FailsTracingOnRank(torch.nn.Module):
 
     def __init__(self, failing_rank: int):
         super().__init__()
-        from tests.test_core_mlp import MLP
+        from tests.parallel_mlp import MLP
 
         self.mlp, self.failing = MLP(), dist.get_rank() == failing_rank
 
@@ -147,10 +147,10 @@ def _compile_fails_on_one_rank(failing_rank: int) -> list[str]:
     import thunder
 
     import thunder_tp
-    from tests.test_core_mlp import MLP, PLAN, _mlp_input
+    from tests.parallel_mlp import MLP, PLAN, mlp_input
     from tests.tp_checks import FAST_EXECUTORS
 
-    (x,) = _mlp_input()
+    (x,) = mlp_input()
     plan = {f"mlp.{name}": style for name, style in PLAN.items()}
     broken = thunder.jit(_FailsTracingOnRank(failing_rank), transforms=[thunder_tp.TensorParallel(plan)], executors=FAST_EXECUTORS)
     try:

@@ -12,42 +12,16 @@ import pytest
 import thunder
 import torch
 import torch.distributed as dist
-from litgpt import GPT, Config
+from litgpt import GPT
 from litgpt.generate.base import batched_generate_fn, generate
 
 import thunder_tp
 from tests.dist import run_ranks
-from tests.litgpt_models import CONFIGS, VOCAB, expected_counts
+from tests.generation import (
+    ARCHITECTURES, MAX_SEQ, NEW_TOKENS, PROMPT, gen_config, greedy, local_cache_shapes, models_with_cache,
+)
+from tests.litgpt_models import VOCAB, expected_counts
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
-
-PROMPT, NEW_TOKENS, MAX_SEQ = 8, 16, 32
-LLAMA = CONFIGS["llama"]  # 8 heads, 4 K/V groups
-ARCHITECTURES = {
-    "gqa": LLAMA,
-    "mqa": LLAMA | dict(n_query_groups=1),  # one K/V head, held by every rank
-    "neox": CONFIGS["neox"],  # parallel residual: one all_reduce per block
-    # a ring cache of 8 slots in the first block: 8 prompt tokens + 16 decoded wrap it twice
-    "sliding_window": LLAMA | dict(sliding_window_size=PROMPT, sliding_window_indices=[1, 0]),
-    "moe": LLAMA | dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32),
-}
-
-
-def gen_config(arch: str) -> Config:
-    """A tiny litgpt config of one architecture, with room for the prompt and the new tokens."""
-    return Config(block_size=MAX_SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **ARCHITECTURES[arch])
-
-
-def _models(config: Config, batch: int, dtype: torch.dtype = torch.float64,
-            device: torch.device | None = None) -> tuple[GPT, GPT]:
-    """The single-device model and an identical one for TP, both with a KV cache for `batch` sequences."""
-    torch.manual_seed(0)
-    reference = GPT(config).to(device=device, dtype=dtype)
-    model = GPT(config).to(device=device, dtype=dtype)
-    model.load_state_dict(reference.state_dict())
-    for m in (reference, model):
-        m.max_seq_length = MAX_SEQ
-        m.set_kv_cache(batch_size=batch, dtype=dtype, device=device)
-    return reference, model
 
 
 def _jit(model: GPT) -> torch.nn.Module:
@@ -55,37 +29,11 @@ def _jit(model: GPT) -> torch.nn.Module:
                        executors=FAST_EXECUTORS)
 
 
-@torch.inference_mode()
-def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Prefill, then `steps` - 1 decode steps: the greedy tokens and every step's last logits."""
-    logits = model(prompt, torch.arange(prompt.shape[1], device=prompt.device))[:, -1]
-    tokens, history = [logits.argmax(-1)], [logits]
-    for i in range(steps - 1):
-        logits = model(tokens[-1][:, None], torch.tensor([prompt.shape[1] + i], device=prompt.device))[:, -1]
-        tokens.append(logits.argmax(-1))
-        history.append(logits)
-        if on_decode is not None:
-            on_decode(i)
-    return torch.stack(tokens, 1), history
-
-
-def _local_cache_shapes(config: Config, batch: int, size: int) -> dict[str, tuple[int, ...]]:
-    """Each rank's K/V cache: its K/V heads, or the one head its query heads share."""
-    heads = config.n_query_groups // size if config.n_query_groups >= size else 1
-    return {f"transformer.h.{i}.attn.kv_cache.{kv}": (batch, heads, _cache_length(config, i), config.head_size)
-            for i in range(config.n_layer) for kv in "kv"}
-
-
-def _cache_length(config: Config, block: int) -> int:
-    windowed = config.sliding_window_indices is not None and config.sliding_window_indices[block]
-    return config.sliding_window_size if windowed else MAX_SEQ
-
-
 def _generate_and_compare(arch: str, batch: int) -> dict:
     """Greedy tokens and logits against one device, decode collectives per step, cache shapes."""
     _, size = rank_and_size()
     config = gen_config(arch)
-    reference, model = _models(config, batch)
+    reference, model = models_with_cache(config, batch)
     jm = _jit(model)
     prompt = torch.randint(0, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
     expected_tokens, expected_logits = greedy(reference, prompt, NEW_TOKENS)
@@ -98,17 +46,25 @@ def _generate_and_compare(arch: str, batch: int) -> dict:
     minimum = expected_counts(config, "tp", size)[0]
     assert all(counts == minimum for counts in decode_counts), (decode_counts, minimum)
     shapes = {n: tuple(b.shape) for n, b in jm.named_buffers() if ".kv_cache." in n}
-    assert shapes == _local_cache_shapes(config, batch, size), shapes
+    assert shapes == local_cache_shapes(config, batch, size), shapes
     return {"cache_misses": thunder.cache_misses(jm)}
 
 
-@pytest.mark.parametrize("arch", [a if a != "moe" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHITECTURES])
+#: the default run's architectures; the others are slow-marked: gqa is sliding_window's model without the ring cache
+#: (its second block runs as plain GQA there), neox's parallel residual is checked in training (test_litgpt), moe's
+#: layer in test_moe
+DEFAULT_ARCHITECTURES = ("sliding_window", "mqa")
+
+
+@pytest.mark.parametrize("arch", [a if a in DEFAULT_ARCHITECTURES else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in ARCHITECTURES])
 def test_greedy_generation_matches_single_device(arch):
     (info, _) = run_ranks(_generate_and_compare, 2, arch, 1)
     assert info["cache_misses"] == 2, info  # one prefill program, one decode program: decode never recompiles
 
 
-@pytest.mark.parametrize("arch", [pytest.param("gqa", marks=pytest.mark.slow), "mqa"])
+@pytest.mark.slow  # TP=4: the cache is split by the TP=2 cases' rule; replicated K/V heads: mqa at TP=2
+@pytest.mark.parametrize("arch", ["gqa", "mqa"])
 def test_greedy_generation_at_tp4(arch):
     run_ranks(_generate_and_compare, 4, arch, 1)
 
@@ -122,7 +78,7 @@ def _litgpt_loops(temperature: float) -> dict:
     """litgpt's generate (batch 1) and batched_generate_fn (batch 2) on the jitted module; seeded alike on every
     rank, sampling picks the same tokens everywhere."""
     config = gen_config("gqa")
-    reference, model = _models(config, 2)
+    reference, model = models_with_cache(config, 2)
     jm = _jit(model)
     prompt = torch.randint(0, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(2))
     sampling = dict(temperature=temperature, top_k=20, top_p=0.9)
@@ -155,7 +111,7 @@ def test_litgpt_generate_loops(temperature):
 
 def _reset_zeroes_the_pieces() -> list[bool]:
     config = gen_config("gqa")
-    _, model = _models(config, 1)
+    _, model = models_with_cache(config, 1)
     jm = _jit(model)
     greedy(jm, torch.randint(0, VOCAB, (1, PROMPT)), 2)
     written = [bool(jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.k").abs().sum() > 0) for i in range(config.n_layer)]
@@ -170,7 +126,7 @@ def test_cache_reset_acts_on_the_pieces():
 
 def _cache_after_jit() -> str:
     config = gen_config("gqa")
-    _, model = _models(config, 1)
+    _, model = models_with_cache(config, 1)
     model.clear_kv_cache()
     jm = _jit(model)
     model.set_kv_cache(batch_size=1, dtype=torch.float64)
@@ -190,7 +146,7 @@ def _meta_model_from_lit_model_pth(path: str) -> bool:
     import thunder_tp.checkpoint as ck
 
     config = gen_config("gqa")
-    reference, _ = _models(config, 1)
+    reference, _ = models_with_cache(config, 1)
     if dist.get_rank() == 0:
         torch.save(reference.state_dict(), path)
     dist.barrier()
@@ -204,13 +160,14 @@ def _meta_model_from_lit_model_pth(path: str) -> bool:
     return torch.equal(greedy(jm, prompt, NEW_TOKENS)[0], greedy(reference, prompt, NEW_TOKENS)[0])
 
 
+@pytest.mark.slow  # lit_model.pth into a meta TP model: test_checkpoint's test_lit_model_pth_loads_into_tp2
 def test_meta_model_loaded_from_lit_model_pth_generates_the_same_tokens(tmp_path):
     assert run_ranks(_meta_model_from_lit_model_pth, 2, str(tmp_path / "lit_model.pth")) == [True, True]
 
 
 def test_simulated_prefill_and_decode():
     config = gen_config("mqa")
-    reference, model = _models(config, 1)
+    reference, model = models_with_cache(config, 1)
     prompt = torch.randint(0, VOCAB, (1, PROMPT))
     with torch.inference_mode():
         want = [reference(prompt, torch.arange(PROMPT)), reference(prompt[:, :1], torch.tensor([PROMPT]))]
@@ -226,14 +183,14 @@ def test_simulated_prefill_and_decode():
 
 def test_cache_of_another_dtype_is_a_clear_error():
     config = gen_config("gqa")
-    _, model = _models(config, 1)
+    _, model = models_with_cache(config, 1)
     model.set_kv_cache(batch_size=1, dtype=torch.float32)  # the model computes in float64
     with pytest.raises(TypeError, match=r"set_kv_cache\(batch_size, dtype=torch.float64\) before thunder.jit"):
         greedy(thunder.jit(model), torch.randint(0, VOCAB, (1, PROMPT)), 1)
 
 
 def test_batch_larger_than_the_cache_is_a_clear_error():
-    _, model = _models(gen_config("gqa"), 1)
+    _, model = models_with_cache(gen_config("gqa"), 1)
     with pytest.raises(ValueError, match=r"a batch of 2 sequences, but the KV cache holds 1: model.set_kv_cache\(batch_size=2\)"):
         greedy(thunder.jit(model), torch.randint(0, VOCAB, (2, PROMPT)), 1)
 
@@ -243,7 +200,7 @@ def _compiles_for_prompts(lengths: list[int]) -> list[int]:
     compiled after each."""
     from thunder_tp.generate import prefill
 
-    _, model = _models(gen_config("gqa"), 1)
+    _, model = models_with_cache(gen_config("gqa"), 1)
     jm = _jit(model)
     misses = []
     for length in lengths:
@@ -255,6 +212,7 @@ def _compiles_for_prompts(lengths: list[int]) -> list[int]:
     return misses
 
 
+@pytest.mark.slow  # one prompt's chunked prefill compiles are counted by test_generate_cli's TP=2 run
 def test_chunked_prefill_bounds_the_compiles():
     # chunks: 5 = 4 + 1, 7 = 4 + 2 + 1, 6 = 4 + 2, 3 = 2 + 1, 12 = 8 + 4: programs for 1, 2, 4, 8 tokens, 1 = decode
     assert run_ranks(_compiles_for_prompts, 2, [5, 7, 6, 3, 12])[0] == [2, 3, 3, 3, 4]

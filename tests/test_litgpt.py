@@ -8,10 +8,11 @@ from litgpt.model import CausalSelfAttention
 
 import thunder_tp
 from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
-from thunder_tp.layouts import REPLICATE, shard_tensor
 from tests.dist import run_ranks
 from tests.litgpt_models import MODES, SEQ, GPTWithLoss, batch, expected_counts, make_config
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, compare_with_single_device, rank_and_size
+from tests.tp_checks import (
+    FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, compare_with_single_device, rank_and_size,
+)
 
 STEPS, LR, RTOL, ATOL = 3, 0.5, 1e-5, 1e-5
 
@@ -29,7 +30,6 @@ def _train(name, mode):
     jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=LR)
     opt = torch.optim.SGD(jm.parameters(), lr=LR)
-    layout = lambda n: transform.parameter_layouts.get(n, REPLICATE)  # noqa: E731
     counts = {}
     for step in range(STEPS):
         idx, targets = batch(step)
@@ -40,19 +40,22 @@ def _train(name, mode):
         if step == 0:
             counts = {"forward": collective_counts(thunder.last_traces(jm)[-1]),
                       "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
-            for n, p in reference.named_parameters():
-                want = shard_tensor(p.grad, layout(n), rank, size)
-                assert_close_scaled(jm.get_parameter(n).grad, want, rtol=RTOL, atol=ATOL, what=f"grad of {n}")
+            assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=RTOL, atol=ATOL)
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
-    for n, p in reference.named_parameters():
-        want = shard_tensor(p.detach(), layout(n), rank, size)
-        assert_close_scaled(jm.get_parameter(n).detach(), want, rtol=RTOL, atol=ATOL, what=f"{n} after {STEPS} steps")
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=RTOL, atol=ATOL,
+                            what=f"after {STEPS} steps:", parameters=True)
     return counts
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", ["llama", "neox"])
-@pytest.mark.parametrize("world", [2, 4])
+#: the default run: every mode at TP=2 on llama (SP at TP=4), neox's parallel residual in TP and TP+SP at TP=2; the
+#: other cases are slow-marked (the same rewrite at another size or mode: loss parallel alone in test_loss_parallel)
+DEFAULT = {(2, "llama", "tp"), (2, "llama", "tp_lp"), (4, "llama", "tp_sp"), (2, "neox", "tp"), (2, "neox", "tp_sp")}
+CASES = [(w, n, m) for w in (2, 4) for n in ("llama", "neox") for m in MODES]
+
+
+@pytest.mark.parametrize("world, name, mode", [
+    pytest.param(*case, id="-".join(map(str, case)), marks=[] if case in DEFAULT else [pytest.mark.slow]) for case in CASES
+])
 def test_gpt_matches_single_device(world, name, mode):
     counts = run_ranks(_train, world, name, mode)[0]
     forward, backward = expected_counts(make_config(name), mode, world)

@@ -7,22 +7,19 @@ per block equal Megatron's minimum. The default run checks a fast subset coverin
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import thunder
 import torch
 
 import thunder_tp
 from thunder_tp import TensorParallel
-from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
+from thunder_tp.layouts import shard_tensor
 from thunder_tp.plans.litgpt import GPTWithLoss, tp_sizes
 from tests.dist import run_ranks
 from tests.litgpt_models import MODES, batch, expected_counts, zoo, zoo_config
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
+from tests.zoo_checks import reference_and_copy, simulated_at_tp8, tolerance
 
-#: litgpt's RMSNorm computes in float32 even for float64 inputs; everything else is exact to ~1e-12
-TOLERANCE = {"RMSNorm": 2e-6, "LayerNorm": 1e-9}
 #: a handful of architectures that cover the features beyond plain GQA/MHA, for the default test run
 FAST = [
     ("Qwen2.5-1.5B", 4, "tp"),  # 2 K/V groups over 4 ranks: K/V heads replicated; attention biases
@@ -35,22 +32,16 @@ FAST = [
 def _check(name: str, mode: str) -> dict:
     """Loss and every grad of the TP run vs single device (float64); the collectives of both traces."""
     rank, size = rank_and_size()
-    config = zoo_config(name)
-    torch.manual_seed(0)
-    reference = GPTWithLoss(config).double()
-    model = GPTWithLoss(config).double()
-    model.load_state_dict(reference.state_dict())
+    reference, model = reference_and_copy(name)
     transform = TensorParallel(thunder_tp.plans.litgpt(model, **MODES[mode]))
     jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
     idx, targets = batch(0)
     expected, actual = reference(idx, targets), jm(idx, targets)
-    tolerance = TOLERANCE.get(config.norm_class_name, 2e-6)
-    assert_close_scaled(actual, expected, rtol=0, atol=tolerance, what=f"{name} {mode} loss")
+    atol = tolerance(reference.config)
+    assert_close_scaled(actual, expected, rtol=0, atol=atol, what=f"{name} {mode} loss")
     expected.backward()
     actual.backward()
-    for n, p in reference.named_parameters():
-        want = shard_tensor(p.grad, transform.parameter_layouts.get(n, REPLICATE), rank, size)
-        assert_close_scaled(jm.get_parameter(n).grad, want, rtol=0, atol=tolerance, what=f"{name} {mode} grad of {n}")
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=0, atol=atol, what=f"{name} {mode}")
     return {"forward": collective_counts(thunder.last_traces(jm)[-1]),
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
 
@@ -104,48 +95,6 @@ def test_replicated_kv_layout_round_trips():
 
 
 # --- TP=8 on simulated ranks (thunder_tp.simulate: PyTorch's LocalTensor in this one process) -----------------
-
-
-def _simulated_check(name: str, world: int, plan_for: Callable[[torch.nn.Module], dict], what: str) -> dict:
-    """_check on `world` simulated ranks with the plan `plan_for(model)` (`what` names it in messages): every rank's
-    loss, and the rank pieces of every grad unsharded, vs one device; the collectives of both traces."""
-    config = zoo_config(name)
-    torch.manual_seed(0)
-    reference = GPTWithLoss(config).double()
-    model = GPTWithLoss(config).double()
-    model.load_state_dict(reference.state_dict())
-    idx, targets = batch(0)
-    expected = reference(idx, targets)
-    expected.backward()
-    tolerance = TOLERANCE.get(config.norm_class_name, 2e-6)
-    with thunder_tp.simulate(world_size=world):
-        transform = TensorParallel(plan_for(model))
-        jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors())
-        loss = jm(idx, targets)
-        loss.backward()
-        counts = {"forward": collective_counts(thunder.last_traces(jm)[-1]),
-                  "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
-        losses = thunder_tp.per_rank(loss)
-        grads = {n: thunder_tp.per_rank(jm.get_parameter(n).grad) for n, _ in reference.named_parameters()}
-    for rank, value in losses.items():
-        assert_close_scaled(value, expected, rtol=0, atol=tolerance, what=f"{name} {what} loss of simulated rank {rank}")
-    for n, p in reference.named_parameters():
-        layout = transform.parameter_layouts.get(n, REPLICATE)
-        pieces = [grads[n][r] for r in range(world)]
-        got = pieces[0] if layout == REPLICATE else unshard_tensor(pieces, layout)
-        assert_close_scaled(got, p.grad, rtol=0, atol=tolerance, what=f"{name} {what} grad of {n} (TP={world}, simulated)")
-    return counts
-
-
-def simulated_at_tp8(name: str, plan_for: Callable[[torch.nn.Module], dict], what: str) -> dict | None:
-    """_simulated_check at TP=8; None where the simulation refuses, as it must, K/V heads of several groups
-    replicated (1 < K/V groups < 8: each rank's heads start at a rank-dependent offset)."""
-    if 1 < zoo_config(name).n_query_groups < 8:
-        with pytest.raises(NotImplementedError, match="rank-dependent offsets"):
-            _simulated_check(name, 8, plan_for, what)
-        return None
-    return _simulated_check(name, 8, plan_for, what)
-
 
 SIMULATED = [(n, m) for n in zoo() for m in MODES if 8 in tp_sizes(zoo_config(n))]
 

@@ -16,10 +16,9 @@ from torch.distributed._local_tensor import local_tensor_mode
 
 import thunder_tp
 from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
-from thunder_tp.layouts import REPLICATE, shard_tensor, unshard_tensor
 from tests.dist import free_port
 from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch, expected_counts, make_config
-from tests.tp_checks import assert_close_scaled, collective_counts
+from tests.tp_checks import assert_close_scaled, assert_simulated_grads_are_shards, collective_counts
 
 #: float64; litgpt's RMSNorm still runs in float32 (~5e-7 of a grad's largest entry)
 RTOL = ATOL = 1e-6
@@ -73,17 +72,10 @@ def test_gqa_gpt_on_simulated_ranks_matches_single_device(world, mode, tmp_path)
 
     for rank, value in enumerate(_pieces(loss, world)):
         assert_close_scaled(value, expected, rtol=RTOL, atol=ATOL, what=f"loss of simulated rank {rank}")
-    for name, p in reference.named_parameters():
-        layout = transform.parameter_layouts.get(name, REPLICATE)
-        grads = _pieces(jm.get_parameter(name).grad, world)
-        if layout == REPLICATE:  # every rank holds the whole grad
-            for rank, g in enumerate(grads):
-                assert_close_scaled(g, p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name} on rank {rank}")
-        else:  # the rank shards concatenate to the single-device grad
-            assert_close_scaled(unshard_tensor(grads, layout), p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
-        for rank, piece in enumerate(_pieces(jm.get_parameter(name), world)):
-            want = shard_tensor(p.detach(), layout, rank, world)
-            assert_close_scaled(piece, want, rtol=RTOL, atol=ATOL, what=f"{name} after an SGD step on rank {rank}")
+    # each rank's grad (first reference step) is its shard; so is each parameter after an SGD step
+    assert_simulated_grads_are_shards(reference, jm, transform.parameter_layouts, world, rtol=RTOL, atol=ATOL)
+    assert_simulated_grads_are_shards(reference, jm, transform.parameter_layouts, world, rtol=RTOL, atol=ATOL,
+                                      what="after an SGD step:", parameters=True)
     # the simulated program issues what real ranks issue (Megatron's minimum; tests/test_litgpt.py)
     assert (collective_counts(forward), collective_counts(backward)) == expected_counts(reference.config, mode, world)
     names = sorted(p.name for p in files)
@@ -112,10 +104,7 @@ def test_checkpointed_blocks_recompute_their_collectives():
         loss = jm(idx, targets)
         loss.backward()
     assert_close_scaled(thunder_tp.per_rank(loss)[1], expected, rtol=RTOL, atol=ATOL, what="loss")
-    for name, p in reference.named_parameters():
-        grads = _pieces(jm.get_parameter(name).grad, 2)
-        full = unshard_tensor(grads, transform.parameter_layouts.get(name, REPLICATE))
-        assert_close_scaled(full, p.grad, rtol=RTOL, atol=ATOL, what=f"grad of {name}")
+    assert_simulated_grads_are_shards(reference, jm, transform.parameter_layouts, 2, rtol=RTOL, atol=ATOL)
     _, backward = expected_counts(make_config("llama"), "tp", 2)
     n_layer = reference.config.n_layer
     assert collective_counts(thunder.last_backward_traces(jm)[-1]) == {"all_reduce": backward["all_reduce"] + n_layer}
@@ -188,10 +177,10 @@ def test_sliding_window_mask_built_inside_forward():
     (``Tensor.bool``): Thunder's fake tensors for those stay fake under the simulation's LocalTensorMode, and the
     simulated program matches one device (loss, every grad) and issues what real ranks issue."""
     from tests.litgpt_models import zoo_config
-    from tests.test_litgpt_zoo import _simulated_check
+    from tests.zoo_checks import simulated_check
 
     name = "Mathstral-7B-v0.1"  # GQA with 8 K/V groups and a sliding window
     assert zoo_config(name).sliding_window_size is not None
     forward, backward = expected_counts(zoo_config(name), "tp", 4)
-    counts = _simulated_check(name, 4, thunder_tp.plans.litgpt, "tp")
+    counts = simulated_check(name, 4, thunder_tp.plans.litgpt, "tp")
     assert counts == {"forward": forward, "backward": backward}

@@ -11,7 +11,7 @@ from thunder.core.proxies import TensorProxy
 import thunder_tp
 from thunder_tp.executor import is_communication
 from tests.dist import run_ranks
-from tests.test_core_mlp import MLP, PLAN, _mlp_input
+from tests.parallel_mlp import MLP, PLAN, mlp_input
 
 _COLLECTIVE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
 _NAME_WORK = "tp_name_work"  # wraps its work handle so that a failed wait names the collective
@@ -39,7 +39,7 @@ def _summary(trace) -> dict:
 def _tp_mlp_traces():
     torch.manual_seed(0)
     jm = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=thunder_tp.executors())
-    (x,) = _mlp_input()
+    (x,) = mlp_input()
     jm(x).sum().backward()
     return _summary(thunder.last_traces(jm)[-1]), _summary(thunder.last_backward_traces(jm)[-1])
 
@@ -106,7 +106,7 @@ def _all_reduces_in_place(model_cls, make_input, plan):
 def test_all_reduce_of_a_value_nothing_else_reads_runs_in_place():
     # fc2's output (forward) and the input grad (backward) are fresh fusion outputs that only the all_reduce reads:
     # no copy of them is made before reducing
-    forward, backward = run_ranks(_all_reduces_in_place, 2, MLP, _mlp_input, PLAN)[0]
+    forward, backward = run_ranks(_all_reduces_in_place, 2, MLP, mlp_input, PLAN)[0]
     assert forward == [True] and backward == [True], (forward, backward)
 
 
@@ -119,7 +119,7 @@ def _in_place_with_another_reader():
 
     torch.manual_seed(0)
     jm = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=thunder_tp.executors())
-    jm(*_mlp_input())
+    jm(*mlp_input())
     trace = thunder.last_traces(jm)[-1]
     i = next(i for i, b in enumerate(trace.bound_symbols) if b.sym.name == _COLLECTIVE)
     reduce = trace.bound_symbols[i]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import thunder
@@ -78,12 +78,68 @@ def compare_with_single_device(
     for x, r in zip(inputs, ref_inputs):
         if isinstance(x, torch.Tensor) and x.requires_grad:
             assert_close_scaled(x.grad, r.grad, rtol=rtol, atol=atol, what="input grad")
-    for name, p in reference.named_parameters():
-        layout: Layout = transform.parameter_layouts.get(name, REPLICATE)
-        want = shard_tensor(p.grad, layout, rank, size)
-        got = jm.get_parameter(name).grad
-        assert got is not None, f"no grad for {name}"
-        assert_close_scaled(got, want, rtol=rtol, atol=atol, what=f"grad of {name}")
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=rtol, atol=atol)
     if inspect is not None:
         info["inspected"] = inspect(jm)
     return info
+
+
+def assert_grads_are_shards(
+    reference: torch.nn.Module,
+    jm: torch.nn.Module,
+    layouts: Mapping[str, Layout],
+    rank: int,
+    size: int,
+    *,
+    rtol: float,
+    atol: float,
+    what: str = "",
+    parameters: bool = False,
+) -> None:
+    """Every parameter's grad on this rank of `size` is its shard (`layouts`, Replicate where absent) of the grad of
+    the single-device `reference`; a missing grad fails. parameters=True: the parameters themselves (after steps)."""
+    for name, label, full, local in _full_and_local(reference, jm, parameters, what):
+        _assert_shard(local, full, layouts.get(name, REPLICATE), rank, size, rtol=rtol, atol=atol, what=label)
+
+
+def assert_simulated_grads_are_shards(
+    reference: torch.nn.Module,
+    jm: torch.nn.Module,
+    layouts: Mapping[str, Layout],
+    world: int,
+    *,
+    rtol: float,
+    atol: float,
+    what: str = "",
+    parameters: bool = False,
+) -> None:
+    """assert_grads_are_shards on every rank of a thunder_tp.simulate run of `world` ranks (each rank's piece)."""
+    from thunder_tp import per_rank
+
+    for name, label, full, local in _full_and_local(reference, jm, parameters, what):
+        assert local is not None, f"{label}: none under TP"
+        pieces = per_rank(local)
+        assert sorted(pieces) == list(range(world)), f"{label}: simulated ranks {sorted(pieces)}"
+        for rank, piece in pieces.items():
+            _assert_shard(piece, full, layouts.get(name, REPLICATE), rank, world, rtol=rtol, atol=atol,
+                          what=f"{label} on simulated rank {rank}")
+
+
+def _full_and_local(
+    reference: torch.nn.Module, jm: torch.nn.Module, parameters: bool, what: str
+) -> Iterator[tuple[str, str, torch.Tensor | None, torch.Tensor | None]]:
+    """(name, label for messages, single-device tensor, TP tensor) per parameter: their grads, or with `parameters`
+    the values."""
+    prefix = f"{what} " if what else ""
+    for name, p in reference.named_parameters():
+        local = jm.get_parameter(name)
+        if parameters:
+            yield name, f"{prefix}parameter {name}", p.detach(), local
+        else:
+            yield name, f"{prefix}grad of {name}", p.grad, local.grad
+
+
+def _assert_shard(local, full, layout: Layout, rank: int, size: int, *, rtol: float, atol: float, what: str) -> None:
+    assert full is not None, f"{what}: none on the single-device model"
+    assert local is not None, f"{what}: none under TP"
+    assert_close_scaled(local, shard_tensor(full, layout, rank, size), rtol=rtol, atol=atol, what=what)
