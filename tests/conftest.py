@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+import thunder_tp.quiet  # noqa: F401  (before any test imports Thunder: its transformer_engine warning filtered)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _dist_pools():

@@ -42,10 +42,11 @@ def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
         assert results["thunder_tp"]["param_bytes"] < results["single_eager"]["param_bytes"], results
 
 
+# the command line; test_batched_bf16 runs the benchmark on the warm ranks (~2 minutes on 2 cores)
+@pytest.mark.slow
 def test_torchrun(tmp_path):
-    """Batch 1 (litgpt's generate loop), fp32, from the command line; one Thunder build (each costs ~20 s here:
-    single_thunder runs in test_batched_bf16)."""
-    modes = ["single_eager", "thunder_tp", "manual_tp", "eager_2threads"]
+    """Batch 1 (litgpt's generate loop), fp32, from the command line: every mode."""
+    modes = ["single_eager", "single_thunder", "thunder_tp", "manual_tp", "eager_2threads"]
     json_path = tmp_path / "results.json"
     stdout, stderr = torchrun([str(SCRIPT), *TINY, "--modes", ",".join(modes), "--json_path", str(json_path)],
                               timeout=TIMEOUT_S, cwd=str(tmp_path))
@@ -68,11 +69,11 @@ def _run(argv: list[str]) -> tuple[int, dict]:
 
 
 def test_batched_bf16():
-    """Batch 2 (litgpt's batched loop), bf16, on the warm gloo ranks of tests/dist.py; the Thunder build is
-    single_thunder's (thunder_tp runs in test_torchrun)."""
+    """Batch 2 (litgpt's batched loop), bf16, on the warm gloo ranks of tests/dist.py; the one Thunder build is
+    thunder_tp's (test_torchrun, slow, runs every mode from the command line)."""
     from tests.dist import run_ranks
 
-    modes = ["single_thunder", "single_eager", "manual_tp"]
+    modes = ["single_eager", "thunder_tp", "manual_tp"]
     (code, res), (code1, _) = run_ranks(_run, 2, ["--batch", "2", "--dtype", "bfloat16", "--modes", ",".join(modes)])
     assert code == code1 == 0
     _check(res, modes, 2, 2)

@@ -68,6 +68,24 @@ def _may_use_real_time_priority() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60).returncode == 0
 
 
+def test_compare_runs_thunder_tp_against_dtensor(tmp_path):
+    """The default run's compare.py: thunder_tp's TP and loss-parallel modes and DTensor's on Thunder's default
+    executors (no Inductor compile), each gated against one device and timed; the broken-down step of one mode."""
+    modes = ["single_eager", "thunder_tp_tp", "thunder_tp_tp_lp", "dtensor_tp", "dtensor_tp_lp"]
+    report, stdout = _compare(tmp_path, "--executors", "thunder_default", "--modes", ",".join(modes),
+                              "--scaling_layers", "", "--breakdown", "1")
+    assert set(report["modes"]) == set(modes), sorted(report["modes"])
+    _check_modes(report["modes"])
+    for name in ("thunder_tp_tp", "dtensor_tp"):  # Megatron's minimum, the logits gathered
+        r = report["modes"][name]
+        forward, backward = (r.get(f"comm_{p}_trace") or r[f"comm_{p}"] for p in ("forward", "backward"))
+        assert forward["counts"] == {"all_reduce": 3, "all_gather": 1}, (name, forward)
+        assert backward["counts"] == {"all_reduce": 3}, (name, backward)
+    assert "| thunder_tp_tp |" in stdout and "| dtensor_tp_lp |" in stdout
+
+
+# every mode, the transform-time scaling, the plot, the transport runs: ~9 minutes on 2 cores
+@pytest.mark.slow
 def test_compare_runs_every_mode(tmp_path):
     """Every mode but the Inductor ones (in the slow test), the thunder modes on Thunder's default executors:
     no Inductor compile at all; the report and the plot; gloo's threads at SCHED_FIFO where the machine allows it."""
