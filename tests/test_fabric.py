@@ -17,10 +17,11 @@ TIMEOUT_S = 900
 
 
 @functools.lru_cache(maxsize=None)
-def _one_device(iters: int, accumulate: int, config: str, tmp: str) -> tuple[float, ...]:
+def _one_device(iters: int, accumulate: int, config: str, tmp: str, micro_batch_size: int = 2) -> tuple[float, ...]:
     """The same loop with Fabric on one device (this process)."""
     config = getattr(fabric_loops, f"{config}_config")()
-    return tuple(fabric_loops.pretrain(tmp, None, iters=iters, accumulate=accumulate, config=config))
+    return tuple(fabric_loops.pretrain(tmp, None, iters=iters, accumulate=accumulate, config=config,
+                                       micro_batch_size=micro_batch_size))
 
 
 def _pretrain_ranks(directory: str, strategy: dict, iters: int, accumulate: int, config: str, data_parallel: int = 1) -> dict:
@@ -83,22 +84,18 @@ def test_pretrain_tp2_with_accumulation_equals_one_device(tmp_path):
 
 
 @pytest.mark.slow  # reason: four ranks compiling two programs each (minutes on 2 cores)
-@pytest.mark.parametrize("strategy,iters,accumulate", [
-    ({"tensor_parallel_size": 4}, 4, 2),                            # 2 K/V groups on 4 ranks: K/V heads replicated
-    # 2 x 2 mesh, FSDP over the data-parallel group; DDP with accumulation under no_backward_sync. Open bug: the first
-    # step's losses equal one device's (same weights, same data), the second differs (FSDP by 18%, DDP by 3%), while
-    # the same 2-D jit outside Fabric trains exactly (tests/test_2d.py) and clips exactly (test_fabric_clipping.py)
-    pytest.param({"tensor_parallel_size": 2, "data_parallel": "fsdp"}, 2, 1,
-                 marks=pytest.mark.xfail(strict=True, reason="2-D through Fabric: the second step differs (open bug)")),
-    pytest.param({"tensor_parallel_size": 2, "data_parallel": "ddp"}, 4, 2,
-                 marks=pytest.mark.xfail(strict=True, reason="2-D through Fabric: the second step differs (open bug)")),
+@pytest.mark.parametrize("strategy", [
+    {"tensor_parallel_size": 4},                            # 2 K/V groups on 4 ranks: K/V heads replicated
+    {"tensor_parallel_size": 2, "data_parallel": "fsdp"},   # 2 x 2 mesh, FSDP over the data-parallel group
+    {"tensor_parallel_size": 2, "data_parallel": "ddp"},    # 2 x 2 mesh, DDP: accumulation under no_backward_sync
 ])
-def test_pretrain_four_ranks_equals_one_device(tmp_path, strategy, iters, accumulate):
-    """Each data-parallel rank takes its share of each step's micro-batches (one device: all of them in turn)."""
+def test_pretrain_four_ranks_equals_one_device(tmp_path, strategy):
+    """2 micro-batches per step. Each data-parallel rank takes its share of every micro-batch: one device's micro-
+    batches are dp times larger (litgpt's learning-rate schedule counts micro-batches, so their number stays)."""
     tp = strategy["tensor_parallel_size"]
     dp = 4 // tp
-    expected = _one_device(iters * dp, accumulate * dp, "gqa", str(tmp_path / "one"))
-    results = run_ranks(_pretrain_ranks, 4, str(tmp_path), strategy, iters, accumulate, "gqa", dp, timeout=TIMEOUT_S)
+    expected = _one_device(4, 2, "gqa", str(tmp_path / "one"), 2 * dp)
+    results = run_ranks(_pretrain_ranks, 4, str(tmp_path), strategy, 4, 2, "gqa", dp, timeout=TIMEOUT_S)
     _check(results, expected, tp)
 
 
