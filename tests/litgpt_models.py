@@ -143,3 +143,16 @@ def zoo_config(name: str):
     from litgpt import Config
 
     return Config(**zoo()[name])
+
+
+def lora_config(enable: str, n_query_groups: int = 2):
+    """A tiny LoRA config (LayerNorm, so float64 throughout) with LoRA on the q/k/v parts named in `enable`."""
+    from litgpt.lora import Config
+
+    return Config(
+        name="tiny-lora", block_size=16, vocab_size=256, padded_vocab_size=256, n_layer=2, n_head=4,
+        n_query_groups=n_query_groups, n_embd=32, head_size=8, intermediate_size=64, bias=False,
+        mlp_class_name="LLaMAMLP", norm_class_name="LayerNorm", parallel_residual=False, rotary_percentage=1.0,
+        lora_r=2, lora_alpha=4, lora_query="q" in enable, lora_key="k" in enable, lora_value="v" in enable,
+        lora_projection=True, lora_mlp=True, lora_head=True,
+    )

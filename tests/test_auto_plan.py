@@ -20,7 +20,7 @@ from thunder_tp import TensorParallel
 from thunder_tp.plans.litgpt import GPTWithLoss
 from tests import custom_models
 from tests.dist import run_ranks
-from tests.litgpt_models import batch, zoo_config
+from tests.litgpt_models import batch, lora_config, zoo_config
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 from tests.zoo_checks import simulated_at_tp8
 
@@ -196,6 +196,20 @@ def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, worl
           f"{hand_used} B | budget {plan.budget} B")
     assert _no_worse(_figures(auto, plan.bytes_per_rank), _figures(hand, hand_used)), str(plan)
     return plan
+
+
+@pytest.mark.parametrize("enable", ["qv", pytest.param("qkv", marks=pytest.mark.slow)])  # slow: the same search
+def test_lora_auto_plan_prices_no_worse_than_plans_litgpt(enable):
+    """litgpt.lora models: each LoRA pair is decided with its base layer (the litgpt family's wrapper rule), so the
+    search follows the base's style into the pair, as plans.litgpt does; priced only."""
+    from litgpt.lora import GPT, mark_only_lora_as_trainable
+
+    with torch.device("meta"):
+        model = GPT(lora_config(enable))
+    mark_only_lora_as_trainable(model)
+    idx = torch.randint(0, 256, (2, 16))
+    plan = _check_priced_against_hand(f"lora {enable}", model, (idx,), {}, 2, thunder_tp.plans.litgpt(model))
+    assert {type(s).__name__ for k, s in plan.items() if not k.endswith(".linear")} >= {"LoRAPairParallel"}, str(plan)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 
 from tests import fabric_loops
 from tests.dist import run_ranks
-from tests.test_fabric_lora import lora_config
+from tests.litgpt_models import lora_config
 
 RTOL = 1e-6
 TIMEOUT_S = 1200

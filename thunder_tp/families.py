@@ -1,13 +1,17 @@
-"""Model families hook into the core here: what a family must register before Thunder traces one of its models.
+"""Model families hook into the core here: what the core must know of a family's models.
 
-The core (TensorParallel, plans.auto) imports no model family. A family's adapter (`thunder_tp.models`) registers a
-`prepare(module)` function, which the core calls on every module it is about to trace, so that a model is traced
-alike whatever made its plan (HF's lookasides, for one).
+The core (TensorParallel, plans.auto) imports no model family. A family's adapter (`thunder_tp.models`) registers
+- a `prepare(module)` function, which the core calls on every module it is about to trace, so that a model is traced
+  alike whatever made its plan (HF's lookasides, for one);
+- a wrapper rule: which of its modules wrap a layer whose style their own parameters follow (a LoRA pair around its
+  base Linear), so that the automatic plan decides the two together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
@@ -26,3 +30,28 @@ def prepare_for_tracing(module: nn.Module) -> None:
     """Let every registered family prepare `module` for tracing (each acts only on its own models)."""
     for prepare in _preparers:
         prepare(module)
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A module whose own parameters follow the style of the layer it wraps (`child`, an attribute name):
+    `follow(style)` is their style when the layer gets `style`."""
+
+    child: str
+    follow: Callable[[Any], Any]
+
+
+WrapperRule = Callable[[nn.Module], Wrapper | None]
+_wrapper_rules: list[WrapperRule] = []
+
+
+def register_wrapper_rule(rule: WrapperRule) -> WrapperRule:
+    """Register a family's rule telling its wrapping modules (a decorator)."""
+    if rule not in _wrapper_rules:
+        _wrapper_rules.append(rule)
+    return rule
+
+
+def wrapper_of(module: nn.Module) -> Wrapper | None:
+    """How `module` wraps a layer, if a registered family says it does."""
+    return next((w for rule in _wrapper_rules if (w := rule(module)) is not None), None)

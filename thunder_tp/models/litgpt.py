@@ -10,6 +10,9 @@ wraps hides the slots not yet written, as the cut did; once it wraps, every slot
 Mixture of experts. `LLaMAMoE.forward` gathers each expert's tokens with `torch.where(mask)` (data-dependent shapes):
 it is traced as one `moe_layer` op (`thunder_tp.models.moe`).
 
+LoRA. A `litgpt.lora.LoRALinear`'s pair follows the style of its base `linear` (`LoRAPairParallel`), and the family
+tells the automatic plan so (a wrapper rule), which decides the two together.
+
 So a plain `thunder.jit` of such models traces once thunder_tp is imported.
 """
 
@@ -20,9 +23,16 @@ from thunder.core.dtypes import to_torch_dtype
 from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
 
-from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
+from dataclasses import dataclass
 
-__all__ = ["kv_cache_forward", "llama_moe_forward"]
+import torch.nn as nn
+
+from thunder_tp.families import Wrapper, register_wrapper_rule
+from thunder_tp.layouts import REPLICATE, Layout, Shard
+from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
+from thunder_tp.styles import ColwiseParallel, RowwiseParallel
+
+__all__ = ["LoRAPairParallel", "kv_cache_forward", "llama_moe_forward"]
 
 
 def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +79,55 @@ def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
                      Routing.of(module.config))
 
 
+@dataclass(frozen=True)
+class LoRAPairParallel:
+    """The LoRA pair of a litgpt LoRALinear (`lora_A` r x in, `lora_B` out x r) split like its base layer: under a
+    column-parallel base (outputs split) `lora_B`'s rows are split like the base's outputs (its q|k|v blocks: those
+    LoRA is enabled for) and `lora_A` is whole; under a row-parallel base (inputs split) `lora_A`'s columns are split
+    like the base's inputs and `lora_B` is whole. The LoRA path's ops are laid out by propagation."""
+
+    base: ColwiseParallel | RowwiseParallel
+    input_layout = None
+    output_layout = None
+
+    def check(self, module_name: str, size: int) -> None:
+        """Whole heads per rank: checked on the base layer."""
+
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+        """Layouts of `lora_A` and `lora_B`."""
+        if isinstance(self.base, RowwiseParallel):
+            return {"lora_A": Shard(1), "lora_B": REPLICATE}
+        rows = _enabled_blocks(module, self.base.tensor_layouts(module.linear, size)["weight"])
+        # K/V heads replicated over ranks (fewer K/V groups than ranks): the LoRA path's product (a grouped conv1d)
+        # would need lora_B whole, which a layout with copies cannot be gathered into; it stays whole
+        return {"lora_A": REPLICATE, "lora_B": REPLICATE if rows.is_replicated else rows}
+
+
+def _enabled_blocks(module: nn.Module, layout: Shard) -> Shard:
+    """The base weight's layout restricted to the q|k|v blocks LoRA is enabled for (a LoRAQKVLinear's lora_B holds
+    only those rows); a plain LoRALinear's lora_B is split like its base weight."""
+    enabled = getattr(module, "enable_lora", None)
+    if enabled is None or layout.blocks is None or all(enabled):
+        return layout
+    blocks = tuple(b for b, on in zip(layout.blocks, enabled) if on)
+    replicas = tuple(r for r, on in zip(layout.block_replicas(), enabled) if on)
+    replicas = replicas if any(r > 1 for r in replicas) else None
+    return Shard(0, blocks if len(blocks) > 1 else None, replicas)
+
+
 try:
+    from litgpt.lora import LoRALinear
     from litgpt.model import KVCache, LLaMAMoE
 except ImportError:  # litgpt is optional: without it there is nothing to divert
-    KVCache = LLaMAMoE = None
+    KVCache = LLaMAMoE = LoRALinear = None
+
+
+@register_wrapper_rule
+def _lora_pair(module: nn.Module) -> Wrapper | None:
+    """A LoRALinear with a LoRA pair wraps its `linear`: the pair follows the linear's style."""
+    if LoRALinear is None or not isinstance(module, LoRALinear) or module.r <= 0 or not hasattr(module, "lora_A"):
+        return None
+    return Wrapper("linear", LoRAPairParallel)
 
 if KVCache is not None:
 

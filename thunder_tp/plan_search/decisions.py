@@ -12,6 +12,7 @@ import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
+from thunder_tp.families import wrapper_of
 from thunder_tp.layouts import REPLICATE
 from thunder_tp.plan_search.tracing import Traced
 from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, KVCacheParallel, RowwiseParallel, Style
@@ -32,6 +33,10 @@ def decisions_of(module: nn.Module, trace: Traced, size: int) -> list[Decision]:
     for name, m in module.named_modules():
         if any(True for _ in m.parameters(recurse=False)) or is_cache(m):
             owners.setdefault(block_pattern(name), []).append(name)
+    for pattern, names in list(owners.items()):  # a wrapper is decided with the layer it wraps
+        wrapper = wrapper_of(module.get_submodule(names[0]))
+        if wrapper is not None:
+            names.extend(owners.pop(f"{pattern}.{wrapper.child}", []))
     groups = _merge_tied(module, list(owners.values()))
     order = {n.rpartition(".")[0]: i for i, n in enumerate(trace.names.values())}
     groups.sort(key=lambda g: min(order.get(m, math.inf) for m in g))
@@ -54,16 +59,22 @@ def _merge_tied(module: nn.Module, groups: list[list[str]]) -> list[list[str]]:
 
 def _decision(module: nn.Module, trace: Traced, group: list[str], size: int) -> Decision:
     """The styles each module of `group` may get (a style per module; tied modules: the combinations that split
-    their shared parameter one way)."""
+    their shared parameter one way; a wrapper: the style that follows its layer's)."""
+    wrappers = {name: w for name in group if (w := wrapper_of(module.get_submodule(name))) is not None}
     kinds = {}
     for name in group:
-        kinds.setdefault(_signature(module.get_submodule(name)), name)
+        if name not in wrappers:
+            kinds.setdefault(_signature(module.get_submodule(name)), name)
     per_kind = {sig: _choices(module.get_submodule(first), first, trace, size) for sig, first in kinds.items()}
     names = list(kinds)
     combos = []
     for combo in product(*(per_kind[n] for n in names)):
         by_kind = dict(zip(names, combo))
-        combos.append(tuple(by_kind[_signature(module.get_submodule(m))] for m in group))
+        styles = {m: by_kind[_signature(module.get_submodule(m))] for m in group if m not in wrappers}
+        for name, w in wrappers.items():
+            layer = styles[f"{name}.{w.child}"]
+            styles[name] = None if layer is None else w.follow(layer)
+        combos.append(tuple(styles[m] for m in group))
     return Decision(tuple(group), tuple(combos))
 
 
