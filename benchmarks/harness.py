@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import thunder_tp.quiet  # noqa: F401  (before Thunder's first import: quiets what using thunder_tp causes)
+import thunder_tp.thunder_internals.quiet  # noqa: F401  (before Thunder's first import: quiets what using thunder_tp causes)
 
 # --- process group and device -------------------------------------------------------------------------------
 

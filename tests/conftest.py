@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-import thunder_tp.quiet  # noqa: F401  (before any test imports Thunder: its transformer_engine warning filtered)
+import thunder_tp.thunder_internals.quiet  # noqa: F401  (before any test imports Thunder: its transformer_engine warning filtered)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,4 +1,4 @@
-"""thunder_tp's import quiets the messages its use causes (thunder_tp/quiet.py) and only those."""
+"""thunder_tp's import quiets the messages its use causes (thunder_tp/thunder_internals/quiet.py) and only those."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 from tests.dist import REPO_ROOT
 
-import thunder_tp.quiet  # noqa: F401
+import thunder_tp.thunder_internals.quiet  # noqa: F401
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

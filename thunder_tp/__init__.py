@@ -1,6 +1,6 @@
 """thunder_tp: tensor parallelism for Lightning Thunder."""
 
-from thunder_tp import quiet  # noqa: F401, I001  (first: filters the warning importing Thunder raises)
+from thunder_tp.thunder_internals import quiet  # noqa: F401, I001  (first: filters the warning importing Thunder raises)
 from thunder_tp import plans
 from thunder_tp.annotate import annotate
 from thunder_tp.clipping import clip_grad_norm_
