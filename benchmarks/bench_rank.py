@@ -244,6 +244,7 @@ def _projection(workload: str, mode: RankMode, by_depth: dict, args, dims) -> di
         step = project_step(traces, compute, link, other_s=r.get("optimizer_s", 0.0))
         per_depth[depth] = {"no_overlap_s": step.no_overlap_s, "overlap_s": step.overlap_s, "comm_s": step.comm_s}
     out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in ("no_overlap_s", "overlap_s", "comm_s")}
+    out["overlap_s"] = min(out["overlap_s"], out["no_overlap_s"])  # two depths' lines may cross past the deeper one
     out["link"] = link.name
     out["overlap_from_trace"] = bool(by_depth[max(by_depth)]["traces"])
     return out

@@ -218,7 +218,8 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
             clock = max(clock, record["done_s"])
         clock += share.get(id(bsym), 0.0)
     comm = sum(r["seconds"] for r in records)
-    return PassProjection(compute_s, comm, compute_s + comm, max(clock, link_free), records)
+    serial = compute_s + comm  # the schedule only hides time: rounding in the shares' sum must not add any
+    return PassProjection(compute_s, comm, serial, min(max(clock, link_free), serial), records)
 
 
 def _compute_shares(trace: TraceCtx, calls: dict, compute_s: float) -> dict[int, float]:
