@@ -34,6 +34,9 @@ over the time from the first to the last token; a distributed mode's times are i
 (a), the collectives of one decode step ((c): its last trace's ``thunder_tp.collectives_table``; (d): counted at
 runtime), KV-cache and parameter bytes per rank, compiles over all the generations of the run
 (``thunder.cache_misses``). Every rank uses one thread.
+
+Its length (past 300 lines): the hand-written TP it measures against (``shard_by_hand``) and the token check
+belong to this benchmark alone, so they stay in its script.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ round twice, with its collectives and, right before or after, with local stand-i
 (``transport.py``): paired by round, what communication adds to the step.
 Every rank uses one thread (``torch.set_num_threads(1)``). Outputs (``compare_report.py``): a markdown table on
 stdout, ``--json_path`` and ``--png_path`` (step time and communication per mode, and transform time vs depth).
+
+Its length (past 300 lines) is one run's phases in order (gate, alternating rounds, memory and communication
+counts, profile, transport); the modes live in ``compare_modes.py``, the report in ``compare_report.py``.
 """
 
 from __future__ import annotations

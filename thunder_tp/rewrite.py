@@ -205,22 +205,34 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
         return
     if outputs[0].name in local.plan.aliases:  # an annotation: its output is read through the plan's alias
         return
-    emitted_from = len(get_tracectx().bound_symbols)
+    checkpointed = any(ProxyTag.RECOMPUTE_IN_BACKWARD in o.tags for o in outputs if isinstance(o, Proxy))
     flat, spec = tree_flatten((bsym.args, bsym.kwargs))
     needed = iter(needs)
     local_flat = [
-        local.get(next(needed)) if isinstance(x, TensorProxy)
+        _local_input(next(needed), local, checkpointed) if isinstance(x, TensorProxy)
         else local.values.get(x.name, x) if isinstance(x, Proxy)
         else x
         for x in flat
     ]
     args, kwargs = tree_unflatten(local_flat, spec)
+    emitted_from = len(get_tracectx().bound_symbols)
     result = (strategy.local or bsym.sym)(*args, **kwargs)
     for logical, value in zip(outputs, tree_flatten(result)[0]):
         if isinstance(logical, Proxy):
             local.values[logical.name] = value
-    if any(ProxyTag.RECOMPUTE_IN_BACKWARD in o.tags for o in outputs if isinstance(o, Proxy)):
+    if checkpointed:
         _recompute_in_backward(get_tracectx().bound_symbols[emitted_from:], outputs, local)
+
+
+def _local_input(need: Need, local: LocalValues, checkpointed: bool) -> TensorProxy:
+    """The input `need` asks for; for a checkpointed op, the collectives that make it are recomputed in the backward
+    when the value itself is (computed inside the checkpointed region), and kept when it comes from outside (an
+    embedding's all_reduce feeding the first checkpointed block is not re-issued)."""
+    emitted_from = len(get_tracectx().bound_symbols)
+    value = local.get(need)
+    if checkpointed and ProxyTag.RECOMPUTE_IN_BACKWARD in need.value.tags:
+        recompute_in_backward(get_tracectx().bound_symbols[emitted_from:])
+    return value
 
 
 def recompute_in_backward(emitted: list[BoundSymbol]) -> None:
