@@ -4,10 +4,10 @@ The model is traced once from example inputs (Thunder's interpreter, stopped bef
 and meta-device models work). Every module that owns parameters is a decision; modules that differ only in their
 block index (`transformer.h.3.mlp.fc`) are one decision, searched once. Each decision picks a style (or none) for
 its modules; propagation lays out everything in between, and `communication.py` prices the result: the forward
-and backward collectives of one step under reshard.py's alpha-beta cost. The search is coordinate descent from
-"every weight matrix sharded" (plain column splits, by whole heads where the trace splits the output into heads),
-deterministic, so every rank finds the same plan. The interpretation is kept: a compile of the same module whose
-first call is like the example starts from it (`TensorParallel` hands it over).
+and backward collectives of one step under reshard.py's alpha-beta cost. The search is coordinate descent (the
+cheapest single move first) from "every weight matrix sharded" (plain column splits, by whole heads where the trace
+splits the output into heads), deterministic, so every rank finds the same plan. The interpretation is kept: a
+compile of the same module whose first call is like the example starts from it (`TensorParallel` hands it over).
 """
 
 from __future__ import annotations

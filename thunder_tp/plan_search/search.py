@@ -1,4 +1,5 @@
-"""The automatic plan's search: coordinate descent over the decisions, deterministic, under a memory budget."""
+"""The automatic plan's search: coordinate descent over the decisions, the cheapest single move first, deterministic,
+under a memory budget."""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ from thunder_tp.plan_search.decisions import Decision
 from thunder_tp.plan_search.pricing import Pricing, split_alone
 from thunder_tp.styles import FeatureShardedNorm, KVCacheParallel, Style, planned_tensors
 
-_SWEEPS = 4
-
-
 def search(decisions: list[Decision], pricing: Pricing, budget: int) -> tuple[tuple[int, ...], tuple]:
-    """Coordinate descent from two starts, the better end winning (ties: the first): from the most sharded plan in
-    trace order, and from a greedy pass (`_built`) with the weight matrices first (norms then decide once the
-    matrices around them have found their pattern)."""
+    """Coordinate descent (`_descended`: the cheapest single move first) from two starts, the better end winning (ties:
+    the first): from the most sharded plan in trace order, and from a greedy pass (`_built`) with the weight matrices
+    first (norms then decide once the matrices around them have found their pattern)."""
     sharded = _most_sharded(decisions, pricing, budget)
     trace_order = list(range(len(decisions)))
     vectors = [all(s is None or isinstance(s, (FeatureShardedNorm, KVCacheParallel)) for c in d.choices for s in c)
@@ -48,20 +46,21 @@ def _pair_moved(decisions: list[Decision], pricing: Pricing, budget: int, choice
 
 def _descended(decisions: list[Decision], pricing: Pricing, budget: int, choice: tuple[int, ...],
                order: list[int]) -> tuple[int, ...]:
-    """Each decision in turn (in `order`) takes its cheapest combination (communication cost, then memory, then the
-    earlier choice), the others fixed, until nothing changes."""
+    """Steepest descent: of every single change (one decision's combination, the others fixed) the cheapest one is
+    made (communication cost, then memory; ties: the first in `order`, then the earlier combination), until none
+    is cheaper."""
     best = _score(pricing.price(decisions, choice))
-    for _ in range(_SWEEPS):
-        changed = False
+    while True:
+        moved = choice
         for i in order:
             for j in range(len(decisions[i].choices)):
                 trial = (*choice[:i], j, *choice[i + 1:])
                 priced = pricing.price(decisions, trial)
                 if priced is not None and priced[1] <= budget and _score(priced) < best:
-                    choice, best, changed = trial, _score(priced), True
-        if not changed:
-            break
-    return choice
+                    moved, best = trial, _score(priced)
+        if moved == choice:
+            return choice
+        choice = moved
 
 
 def _built(decisions: list[Decision], pricing: Pricing, budget: int, sharded: tuple[int, ...],
