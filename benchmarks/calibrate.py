@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--executors", choices=list(EXECUTORS), default="thunder")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--link_repeats", type=int, default=20)
+    p.add_argument("--link_repeats", type=int, default=40)
     p.add_argument("--tolerance", type=float, default=0.25)
     p.add_argument("--json_path", default="")
     return p.parse_args(argv)

@@ -4,7 +4,11 @@ gloo's latency depends on how long its threads slept before a call: the README m
 0.3 ms back to back and at 1.3-4 ms after a matmul. So each kind's small collective (8 KiB) is timed after the
 link sat idle for each of ``IDLE_S`` (every rank busy computing in between, as in a TP step), giving
 ``Link.latency_after_idle``; the bus bandwidth comes from a large one (2 MiB) against the small one after 1 ms idle
-(ring formulas of projection.py, bytes of the full tensor). Medians over ``repeats`` per point, the slowest rank's.
+(ring formulas of projection.py, bytes of the full tensor). Each point is the mean over ``repeats`` calls of the
+slowest rank's time per call: a step's communication is the sum of many collectives, so the projection needs each
+one's expected time, and gloo's wake-up makes that distribution bimodal (~0.2 ms or ~3-4 ms, a scheduler tick): its
+median flips between the modes from run to run (an 8 KiB all_reduce after 1 ms idle: 1.35 ms in one run, 2.51 ms
+in the next), which put the decode step's prediction 28 % over the measured step.
 
     torchrun --nproc-per-node 2 benchmarks/gloo_link.py      # prints the table
 """
@@ -23,7 +27,7 @@ from projection import KINDS, Link
 
 SMALL, LARGE = 8 << 10, 2 << 20  # bytes of the full tensor
 #: idle times of the link before a small collective (seconds); the bandwidth is measured after BANDWIDTH_IDLE_S
-IDLE_S, BANDWIDTH_IDLE_S = (0.0, 1e-3, 4e-3, 16e-3), 1e-3
+IDLE_S, BANDWIDTH_IDLE_S = (0.0, 0.5e-3, 1e-3, 2e-3, 4e-3, 16e-3), 1e-3
 
 
 def _collective(kind: str, nbytes: int) -> Callable[[], None]:
@@ -47,8 +51,8 @@ def _busy(seconds: float) -> None:
 
 
 def after_idle_s(step: Callable[[], None], idle_s: float, repeats: int) -> float:
-    """The median seconds of ``step`` after the link sat idle ``idle_s`` (a barrier, then compute on every rank;
-    the slowest rank's)."""
+    """The mean seconds of ``step`` after the link sat idle ``idle_s`` (a barrier, then compute on every rank;
+    each call's slowest rank)."""
     times = []
     for i in range(repeats + 2):
         dist.barrier()
@@ -57,10 +61,10 @@ def after_idle_s(step: Callable[[], None], idle_s: float, repeats: int) -> float
         step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return slowest_rank([statistics.median(times)])[0]
+    return statistics.fmean(slowest_rank(times))
 
 
-def measure_link(repeats: int = 20) -> Link:
+def measure_link(repeats: int = 40) -> Link:
     """gloo's Link on this machine and group (every rank calls it)."""
     n = dist.get_world_size()
     latency, bandwidth, idle, sources = {}, {}, {}, {}
@@ -77,7 +81,7 @@ def measure_link(repeats: int = 20) -> Link:
                          ", ".join(f"{g * 1e3:g}" for g in IDLE_S) + " ms idle: " +
                          " / ".join(f"{t * 1e3:.2f}" for _, t in sorted(small.items())) +
                          f" ms; of {LARGE >> 20} MiB after {BANDWIDTH_IDLE_S * 1e3:g} ms: {large * 1e3:.2f} ms "
-                         f"(medians of {repeats}, slowest rank)")
+                         f"(means of {repeats} calls, each call's slowest rank)")
     return Link(f"gloo on this machine, {n} ranks", latency, bandwidth, sources, idle)
 
 
