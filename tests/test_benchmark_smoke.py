@@ -145,19 +145,27 @@ def test_tp_sp_loss_parallel(tmp_path):
 
 
 def test_plan_auto_prints_the_plan_it_trains_with(tmp_path):
-    """--plan auto: plans.auto searches the plan (printed by rank 0) and trains with it. On this 1-layer pythia-14m
-    (32 tokens) the default budget's 1% slack keeps the attention whole (0.5% more parameter bytes than the hand
-    plan: one backward all_reduce fewer); the MLP is Megatron's and the head loss parallel, found on its own: 1 forward
-    all_reduce for the MLP, 1 for the embedding, the loss's 2 x 32 statistics gathered, no logits."""
+    """--plan auto: plans.auto searches the plan (printed by rank 0) and trains with it; the collectives that ran are
+    the ones it priced. On this 1-layer pythia-14m at 32 tokens activations are tiny, so the default budget's slack
+    (every weight matrix sharded, the rest whole, plus 1%: 1.005% over the hand plan's bytes here) goes to keeping
+    matrices whole: the head stays loss parallel (no logits gathered), the embedding vocab-parallel."""
+    import re
+
     from tests.dist import run_ranks
 
     json_path = tmp_path / "results.json"
     output = run_ranks(_run, 2, ["--distributed_mode", "tp", "--plan", "auto"], str(json_path), timeout=900)[0]
     res = json.loads(json_path.read_text())
-    _check_common(res, output, bytes_slack=0.01)
+    _check_common(res, output, bytes_slack=0.0101)
     assert "thunder_tp.plans.auto (TP=2)" in output and "'gpt.lm_head': ColwiseParallel" in output, output
-    forward = res["collectives"]["per_iteration"]["forward"]["by_kind"]
-    assert forward == {"all_reduce": {"count": 2, "bytes": 2 * ACTIVATION}, "all_gather": {"count": 1, "bytes": 2 * 2 * TOKENS * 4}}, forward
+    assert "'gpt.transformer.wte': RowwiseParallel" in output, output
+    priced = re.search(r"per step forward (.*?); backward (.*?); cost", output)
+    assert priced, output
+    for (kinds, pass_) in zip(priced.groups(), ("forward", "backward"), strict=True):
+        counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (\w+)", kinds)}
+        ran = {kind: v["count"] for kind, v in res["collectives"]["per_iteration"][pass_]["by_kind"].items()}
+        assert ran == counts, (pass_, ran, counts)
+    assert res["collectives"]["per_iteration"]["forward"]["bytes"] < 1 << 20, res  # gathered logits: 6 MiB
 
 
 def test_simulate_dry_run(tmp_path, capsys):
