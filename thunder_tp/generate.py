@@ -7,8 +7,10 @@ chunks of powers of two, so prompts of any length reuse at most log2(max_seq_len
 one-token chunk being the decode program. Those programs are compiled by a warm-up run before any timing, so the
 reported time to first token and decode rate exclude compilation. The sampler is seeded once per run (as litgpt's
 ``generate``), alike on every rank: samples differ from each other, and all ranks sample the same tokens from the
-same gathered logits; that is checked once per sequence. Errors in the arguments are printed as one line on rank 0
-(exit code 2), without a traceback.
+same gathered logits; that is checked once per sequence. Decode steps run as a ``thunder_tp.DecodeStep``
+(``--decode_step``): on CUDA replayed as CUDA graphs, one per batch size and bucketed cache length (``Decoder``), on
+the CPU Thunder's program with the model's tensors bound once. Errors in the arguments are printed as one line on
+rank 0 (exit code 2), without a traceback.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import thunder_tp
 import thunder_tp.checkpoint as ck
 from thunder_tp.collectives import comm_executor
+from thunder_tp.execution.decode_step import STRATEGIES, DecodeStep, Strategy
 from thunder_tp.one_rank import has_peers
 
 class GenerateError(ValueError):
@@ -54,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed, the same on every rank")
     p.add_argument("--compile", choices=["thunder", "thunder_default", "eager"], default="thunder")
+    p.add_argument("--decode_step", choices=["auto", *STRATEGIES, "off"], default="auto",
+                   help="how decode steps run (thunder_tp.DecodeStep): auto is 'graph' on CUDA, 'bound' on the CPU; "
+                        "off calls the jitted model each step")
     p.add_argument("--json_path", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -71,10 +77,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jm = _jit(model, args.compile, tp_size)
     if args.checkpoint_dir is not None:
         ck.load(str(args.checkpoint_dir / "lit_model.pth"), jm)
-    warm_up_s = _warm_up(jm, prompt) if args.compile != "eager" else None
+    decoder = Decoder(jm, _strategy(args), max_seq_length)
+    positions = range(prompt.numel(), prompt.numel() + args.max_new_tokens - 1)
+    warm_up_s = _warm_up(jm, decoder, prompt, positions) if args.compile != "eager" else None
     torch.manual_seed(args.seed)  # once per run: each sample draws on from where the previous one stopped
-    samples = [_sample_once(jm, model, prompt, args, tokenizer) for _ in range(args.num_samples)]
-    report = _report(jm, samples, tp_size, args.compile, warm_up_s)
+    samples = [_sample_once(jm, decoder, model, prompt, args, tokenizer) for _ in range(args.num_samples)]
+    report = _report(jm, decoder, samples, tp_size, args.compile, warm_up_s)
     if _rank() == 0:
         _print(report, tokenizer)
         if args.json_path is not None:
@@ -118,7 +126,18 @@ def _init_distributed(args: argparse.Namespace) -> int:
     if tp_size != world:
         raise GenerateError(f"--tp_size {tp_size} must equal the number of processes ({world}): launch with "
                             f"torchrun --nproc-per-node {tp_size}")
+    if args.decode_step == "graph" and not torch.cuda.is_available():
+        raise GenerateError("--decode_step graph replays CUDA graphs, but CUDA is not available: use bound or compiled")
     return tp_size
+
+
+def _strategy(args: argparse.Namespace) -> Strategy | None:
+    """The decode step's strategy (None: the model's own call each step, as with --compile eager)."""
+    if args.decode_step == "off" or args.compile == "eager":
+        return None
+    if args.decode_step == "auto":
+        return "graph" if torch.cuda.is_available() else "bound"
+    return args.decode_step
 
 
 def _rank() -> int:
@@ -204,21 +223,54 @@ def prefill(jm, prompt: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+class Decoder:
+    """The decode steps of a jitted litgpt GPT: ``decoder(tokens, position)`` gives the logits of ``tokens`` (B, 1)
+    at ``position``. With a strategy, each batch size and bucket of positions has a ``DecodeStep`` (made on first use);
+    under ``"graph"`` the attention reads the cache up to the bucket's end (litgpt's ``input_pos_maxp1``), buckets being
+    powers of two from ``min_bucket`` up to the cache length, one graph each. Without a strategy, the model's call."""
+
+    def __init__(self, jm, strategy: Strategy | None, max_seq_length: int, min_bucket: int = 256):
+        self.jm, self.strategy, self.max_seq_length, self.min_bucket = jm, strategy, max_seq_length, min_bucket
+        self.steps: dict[tuple[int, int], DecodeStep] = {}
+
+    def bucket(self, position: int) -> int:
+        """The cache length a step at ``position`` reads: the whole cache, or under ``"graph"`` the power of two
+        (at least ``min_bucket``) past ``position``."""
+        if self.strategy != "graph":
+            return self.max_seq_length
+        return min(self.max_seq_length, max(self.min_bucket, 1 << position.bit_length()))
+
+    def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """The logits of one decode step."""
+        where = torch.tensor([position], device=tokens.device)
+        if self.strategy is None:
+            return self.jm(tokens, where)
+        bucket = self.bucket(position)
+        key = (tokens.shape[0], bucket)
+        if key not in self.steps:
+            self.steps[key] = DecodeStep(self.jm, self.strategy)
+        # the whole cache without the keyword: the program of a one-token prefill chunk
+        return self.steps[key](tokens, where, **({"input_pos_maxp1": bucket} if bucket < self.max_seq_length else {}))
+
+
 @torch.inference_mode()
-def _warm_up(jm, prompt: torch.Tensor) -> float:
-    """Compile the prefill programs and the decode program by running them once, so that no timing includes a
-    compilation (the cache they fill is reset before each sample); the seconds it took."""
+def _warm_up(jm, decoder: Decoder, prompt: torch.Tensor, positions: range) -> float:
+    """Compile the prefill programs and the decode programs by running them once, so that no timing includes a
+    compilation or a capture (the cache they fill is reset before each sample); the seconds it took."""
     if _rank() == 0:
         print("Compiling the prefill and decode programs (minutes for a deep model on a CPU)...", flush=True)
     start = time.perf_counter()
     prefill(jm, prompt)
     last = prompt.numel() - 1  # a decode step at the prompt's last position: in range whatever --max_new_tokens
-    _synchronize(jm(prompt[None, last:], torch.tensor([last], device=prompt.device)))
+    buckets = {decoder.bucket(p): p for p in reversed(positions)} or {decoder.bucket(last): last}
+    for position in buckets.values():  # each bucket's step, at the first position it serves
+        _synchronize(decoder(prompt[None, last:], position))
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
-def _sample_once(jm, model, prompt: torch.Tensor, args: argparse.Namespace, tokenizer) -> dict[str, Any]:
+def _sample_once(jm, decoder: Decoder, model, prompt: torch.Tensor, args: argparse.Namespace,
+                 tokenizer) -> dict[str, Any]:
     """One sequence: prefill, then one token per step until --max_new_tokens or the end-of-sequence token."""
     from litgpt.generate.base import sample
 
@@ -234,7 +286,7 @@ def _sample_once(jm, model, prompt: torch.Tensor, args: argparse.Namespace, toke
     for position in range(prompt.numel(), prompt.numel() + args.max_new_tokens - 1):
         if eos_id is not None and int(token) == eos_id:
             break
-        token = sample(jm(token.view(1, 1), torch.tensor([position], device=prompt.device)), **sampling).to(torch.int64)
+        token = sample(decoder(token.view(1, 1), position), **sampling).to(torch.int64)
         tokens.append(token)
     _synchronize(token)
     end = time.perf_counter()
@@ -262,7 +314,8 @@ def _check_ranks_agree(tokens: list[int]) -> None:
                            "from the same logits with the same seed")
 
 
-def _report(jm, samples: list[dict[str, Any]], tp_size: int, compile: str, warm_up_s: float | None) -> dict[str, Any]:
+def _report(jm, decoder: Decoder, samples: list[dict[str, Any]], tp_size: int, compile: str,
+            warm_up_s: float | None) -> dict[str, Any]:
     """Per-rank bytes, timings and (compiled modes) the collectives of one decode step and the compiles."""
     buffers = dict(jm.named_buffers())
     report = {
@@ -273,7 +326,10 @@ def _report(jm, samples: list[dict[str, Any]], tp_size: int, compile: str, warm_
         "kv_cache_bytes_per_rank": sum(b.numel() * b.element_size() for n, b in buffers.items() if ".kv_cache." in n),
     }
     if compile != "eager":
-        report["decode_step_collectives"] = thunder_tp.collectives_table(thunder.last_traces(jm)[-1])
+        step = next(iter(decoder.steps.values()), None)
+        report["decode_step"] = decoder.strategy or "off"
+        report["decode_step_collectives"] = thunder_tp.collectives_table(
+            step.trace if step is not None else thunder.last_traces(jm)[-1])
         report["compiles"] = thunder.cache_misses(jm)
     return report
 
@@ -292,7 +348,7 @@ def _print(report: dict[str, Any], tokenizer) -> None:
     for row in report.get("decode_step_collectives", []):
         print(f"Decode step: {row['count']} x {row['kind']} of {row['bytes_per_call']} bytes")
     if "compiles" in report:
-        print(f"Compiled programs: {report['compiles']}")
+        print(f"Compiled programs: {report['compiles']}; decode steps: {report['decode_step']}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 from thunder.core.module import ThunderModule
+from thunder.core.trace import TraceCtx
 
 from thunder_tp.execution.cuda_graphs import CapturedCall, capturable, split_at_communication
 from thunder_tp.execution.whole_step import compiled_whole
@@ -94,6 +95,8 @@ class DecodeStep:
         self._inputs: list = []
         self._program: Callable[..., Any] | None = None
         self._epilogue: Callable[..., Any] | None = None
+        self.trace: TraceCtx | None = None  # the computation Thunder compiled for the first call
+
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's output for these arguments (the first call binds; later calls check only the arguments)."""
@@ -142,11 +145,12 @@ class DecodeStep:
         self._slots = _argument_slots(values, inputs)
         self._inputs = list(inputs)
         self._epilogue = functools.partial(entry.epilogue_fn, *to_epilogue)
+        self.trace = entry.computation_traces[-1]
         if self.strategy == "bound":
             self._program = entry.computation_fn
             return output
         if self.strategy == "compiled":
-            self._program = compiled_whole(entry.computation_traces[-1])
+            self._program = compiled_whole(self.trace)
         else:
             self._program = self._captured(entry)
         return _cloned(self._run()) if self.strategy == "graph" else self._run()
@@ -160,11 +164,10 @@ class DecodeStep:
             buffer = self._inputs[indices[0]].clone()
             for i in indices:
                 self._inputs[i] = buffer
-        trace = entry.computation_traces[-1]
         pool = torch.cuda.graph_pool_handle()
-        if capturable(trace):
+        if capturable(self.trace):
             return CapturedCall(entry.computation_fn, pool=pool)
-        split = split_at_communication(trace, functools.partial(CapturedCall, pool=pool))
+        split = split_at_communication(self.trace, functools.partial(CapturedCall, pool=pool))
         return split.python_callable()
 
 
