@@ -7,7 +7,7 @@ Every run is rank ``--rank`` (default: the last) of a fake TP group of each size
 rank's own program, its own shards (built on the meta device, random weights), every collective returning at once.
 Training (forward + backward + AdamW, ``--seq`` tokens of ``--batch`` rows, sequence parallel and loss parallel)
 runs modes (a)-(c) of ``rank_modes.py``, decode (one token with ``--context`` cached positions, for each of
-``--decode_batches``) modes (d)-(f). Models: ``--model`` Llama-3-8B / Llama-3-70B (litgpt's configs) or ``tiny``,
+``--decode_batches``) modes (d)-(g). Models: ``--model`` Llama-3-8B / Llama-3-70B (litgpt's configs) or ``tiny``,
 each dimension overridable. ``--layers`` are the depths measured: with two (default 0 and 2) every per-step
 figure is extrapolated linearly to the model's depth (``--full_layers``): the 70B rows are its first layers, scaled
 per layer. Per row: the median step time (forward, backward, optimizer), peak memory, parameter bytes per rank,
@@ -166,7 +166,7 @@ def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int,
         result = timed_decode(model, batch, args.context, args.steps, args.warmup, device)
         result.update(param_bytes=param_bytes(model), kv_cache_bytes=kv_cache_bytes(model))
         if mode.runtime == "thunder":
-            result.update(thunder_structure(model))
+            result.update(thunder_structure(getattr(model, "jitted", model)))
         else:
             result.update(traces={}, collectives={"forward": [[k, tp, b] for k, b in model.collectives], "backward": []})
         return result

@@ -25,6 +25,12 @@
 #   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
 # Every phase measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.{json,log} into OUT_DIR.
 #   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 12 minutes with the install
+# "decode32" (issue 53) measures Llama-3-8B decode at TP=8 at full depth instead, not extrapolated: 32 layers
+# (GPU_DECODE_LAYERS; "8,24" measures two depths and extrapolates where 32 does not fit), (e) thunder_tp's decode
+# step replayed as a CUDA graph against (f) the hand-written TP under torch.compile reduce-overhead, 10 steps:
+#   decode32_b1   batch 1      decode32_b8   batch 8
+# each phase given what is left of GPU_RANK_S (its compiles take most of it: Thunder's and Inductor's, per batch).
+#   GPU_PARTS=decode32 GPU_RANK_S=540 bash benchmarks/gpu_check.sh   # one 10-minute call with the install
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
@@ -81,7 +87,7 @@ rank_phase() {  # name, then bench_rank.py's arguments
     shift
     if ((left < 60)); then say "rank $name skipped: ${left} s left"; return; fi
     say "rank $name (${left} s left)"
-    timeout "$left" python3 benchmarks/bench_rank.py "$@" --layers 0,1 --project --json_path "$OUT_DIR/rank_$name.json" \
+    timeout "$left" python3 benchmarks/bench_rank.py --layers 0,1 "$@" --project --json_path "$OUT_DIR/rank_$name.json" \
         > "$OUT_DIR/rank_$name.log" 2>&1
     echo "exit code $?"
     grep -E "^\||^- |^mode|^ERROR|shapes" "$OUT_DIR/rank_$name.log" | head -60
@@ -92,5 +98,11 @@ if [[ $PARTS == *,rank,* ]]; then
     rank_phase batch8 --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 8 --steps 20
     rank_phase sweep8b --model Llama-3-8B --tp 1,2,4 --train_modes a --decode_modes d,e --decode_batches 1 --steps 5
     rank_phase slice70b --model Llama-3-70B --tp 8 --train_modes a,c --decode_modes e,f --decode_batches 1 --steps 5
+fi
+if [[ $PARTS == *,decode32,* ]]; then
+    for batch in 1 8; do
+        rank_phase "decode32_b$batch" --model Llama-3-8B --tp 8 --train_modes "" --decode_modes e,f \
+            --decode_batches "$batch" --layers "${GPU_DECODE_LAYERS:-32}" --steps 10 --warmup 2
+    done
 fi
 say "end"

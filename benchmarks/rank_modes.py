@@ -6,13 +6,15 @@ and loss parallel, torchtitan's defaults):
 - (a) thunder_tp with nvFuser regions (CUDA only), (b) thunder_tp with Inductor regions: ``llama.thunder_tp_plan``;
 - (c) DTensor TP + SP with torchtitan's plan (``compare_modes.dtensor_plan("sp", loss_parallel=True)``) under
   ``torch.compile``.
-Decode (litgpt's GPT with a KV cache, one token per step):
-- (d) thunder_tp as it is (``plans.litgpt``, ``thunder_tp.executors()``), (e) the same with Thunder's
-  ``CUDAGraphTransform`` (CUDA only);
+Decode (litgpt's GPT with a KV cache, one token per step; thunder_tp's model jitted with ``plans.litgpt`` and
+``thunder_tp.executors()``, then called through a ``thunder_tp.DecodeStep``: parameters and caches bound once):
+- (d) the decode step compiled as one program (strategy ``"compiled"``), (e) replayed as a CUDA graph (``"graph"``,
+  CUDA only);
 - (f) bench_generate.py's hand-written gpt-fast-style TP (``shard_by_hand``) under
-  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; on CPU the default mode).
-``quick`` builds (a)/(b)/(d) with Thunder's default executors and compiles (c)/(f) with ``backend="eager"``: no code
-generation, for smoke tests of the plumbing, not for timing.
+  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; on CPU the default mode);
+- (g) thunder_tp through the jitted module's own call (Thunder's prologue checks every input on every step).
+``quick`` builds (a)/(b)/(d)/(g) with Thunder's default executors ((d) with the bound strategy) and compiles (c)/(f)
+with ``backend="eager"``: no code generation, for smoke tests of the plumbing, not for timing.
 """
 
 from __future__ import annotations
@@ -133,7 +135,23 @@ def gpt_on_meta(config, context: int, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
-def _thunder_decode(cuda_graphs: bool) -> Callable[..., nn.Module]:
+class SteppedDecode(nn.Module):
+    """A jitted GPT called through a ``thunder_tp.DecodeStep`` of ``strategy`` (the jitted module: ``jitted``)."""
+
+    def __init__(self, jitted: nn.Module, strategy: str):
+        import thunder_tp
+
+        super().__init__()
+        self.jitted = jitted
+        self.step = thunder_tp.DecodeStep(jitted, strategy)
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.step(idx, input_pos)
+
+
+def _thunder_decode(strategy: str | None) -> Callable[..., nn.Module]:
+    """thunder_tp's decode: through a DecodeStep of ``strategy``, or (None) the jitted module's own call."""
+
     def build(config, context: int, batch: int, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
         import thunder
         import thunder_tp
@@ -143,13 +161,12 @@ def _thunder_decode(cuda_graphs: bool) -> Callable[..., nn.Module]:
         model.set_kv_cache(batch_size=batch, device=torch.device("meta"), dtype=dtype)
         model.mask_cache = build_mask_cache(context + 1, device)  # a plain attribute, not a buffer
         plan = per_layer_keys_dropped(thunder_tp.plans.litgpt(model), config.n_layer)
-        transforms = [thunder_tp.TensorParallel(plan), random_weights(device)]
-        if cuda_graphs:
-            from thunder.transforms.cudagraph import CUDAGraphTransform
-
-            transforms.append(CUDAGraphTransform())
         executors = thunder_default_executors() if quick else thunder_tp.executors()
-        return thunder.jit(model, transforms=transforms, executors=executors)
+        jm = thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan), random_weights(device)],
+                         executors=executors)
+        if strategy is None:
+            return jm
+        return SteppedDecode(jm, "bound" if quick and strategy == "compiled" else strategy)
 
     return build
 
@@ -166,8 +183,9 @@ def _hand_decode(config, context: int, batch: int, device: torch.device, dtype: 
 
 
 DECODE = (
-    RankMode("d", "thunder_tp", "thunder", _thunder_decode(cuda_graphs=False)),
-    RankMode("e", "thunder_tp + Thunder's CUDA graphs", "thunder", _thunder_decode(cuda_graphs=True), cuda_only=True,
+    RankMode("d", "thunder_tp decode step, compiled whole", "thunder", _thunder_decode("compiled")),
+    RankMode("e", "thunder_tp decode step, CUDA graph", "thunder", _thunder_decode("graph"), cuda_only=True,
              skip_reason="CUDA graphs need CUDA"),
     RankMode("f", "hand-written TP (gpt-fast style), torch.compile reduce-overhead", "compile", _hand_decode),
+    RankMode("g", "thunder_tp, the jitted module's call", "thunder", _thunder_decode(None)),
 )

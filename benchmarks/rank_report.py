@@ -18,6 +18,10 @@ GPT_FAST_A100 = {1: 93.8, 2: 149.0, 4: 217.0, 8: 276.0}
 H100_OVER_A100_BANDWIDTH = 3.35 / 2.039
 
 
+#: the decode modes that run thunder_tp's program (their collectives, bytes and parameters must agree)
+THUNDER_DECODE = {"d", "e", "g"}
+
+
 def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:.2f}"
 
@@ -63,17 +67,28 @@ def _training_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def _per_layer_us(row: dict) -> str:
+    """The back-to-back step's growth per layer between the two measured depths (µs)."""
+    depths = sorted(row["depths"])
+    if len(depths) != 2:
+        return "–"
+    steps = [row["depths"][d]["back_to_back_s"] for d in depths]
+    return f"{(steps[1] - steps[0]) / (depths[1] - depths[0]) * 1e6:.0f}"
+
+
 def _decode_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = ["| TP | batch | mode | step (ms) | host (ms) | back-to-back step (ms) | host / step | tokens/s, compute only "
-             f"| collectives / step ({max(args.depths)} layers) | params / rank | KV cache / rank |", "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| TP | batch | mode | step (ms) | host (ms) | back-to-back step (ms) | per layer (µs) | host / step "
+             f"| tokens/s, compute only | collectives / step ({max(args.depths)} layers) | params / rank | KV cache / rank |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} ||||||||")
+            lines.append(f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||")
             continue
         lines.append(
             f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['host_s'])} | "
-            f"{_ms(r['back_to_back_s'])} | {r['host_s'] / r['step_s']:.2f} | {r['batch'] / r['back_to_back_s']:.1f} | "
-            f"{_kinds(r['collectives']['forward'])} | {fmt_bytes(r['param_bytes'])} | {fmt_bytes(r.get('kv_cache_bytes'))} |")
+            f"{_ms(r['back_to_back_s'])} | {_per_layer_us(r)} | {r['host_s'] / r['step_s']:.2f} | "
+            f"{r['batch'] / r['back_to_back_s']:.1f} | {_kinds(r['collectives']['forward'])} | "
+            f"{fmt_bytes(r['param_bytes'])} | {fmt_bytes(r.get('kv_cache_bytes'))} |")
     return lines
 
 
@@ -89,7 +104,7 @@ def _structure_lines(rows: list[dict]) -> tuple[list[str], bool]:
         for i, a in enumerate(keys):
             for b in keys[i + 1:]:
                 same = _structure(modes[a]) == _structure(modes[b])
-                must = {a, b} in ({"a", "b"}, {"d", "e"})
+                must = {a, b} <= {"a", "b"} or {a, b} <= THUNDER_DECODE
                 failed |= must and not same
                 verdict = "same collectives, bytes and parameters" if same else _describe_difference(modes[a], modes[b])
                 lines.append(f"- {workload} TP={tp}{f', batch {batch}' if workload == 'decode' else ''}: ({a}) vs ({b}): "

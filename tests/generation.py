@@ -39,12 +39,18 @@ def models_with_cache(config: Config, batch: int, dtype: torch.dtype = torch.flo
 
 
 @torch.inference_mode()
-def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Prefill, then `steps` - 1 decode steps: the greedy tokens and every step's last logits."""
+def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None, decode=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Prefill, then `steps` - 1 decode steps (the model's call, or `decode(tokens, position)`, e.g. a
+    thunder_tp.generate.Decoder): the greedy tokens and every step's last logits."""
+
+    def call(tokens: torch.Tensor, position: int) -> torch.Tensor:
+        return model(tokens, torch.tensor([position], device=prompt.device))
+
+    decode = decode or call
     logits = model(prompt, torch.arange(prompt.shape[1], device=prompt.device))[:, -1]
     tokens, history = [logits.argmax(-1)], [logits]
     for i in range(steps - 1):
-        logits = model(tokens[-1][:, None], torch.tensor([prompt.shape[1] + i], device=prompt.device))[:, -1]
+        logits = decode(tokens[-1][:, None], prompt.shape[1] + i)[:, -1]
         tokens.append(logits.argmax(-1))
         history.append(logits)
         if on_decode is not None:

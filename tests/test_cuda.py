@@ -1,5 +1,6 @@
 """TP on a GPU against one device: litgpt training under TP / TP+SP / TP+loss parallel with each fusion backend;
-greedy generation with the KV cache sharded; an HF transformers model under plans.hf; litgpt under the automatic plan.
+greedy generation with the KV cache sharded, also with decode steps replayed as CUDA graphs; an HF transformers model
+under plans.hf; litgpt under the automatic plan.
 
 NCCL takes one GPU per rank, so on a one-GPU machine the two ranks share the GPU and talk over gloo, which moves
 CUDA tensors through host memory. Everything else runs as under NCCL: the rewrite on CUDA proxies, the fusion
@@ -17,9 +18,10 @@ from thunder.executors import nvfuserex
 import thunder_tp
 from thunder_tp import TensorParallel
 from thunder_tp.executor import fusion_executor, is_communication
+from thunder_tp.generate import Decoder
 from tests.dist import run_ranks
 from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
-from tests.generation import NEW_TOKENS, PROMPT, gen_config, greedy, local_cache_shapes, models_with_cache
+from tests.generation import MAX_SEQ, NEW_TOKENS, PROMPT, gen_config, greedy, local_cache_shapes, models_with_cache
 from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 
 pytestmark = pytest.mark.cuda
@@ -123,6 +125,55 @@ def test_generation_on_one_gpu_matches_single_device(arch, backend):
         assert all(c == r["minimum"] for c in r["decode_counts"]), f"rank {rank}: {r['decode_counts']}"
         assert r["cache_shapes_sharded"], f"rank {rank}"
         assert r["cache_misses"] == 2, f"rank {rank}: {r['cache_misses']}"
+
+
+def _graph_steps_on_shared_gpu(arch: str) -> dict:
+    """Greedy generation through decode steps replayed as CUDA graphs (over gloo: a graph per stretch between
+    collectives; one per batch and bucket of 16 / 32 positions), against the steps without graphs and the full
+    model, on cuda:0."""
+    config = gen_config(arch)
+    device = _gpu()
+    reference, model = models_with_cache(config, 2, torch.float32, device)
+    jm = thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))],
+                     executors=thunder_tp.executors())
+    prompt = torch.randint(0, config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(1)).to(device)
+    expected_tokens, _ = greedy(reference, prompt, NEW_TOKENS)
+    bound_tokens, bound_logits = greedy(jm, prompt, NEW_TOKENS, decode=Decoder(jm, "bound", MAX_SEQ))
+    for block in model.transformer.h:
+        block.attn.kv_cache.reset_parameters()
+    graphs = Decoder(jm, "graph", MAX_SEQ, min_bucket=16)
+    tokens, logits = greedy(jm, prompt, NEW_TOKENS, decode=graphs)
+    for step, (got, want) in enumerate(zip(logits, bound_logits)):
+        assert_close_scaled(got, want, rtol=RTOL, atol=ATOL, what=f"logits of step {step}")
+    return {"same_tokens": torch.equal(tokens, bound_tokens) and torch.equal(tokens, expected_tokens),
+            "steps": sorted(graphs.steps)}
+
+
+@pytest.mark.parametrize("arch", ["gqa", "sliding_window"])
+def test_graph_decode_steps_give_the_tokens_of_steps_without_graphs(arch):
+    for rank, r in enumerate(run_ranks(_graph_steps_on_shared_gpu, 2, arch)):
+        assert r["same_tokens"], f"rank {rank}"
+        assert r["steps"] == [(2, 16), (2, MAX_SEQ)], f"rank {rank}: {r['steps']}"  # prompt 8 + 15 decode steps
+
+
+def test_whole_step_graph_under_a_capturable_group():
+    """Under a group whose collectives a CUDA graph holds (the fake group here, NCCL in a real run) the whole step is
+    one graph: each rank's replayed logits are the bound step's, bit for bit, step after step."""
+    from thunder_tp.execution.cuda_graphs import CapturedCall
+
+    config = gen_config("gqa")
+    device = _gpu()
+    for rank in range(2):
+        _, model = models_with_cache(config, 1, torch.float32, device)
+        with thunder_tp.one_rank(2, rank, device), torch.inference_mode():
+            jm = thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))],
+                             executors=thunder_tp.executors())
+            graph, bound = thunder_tp.DecodeStep(jm, "graph"), thunder_tp.DecodeStep(jm, "bound")
+            for position in range(PROMPT, PROMPT + 4):
+                token = torch.tensor([[position]], device=device)
+                where = torch.tensor([position], device=device)
+                assert torch.equal(graph(token, where), bound(token, where)), (rank, position)
+            assert isinstance(graph._program, CapturedCall), type(graph._program)
 
 
 def _hf_on_shared_gpu(name: str, mode: str) -> tuple[dict, dict]:
