@@ -39,7 +39,8 @@ def models_with_cache(config: Config, batch: int, dtype: torch.dtype = torch.flo
 
 
 @torch.inference_mode()
-def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None, decode=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None,
+           decode=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Prefill, then `steps` - 1 decode steps (the model's call, or `decode(tokens, position)`, e.g. a
     thunder_tp.generate.Decoder): the greedy tokens and every step's last logits."""
 

@@ -143,7 +143,7 @@ def _graph_steps_on_shared_gpu(arch: str) -> dict:
         block.attn.kv_cache.reset_parameters()
     graphs = Decoder(jm, "graph", MAX_SEQ, min_bucket=16)
     tokens, logits = greedy(jm, prompt, NEW_TOKENS, decode=graphs)
-    for step, (got, want) in enumerate(zip(logits, bound_logits)):
+    for step, (got, want) in enumerate(zip(logits, bound_logits, strict=True)):
         assert_close_scaled(got, want, rtol=RTOL, atol=ATOL, what=f"logits of step {step}")
     return {"same_tokens": torch.equal(tokens, bound_tokens) and torch.equal(tokens, expected_tokens),
             "steps": sorted(graphs.steps)}

@@ -81,7 +81,7 @@ def split_at_communication(trace: TraceCtx, segment: Callable[[Callable, Sequenc
     communicated = {o.name for item in items if not isinstance(item, list) and is_communication(item)
                     for o in item.flat_proxy_outs}
     bsyms, segments = [], 0
-    for item, later in zip(items, read_later):
+    for item, later in zip(items, read_later, strict=True):
         if isinstance(item, list):
             bsyms.append(_segment_call(item, later, communicated, segments, segment))
             segments += 1

@@ -126,7 +126,7 @@ class DecodeStep:
                              f"{sorted(kwargs)}, but bound to {len(self._names) - len(self._keywords)} and "
                              f"{sorted(self._keywords)}")
         values = (*args, *(kwargs[k] for k in self._keywords))
-        for name, value, expected in zip(self._names, values, self._expected):
+        for name, value, expected in zip(self._names, values, self._expected, strict=True):
             expected.check(value, name)
         return values
 
@@ -179,8 +179,9 @@ def _argument_slots(values: tuple, inputs: list) -> list[tuple[int, list[int]]]:
         if not isinstance(value, torch.Tensor):
             continue
         indices = [i for i, t in enumerate(inputs) if t is value]
-        made = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t is not value
-                and t.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()]
+        memory = value.untyped_storage().data_ptr()
+        made = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t is not value and memory
+                and t.untyped_storage().data_ptr() == memory]
         if made:
             raise ValueError(f"thunder_tp.DecodeStep: argument {position} reaches the computation as a tensor made "
                              "from it (a view or a copy), which a bound step cannot make again; call the module")
