@@ -164,9 +164,10 @@ def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int,
 
         model = mode.build(litgpt_config(dims, depth), args.context, batch, device, DTYPES[args.dtype], args.quick)
         result = timed_decode(model, batch, args.context, args.steps, args.warmup, device)
-        result.update(param_bytes=param_bytes(model), kv_cache_bytes=kv_cache_bytes(model))
+        module = getattr(model, "jitted", model)  # a decode step's jitted module
+        result.update(param_bytes=param_bytes(module), kv_cache_bytes=kv_cache_bytes(module))
         if mode.runtime == "thunder":
-            result.update(thunder_structure(getattr(model, "jitted", model)))
+            result.update(thunder_structure(module))
         else:
             result.update(traces={}, collectives={"forward": [[k, tp, b] for k, b in model.collectives], "backward": []})
         return result

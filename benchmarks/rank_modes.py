@@ -135,24 +135,25 @@ def gpt_on_meta(config, context: int, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
-class SteppedDecode(nn.Module):
-    """A jitted GPT called through a ``thunder_tp.DecodeStep`` of ``strategy`` (the jitted module: ``jitted``)."""
+class SteppedDecode:
+    """A jitted GPT called through a ``thunder_tp.DecodeStep`` of ``strategy``; the jitted module is ``jitted`` (its
+    parameters and buffers are the figures' own)."""
 
     def __init__(self, jitted: nn.Module, strategy: str):
         import thunder_tp
 
-        super().__init__()
         self.jitted = jitted
         self.step = thunder_tp.DecodeStep(jitted, strategy)
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def __call__(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         return self.step(idx, input_pos)
 
 
 def _thunder_decode(strategy: str | None) -> Callable[..., nn.Module]:
     """thunder_tp's decode: through a DecodeStep of ``strategy``, or (None) the jitted module's own call."""
 
-    def build(config, context: int, batch: int, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
+    def build(config, context: int, batch: int, device: torch.device, dtype: torch.dtype,
+              quick: bool) -> nn.Module | SteppedDecode:
         import thunder
         import thunder_tp
         from litgpt.model import build_mask_cache
