@@ -1,4 +1,4 @@
-"""Loss parallel: cross-entropy over vocabulary-sharded logits, against one device (float64), and its log-sum-exp."""
+"""Loss parallel: cross-entropy over vocabulary-sharded logits, against one device (float64), and the loss's symbols."""
 
 import pytest
 import thunder
@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from thunder_tp import ColwiseParallel, Replicate, TensorParallel
 from tests.dist import run_ranks
 from tests.tp_checks import compare_with_single_device
+from thunder_tp import ColwiseParallel, Replicate, TensorParallel
 
 TOKENS, DIM, VOCAB, MASKED_ROWS = 6, 16, 64, 3
 

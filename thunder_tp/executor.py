@@ -225,13 +225,17 @@ def fusion_executor(backend: Backend = None) -> TPFusionExecutor:
 
 @functools.cache
 def _executors(backend: Backend) -> tuple[Executor, ...]:
-    # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours,
-    # but for Thunder's cross-entropy one beside nvFuser (see _kept_default).
+    return executors_around(fusion_executor(backend))  # Thunder's defaults are read once
+
+
+def executors_around(fusion: TPFusionExecutor) -> tuple[Executor, ...]:
+    """``executors()``'s list with ``fusion`` as its fusion executor."""
+    # Other fusion executors of Thunder's defaults (nvFuser, torchcompile_*) would compete with ours, but for
+    # Thunder's cross-entropy one beside nvFuser (see _kept_default).
     # Attention executors (ours for CPU; for CUDA, ours for a mask shared by the batch, which Thunder's sdpa
     # executor claims and then fails on, then Thunder's sdpa, cudnn) come before the fusion executor, as in
     # Thunder's defaults: its autograd takes the grad rule of the first executor that can run an op, and Inductor
     # can run SDPA (as its decomposition, which saves the probabilities for the backward).
-    fusion = fusion_executor(backend)
     defaults = tuple(ex for ex in get_default_executors() if _kept_default(ex, fusion))
     return (comm_executor, cpu_attention_executor, cuda_attention_executor, *defaults, fusion)
 

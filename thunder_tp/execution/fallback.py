@@ -96,7 +96,7 @@ class FallbackRegion:
         raise error
 
     def _message(self, rejected: list[tuple[RegionBackend, Exception]], backend: RegionBackend) -> str:
-        errors = "; ".join(f"{BACKEND_NAMES[b]} raised {type(e).__name__}: {_first_line(e)}" for b, e in rejected)
+        errors = "; ".join(f"{BACKEND_NAMES[b]} raised {_summary(e)}" for b, e in rejected)
         return (f"thunder_tp: fusion region {self.name} ({_ops(self.bsyms)}) was rejected: {errors}. It runs on "
                 f"{BACKEND_NAMES[backend]} from now on (its results are {BACKEND_NAMES[backend]}'s).")
 
@@ -111,9 +111,13 @@ def _eager(compiled: Callable) -> Callable:
     return run
 
 
-def _first_line(error: BaseException) -> str:
+def _summary(error: BaseException) -> str:
+    """``Type: first line of the message``; for Dynamo's BackendCompilerFailed, what the backend raised inside."""
+    inner = getattr(error, "inner_exception", None)
+    if inner is not None:
+        return f"{type(error).__name__} ({_summary(inner)})"
     text = str(error).strip()
-    return (text.splitlines()[0] if text else "")[:300]
+    return f"{type(error).__name__}: {(text.splitlines()[0] if text else '')[:300]}"
 
 
 def _ops(bsyms: Sequence[BoundSymbol]) -> str:
