@@ -25,6 +25,13 @@
 #   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
 # Every phase measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.{json,log} into OUT_DIR.
 #   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 12 minutes with the install
+# "bf16" runs what users train, in bf16, all at once within GPU_BF16_S (default 420 s; one 10-minute call with the
+# install): a training step of Llama-3-8B's shapes at one layer, seq 8192, as the last rank of a fake group of 2 and
+# of 8 (bench_rank.py's modes (a) nvFuser and (b) Inductor: every region compiled, the loss finite, (a)'s equal to
+# (b)'s, no region fallen back) under each plan (TP, TP+SP, TP+LP, TP+SP+LP), one process per plan; beside them the
+# CUDA tests in bf16 (tests/test_cuda.py -k bf16), in three processes. Into OUT_DIR: bf16_steps.log (the four
+# plans' tables), bf16_steps.tar.gz (their JSON), bf16_tests.log.
+#   GPU_PARTS=bf16 bash benchmarks/gpu_check.sh
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
@@ -92,5 +99,36 @@ if [[ $PARTS == *,rank,* ]]; then
     rank_phase batch8 --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 8 --steps 20
     rank_phase sweep8b --model Llama-3-8B --tp 1,2,4 --train_modes a --decode_modes d,e --decode_batches 1 --steps 5
     rank_phase slice70b --model Llama-3-70B --tp 8 --train_modes a,c --decode_modes e,f --decode_batches 1 --steps 5
+fi
+if [[ $PARTS == *,bf16,* ]]; then
+    say "bf16: steps at Llama-3-8B shapes under 4 plans, and the CUDA tests, concurrently (${GPU_BF16_S:-420} s)"
+    work=/tmp/gpu_check_bf16
+    rm -rf "$work" && mkdir -p "$work"
+    jobs_run=()
+    for plan in tp_sp_lp tp_lp tp_sp tp; do
+        TORCHINDUCTOR_COMPILE_THREADS=3 timeout "${GPU_BF16_S:-420}" python3 benchmarks/bench_rank.py \
+            --model Llama-3-8B --tp 8,2 --plan "$plan" --train_modes a,b --decode_modes "" --layers 1 --steps 1 \
+            --warmup 1 --json_path "$work/bf16_$plan.json" > "$work/steps_$plan.log" 2>&1 &
+        jobs_run+=("$!:steps $plan")
+    done
+    for tests in "litgpt and nvfuser" "litgpt and inductor" "generation"; do
+        timeout "${GPU_BF16_S:-420}" python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py \
+            -k "bf16 and $tests" > "$work/tests_${tests// /_}.log" 2>&1 &
+        jobs_run+=("$!:tests $tests")
+    done
+    for job in "${jobs_run[@]}"; do
+        wait "${job%%:*}"
+        echo "${job#*:}: exit code $? (124: out of time)"
+    done
+    for plan in tp_sp_lp tp_lp tp_sp tp; do
+        echo "=== plan $plan"
+        grep -E "^\||^- |^FALLBACK|^ERROR|shapes" "$work/steps_$plan.log" | grep -v "^|---"
+    done | tee "$OUT_DIR/bf16_steps.log"
+    for plan in tp_sp_lp tp_lp tp_sp tp; do cat "$work/steps_$plan.log"; done >> "$OUT_DIR/bf16_steps.log"
+    if compgen -G "$work/bf16_*.json" > /dev/null; then
+        tar czf "$OUT_DIR/bf16_steps.tar.gz" -C "$work" $(cd "$work" && ls bf16_*.json)
+    fi
+    cat "$work"/tests_*.log > "$OUT_DIR/bf16_tests.log"
+    grep -hE "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" "$work"/tests_*.log | head -40
 fi
 say "end"

@@ -3,9 +3,10 @@
 nvFuser and ``torch.compile`` both compile a region at its first call (and again for inputs of new shapes or
 strides), so every region of thunder_tp's fusion executor is called through a ``FallbackRegion``. When the call
 raises a backend error, the region's bound symbols are lowered by the next backend and run; the first that runs them
-is kept for every later call, and one warning names the region, its ops and each rejecting backend's error. The
-results are that backend's. Torch is the region run op by op by Thunder's torch executor (Inductor's lowering with
-compilation off, ``torch.compiler.set_stance("force_eager")``), which generates no code to reject.
+is kept for every later call, and one warning (``RegionFallbackWarning``) names the region, its ops and each
+rejecting backend's error. The results are that backend's. Torch is the region run op by op by Thunder's torch
+executor (Inductor's lowering with compilation off, ``torch.compiler.set_stance("force_eager")``), which generates
+no code to reject.
 
 What is a backend error (``is_backend_error``), and what is the program's:
 - Inductor: an exception of Dynamo's or Inductor's own (``torch._dynamo.exc``, ``torch._inductor.exc``: Dynamo
@@ -32,7 +33,8 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.executors.torch_compile import make_compiled
 from thunder.extend import FusionExecutor
 
-__all__ = ["BACKEND_NAMES", "FallbackRegion", "RegionBackend", "is_backend_error", "with_fallback"]
+__all__ = ["BACKEND_NAMES", "FallbackRegion", "RegionBackend", "RegionFallbackWarning", "is_backend_error",
+           "with_fallback"]
 
 RegionBackend = Literal["nvfuser", "inductor", "torch"]
 
@@ -46,6 +48,11 @@ _NVFUSER_MESSAGE = re.compile(r"nvfuser|Fuser/csrc|csrc/[\w/]+\.(?:cpp|h)\b", re
 _INDUCTOR_MODULES = ("torch._dynamo", "torch._inductor", "triton")
 #: ops named in a warning before it abbreviates
 _OPS_NAMED = 12
+
+
+class RegionFallbackWarning(UserWarning):
+    """A fusion region that its backend rejected runs on the next backend (``warnings.simplefilter("error",
+    RegionFallbackWarning)`` makes that an error)."""
 
 
 def is_backend_error(error: BaseException, backend: RegionBackend) -> bool:
@@ -90,7 +97,7 @@ class FallbackRegion:
                     raise
                 rejected.append((backend, next_error))
                 continue
-            warnings.warn(self._message(rejected, backend), stacklevel=2)
+            warnings.warn(self._message(rejected, backend), RegionFallbackWarning, stacklevel=2)
             self.backend, self.call = backend, call
             return result
         raise error
