@@ -21,9 +21,11 @@
 #   decode8b  Llama-3-8B decode at TP=8, batch 1: (d) thunder_tp, (e) + CUDA graphs, (f) hand TP compiled
 #   train8b   Llama-3-8B training at TP=8, seq 8192: (a) nvFuser, (b) Inductor, (c) DTensor + torch.compile
 #   batch8    Llama-3-8B decode at TP=8, batch 8: (d), (e), (f)
+#   full8b    Llama-3-8B training at TP=8 with all 32 layers: (a), (b), (c) measured, peak memory included
 #   sweep8b   the TP 1/2/4 points of the projection: (a) training, (d)/(e) decode
 #   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
-# Every phase measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.{json,log} into OUT_DIR.
+# Every phase but full8b measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.{json,log}
+# into OUT_DIR.
 #   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 12 minutes with the install
 # "bf16" runs what users train, in bf16, all at once within GPU_BF16_S (default 420 s; one 10-minute call with the
 # install): a training step of Llama-3-8B's shapes at one layer, seq 8192, as the last rank of a fake group of 2 and
@@ -83,12 +85,12 @@ if [[ $PARTS == *,bench,* ]] && ((left > 90)); then
     tar czf "$OUT_DIR/traces.tar.gz" -C /tmp gpu_check_traces  # each thunder mode's final traces, in one file
     grep -E "^\[compare\].*median|^\|" "$OUT_DIR/compare_gpu.log" | tail -12
 fi
-rank_phase() {  # name, then bench_rank.py's arguments
+rank_phase() {  # name, then bench_rank.py's arguments (--layers 0,1 unless they name the depths)
     local name=$1 left=$((${GPU_RANK_S:-660} - (SECONDS - T0)))
     shift
     if ((left < 60)); then say "rank $name skipped: ${left} s left"; return; fi
     say "rank $name (${left} s left)"
-    timeout "$left" python3 benchmarks/bench_rank.py "$@" --layers 0,1 --project --json_path "$OUT_DIR/rank_$name.json" \
+    timeout "$left" python3 benchmarks/bench_rank.py --layers 0,1 "$@" --project --json_path "$OUT_DIR/rank_$name.json" \
         > "$OUT_DIR/rank_$name.log" 2>&1
     echo "exit code $?"
     grep -E "^\||^- |^mode|^ERROR|shapes" "$OUT_DIR/rank_$name.log" | head -60
@@ -97,6 +99,7 @@ if [[ $PARTS == *,rank,* ]]; then
     rank_phase decode8b --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 1 --steps 20
     rank_phase train8b --model Llama-3-8B --tp 8 --train_modes a,b,c --decode_modes "" --steps 5
     rank_phase batch8 --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 8 --steps 20
+    rank_phase full8b --model Llama-3-8B --tp 8 --train_modes a,b,c --decode_modes "" --layers 32 --steps 3 --warmup 1
     rank_phase sweep8b --model Llama-3-8B --tp 1,2,4 --train_modes a --decode_modes d,e --decode_batches 1 --steps 5
     rank_phase slice70b --model Llama-3-70B --tp 8 --train_modes a,c --decode_modes e,f --decode_batches 1 --steps 5
 fi
