@@ -283,15 +283,18 @@ def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, b
 
 
 def _peak_source(row: dict, by_depth: dict, peak: dict | None, layers: int) -> str:
-    """How the row's peak memory was had: measured at the reported depth (taken from ``peak`` into the row), else
-    extrapolated (why, where the run at full depth failed), or measured at the one depth run."""
-    if peak is not None and peak.get("peak_bytes") is not None:
-        row["peak_bytes"] = peak["peak_bytes"]
-        row["peak_run"] = {k: v for k, v in peak.items() if k != "traces"}  # the JSON holds no trace
-        return f"measured at {layers} layers"
+    """How the row's peak memory was had: measured at the reported depth (taken from ``peak``, the run at that
+    depth, into the row), else extrapolated (why, where that run failed), or measured at the one depth run; "not
+    measured" where no run has a figure (decode on the CPU)."""
     if peak is not None:
-        row["peak_run"] = peak
-        return f"extrapolated ({layers} layers: {peak.get('error', 'no figure')})"
+        row["peak_run"] = {k: v for k, v in peak.items() if k != "traces"}  # the JSON holds no trace
+        if peak.get("peak_bytes") is not None:
+            row["peak_bytes"] = peak["peak_bytes"]
+            return f"measured at {layers} layers"
+    if row.get("peak_bytes") is None:
+        return "not measured"
+    if peak is not None and "error" in peak:
+        return f"extrapolated ({layers} layers: {peak['error']})"
     return "extrapolated" if len(by_depth) == 2 else f"measured at {next(iter(by_depth))} layers"
 
 

@@ -66,8 +66,10 @@ def _training_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 def _peak(row: dict) -> str:
     """The peak memory and how it was had: measured at the reported depth or at the one run, or extrapolated."""
     source = row.get("peak_source", "")
+    if row.get("peak_bytes") is None or not source:
+        return fmt_bytes(row.get("peak_bytes"))
     tag = "extrapolated" if source.startswith("extrapolated") else source.removeprefix("measured at ")
-    return f"{fmt_bytes(row.get('peak_bytes'))} ({tag})" if tag else fmt_bytes(row.get("peak_bytes"))
+    return f"{fmt_bytes(row['peak_bytes'])} ({tag})"
 
 
 def _memory_notes(rows: list[dict]) -> list[str]:

@@ -29,7 +29,9 @@ def test_tiny_tp4_on_cpu(tmp_path):
     for key, row in rows.items():
         assert "error" not in row and row["loss_finite"], (key, row)
         assert set(row["depths"]) == {"0", "1"}, key  # both depths measured (JSON keys)
-        assert row["peak_source"] == "measured at 2 layers" and row["peak_run"]["peak_bytes"] == row["peak_bytes"], key
+        if key[0] == "training":  # decode has no peak on the CPU
+            assert row["peak_source"] == "measured at 2 layers", (key, row["peak_source"])
+            assert row["peak_run"]["peak_bytes"] == row["peak_bytes"], key
         p = row["projection"]
         assert p["no_overlap_s"] >= p["overlap_s"] > 0 and p["comm_s"] > 0, (key, p)
     # the same Llama, the same shards: thunder_tp and DTensor hold the same parameter bytes per rank
@@ -76,5 +78,6 @@ def test_peak_at_full_depth_or_why_not():
     row = {"peak_bytes": -13}
     why = bench_rank._peak_source(row, by_depth, {"error": "OutOfMemoryError: CUDA out of memory"}, 10)
     assert why == "extrapolated (10 layers: OutOfMemoryError: CUDA out of memory)" and row["peak_bytes"] == -13
-    assert bench_rank._peak_source({}, by_depth, None, 10) == "extrapolated"
-    assert bench_rank._peak_source({}, {1: {}}, None, 10) == "measured at 1 layers"
+    assert bench_rank._peak_source({"peak_bytes": -13}, by_depth, None, 10) == "extrapolated"
+    assert bench_rank._peak_source({"peak_bytes": 3}, {1: {}}, None, 10) == "measured at 1 layers"
+    assert bench_rank._peak_source({}, {1: {}}, {"peak_bytes": None}, 10) == "not measured"

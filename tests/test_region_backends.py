@@ -46,18 +46,17 @@ class StandInNvFuser(InductorFusionExecutor):
     nvFuser 0.2.35 raised."""
 
     def __init__(self, reject: str | None = None):
-        super().__init__("stand_in_nvfuser")
+        super().__init__("stand_in_nvfuser", region_name="nvFusion")
         self.reject = reject
         self.regions: dict[str, list[str]] = {}
 
     def fuse(self, region, fusion_counter: int):
         fusion = super().fuse(region, fusion_counter)
-        name = f"nvFusion{fusion_counter}"
         ops = [op for bsym in region.bound_symbols for op in _ops(bsym)]
-        self.regions[name] = ops
+        self.regions[fusion.sym.name] = ops
         run = _run_with_torch(fusion._call_ctx[fusion.sym.name], rejected=self.reject in ops)
-        return self.register_temporary_operation(name, run, inputs=list(fusion.args), outputs=list(fusion.output),
-                                                 bsyms=list(fusion.subsymbols))
+        return self.register_temporary_operation(fusion.sym.name, run, inputs=list(fusion.args),
+                                                 outputs=list(fusion.output), bsyms=list(fusion.subsymbols))
 
 
 def _run_with_torch(compiled, rejected: bool):
@@ -100,8 +99,8 @@ def _head_with_stand_in() -> dict:
 
 def test_loss_parallel_head_keeps_the_loss_off_nvfuser():
     """Loss and grads as on one device; nvFuser (the stand-in) is handed regions, none holding the loss's pieces;
-    Inductor lowers the cross-entropy's symbols, forward (stats, loss) and backward; one all_gather of the stats
-    forward, one all_reduce of the input's grad backward: the minimum."""
+    Inductor lowers the cross-entropy's symbols, forward (stats, loss) and backward, in regions named apart; one
+    all_gather of the stats forward, one all_reduce of the input's grad backward: the minimum."""
     for rank, r in enumerate(run_ranks(_head_with_stand_in, 2)):
         assert r["collectives"] == ({"all_gather": 1}, {"all_reduce": 1}), (rank, r["collectives"])
         assert r["stand_in"], f"rank {rank}: the stand-in nvFuser was handed no region"
@@ -110,7 +109,10 @@ def test_loss_parallel_head_keeps_the_loss_off_nvfuser():
         for part, regions, wanted in zip(("forward", "backward"), r["regions"], (
                 {"cross_entropy_stats", "cross_entropy_of_stats"},
                 {"cross_entropy_stats_backward", "cross_entropy_of_stats_backward"}), strict=True):
-            inductor = {op for ex, _, ops in regions if ex.endswith("_inductor_only") for op in ops}
+            names = [name for _, name, _ in regions]
+            assert len(set(names)) == len(names), f"rank {rank} {part}: regions of one name (one callable): {names}"
+            inductor = {op for ex, name, ops in regions if ex.endswith("_inductor_only") and
+                        name.startswith("InductorOnly") for op in ops}
             assert wanted <= inductor, f"rank {rank} {part}: Inductor's regions hold {inductor}"
             on_nvfuser = {op for ex, _, ops in regions if ex == "stand_in_nvfuser" for op in ops}
             assert not {f"thunder_tp.{op}" for op in on_nvfuser} & INDUCTOR_ONLY, (rank, part, on_nvfuser)

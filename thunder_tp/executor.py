@@ -26,6 +26,7 @@ from thunder.core.trace import TraceCtx
 from thunder.executors import nvfuserex
 from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_xentropy_ex
 from thunder.executors.torchex import ex as pytorch_ex
+from thunder.executors.utils import Region
 from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_executors, register_executor
 
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
@@ -86,12 +87,15 @@ INDUCTOR_ONLY = frozenset(sym.id for sym in CROSS_ENTROPY_SYMBOLS)
 
 class InductorFusionExecutor(TorchCompileExecutor):
     """torch.compile (Inductor) fusions of torchex-executable compute and of ``INDUCTOR_ONLY``'s symbols; refuses
-    communication. ``skip_cuda``: no CUDA ops (nvFuser's) but those symbols; ``only``: nothing but those symbols."""
+    communication. ``skip_cuda``: no CUDA ops (nvFuser's) but those symbols; ``only``: nothing but those symbols.
+    Its regions are named ``{region_name}{n}``: a trace's regions need distinct names (each is its callable's key)."""
 
-    def __init__(self, name: str, *, skip_cuda: bool = False, only: bool = False):
+    def __init__(self, name: str, *, skip_cuda: bool = False, only: bool = False,
+                 region_name: str = "TorchCompile"):
         super().__init__(name)
         self.skip_cuda = skip_cuda
         self.only = only
+        self.region_name = region_name
         # torchex's checkers come along: a region is lowered by torchex alone before torch.compile, so what torchex
         # refuses (e.g. number-only prims such as the shape arithmetic of symbolic values) is left to pythonex
         self.implmap.update(
@@ -108,6 +112,15 @@ class InductorFusionExecutor(TorchCompileExecutor):
             return False
         return super().can_fuse(bsym)
 
+    def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
+        """Thunder's torch.compile region, named ``{region_name}{fusion_counter}``."""
+        fusion = super().fuse(region, fusion_counter)
+        name = f"{self.region_name}{fusion_counter}"
+        if name == fusion.sym.name:
+            return fusion
+        return self.register_temporary_operation(name, fusion._call_ctx[fusion.sym.name], inputs=list(fusion.args),
+                                                 outputs=list(fusion.output), bsyms=list(fusion.subsymbols))
+
 
 class TPFusionExecutor(FusionExecutor):
     """Claims compute and fuses it with nvFuser (CUDA tensors) and/or Inductor; collectives are region breaks."""
@@ -123,10 +136,11 @@ class TPFusionExecutor(FusionExecutor):
         #: beside nvFuser, the Inductor pass that takes INDUCTOR_ONLY's symbols before nvFuser's pass could
         self.inductor_only: InductorFusionExecutor | None = None
         if nvfuser is not None:
-            self.inductor_only = InductorFusionExecutor(f"{name}_inductor_only", only=True)
+            self.inductor_only = InductorFusionExecutor(f"{name}_inductor_only", only=True, region_name="InductorOnly")
         self.inductor: InductorFusionExecutor | None = None
-        if backend != "nvfuser":
-            self.inductor = InductorFusionExecutor(f"{name}_inductor", skip_cuda=nvfuser is not None)
+        if backend != "nvfuser":  # beside nvFuser, for what is not on CUDA (named apart from torchcompile_xentropy's)
+            self.inductor = InductorFusionExecutor(f"{name}_inductor", skip_cuda=nvfuser is not None,
+                                                   region_name="TorchCompile" if nvfuser is None else "InductorCPU")
 
     @property
     def backends(self) -> tuple[FusionExecutor, ...]:
