@@ -126,7 +126,7 @@ TRAINING = (
     RankMode("a", "thunder_tp, nvFuser regions", "thunder", _thunder_training("nvfuser"), cuda_only=True,
              skip_reason="nvFuser runs on CUDA only"),
     RankMode("b", "thunder_tp, Inductor regions", "thunder", _thunder_training("inductor")),
-    RankMode("c", "DTensor TP+SP (torchtitan plan), torch.compile", "compile", _dtensor_training),
+    RankMode("c", "DTensor (torchtitan plan), torch.compile", "compile", _dtensor_training),
 )
 
 
