@@ -269,5 +269,5 @@ def test_a_programs_error_in_a_region_propagates_unchanged(error):
     region = FallbackRegion("nvFusion0", "nvfuser", call, bsyms=(), inputs=(), outputs=())
     with warnings.catch_warnings(record=True) as caught, pytest.raises(type(error)) as info:
         warnings.simplefilter("always")
-        region(torch.ones(2))
+        region.callable()(torch.ones(2))
     assert info.value is error and not caught and region.backend == "nvfuser"
