@@ -24,8 +24,8 @@
 #   full8b    Llama-3-8B training at TP=8 with all 32 layers: (a), (b), (c) measured, peak memory included
 #   sweep8b   the TP 1/2/4 points of the projection: (a) training, (d)/(e) decode
 #   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
-# Every phase but full8b measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.{json,log}
-# into OUT_DIR.
+# Every phase but full8b measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.log into
+# OUT_DIR, and their JSON comes in one rank_json.tar.gz (at most 8 files come back from a device call).
 #   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 12 minutes with the install
 # "bf16" runs what users train, in bf16, all at once within GPU_BF16_S (default 420 s; one 10-minute call with the
 # install): a training step of Llama-3-8B's shapes at one layer, seq 8192, as the last rank of a fake group of 2 and
@@ -90,8 +90,9 @@ rank_phase() {  # name, then bench_rank.py's arguments (--layers 0,1 unless they
     shift
     if ((left < 60)); then say "rank $name skipped: ${left} s left"; return; fi
     say "rank $name (${left} s left)"
-    timeout "$left" python3 benchmarks/bench_rank.py --layers 0,1 "$@" --project --json_path "$OUT_DIR/rank_$name.json" \
-        > "$OUT_DIR/rank_$name.log" 2>&1
+    mkdir -p /tmp/gpu_check_rank
+    timeout "$left" python3 benchmarks/bench_rank.py --layers 0,1 "$@" --project \
+        --json_path "/tmp/gpu_check_rank/rank_$name.json" > "$OUT_DIR/rank_$name.log" 2>&1
     echo "exit code $?"
     grep -E "^\||^- |^mode|^ERROR|shapes" "$OUT_DIR/rank_$name.log" | head -60
 }
@@ -102,6 +103,7 @@ if [[ $PARTS == *,rank,* ]]; then
     rank_phase full8b --model Llama-3-8B --tp 8 --train_modes a,b,c --decode_modes "" --layers 32 --steps 3 --warmup 1
     rank_phase sweep8b --model Llama-3-8B --tp 1,2,4 --train_modes a --decode_modes d,e --decode_batches 1 --steps 5
     rank_phase slice70b --model Llama-3-70B --tp 8 --train_modes a,c --decode_modes e,f --decode_batches 1 --steps 5
+    tar czf "$OUT_DIR/rank_json.tar.gz" -C /tmp gpu_check_rank
 fi
 if [[ $PARTS == *,bf16,* ]]; then
     say "bf16: steps at Llama-3-8B shapes under 4 plans, and the CUDA tests, concurrently (${GPU_BF16_S:-420} s)"
