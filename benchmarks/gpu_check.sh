@@ -17,7 +17,7 @@
 #
 # GPU_PARTS picks what runs (comma-separated; default "tests,bench", the above): "rank" runs issue 49's one-rank
 # table instead (docs/gpu.md): benchmarks/bench_rank.py as one rank of a fake TP group at Llama-3 shapes, in phases
-# by priority, each given what is left of GPU_RANK_S (default 660 s; a phase starts only with 60 s left):
+# by priority, each given what is left of GPU_RANK_S (default 540 s; a phase starts only with 60 s left):
 #   decode8b  Llama-3-8B decode at TP=8, batch 1: (d) thunder_tp, (e) + CUDA graphs, (f) hand TP compiled
 #   train8b   Llama-3-8B training at TP=8, seq 8192: (a) nvFuser, (b) Inductor, (c) DTensor + torch.compile
 #   batch8    Llama-3-8B decode at TP=8, batch 8: (d), (e), (f)
@@ -26,7 +26,7 @@
 #   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
 # Every phase but full8b measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.log into
 # OUT_DIR, and their JSON comes in one rank_json.tar.gz (at most 8 files come back from a device call).
-#   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 12 minutes with the install
+#   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 10 minutes with the install
 # "bf16" runs what users train, in bf16, all at once within GPU_BF16_S (default 420 s; one 10-minute call with the
 # install): a training step of Llama-3-8B's shapes at one layer, seq 8192, as the last rank of a fake group of 2 and
 # of 8 (bench_rank.py's modes (a) nvFuser and (b) Inductor: every region compiled, the loss finite, (a)'s equal to
@@ -86,7 +86,7 @@ if [[ $PARTS == *,bench,* ]] && ((left > 90)); then
     grep -E "^\[compare\].*median|^\|" "$OUT_DIR/compare_gpu.log" | tail -12
 fi
 rank_phase() {  # name, then bench_rank.py's arguments (--layers 0,1 unless they name the depths)
-    local name=$1 left=$((${GPU_RANK_S:-660} - (SECONDS - T0)))
+    local name=$1 left=$((${GPU_RANK_S:-540} - (SECONDS - T0)))
     shift
     if ((left < 60)); then say "rank $name skipped: ${left} s left"; return; fi
     say "rank $name (${left} s left)"
