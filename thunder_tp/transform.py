@@ -19,7 +19,9 @@ from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import (
     REPLICATE,
     Layout,
+    Replicate,
     Shard,
+    StackShard,
     TPGroup,
     group_device,
     local_shape,
@@ -138,7 +140,7 @@ class TensorParallel(Transform):
         if simulating:
             check_transforms(model, self.tp.group)
         layouts = {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in original_module(model).named_parameters()}
-        return {name: layout for name, layout in layouts.items() if simulating or isinstance(layout, Shard)}
+        return {name: layout for name, layout in layouts.items() if simulating or not isinstance(layout, Replicate)}
 
     def _shard_caches(self, model) -> None:
         """Each cache buffer becomes this rank's zeroed piece; the module keeps a full-size meta placeholder (no
@@ -174,13 +176,23 @@ class TensorParallel(Transform):
 
     def _gather_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
+        if isinstance(layout, StackShard) and isinstance(value, torch.Tensor):
+            return self._broadcast_whole(name, value.detach(), layout)
         if not isinstance(layout, Shard) or not isinstance(value, torch.Tensor):
             return value
         return gather_full(value.detach(), layout, self.tp.group)
 
+    def _broadcast_whole(self, name: str, piece: torch.Tensor, layout: StackShard) -> torch.Tensor:
+        """A StackShard tensor whole on every rank, from the one rank that holds it."""
+        owner = layout.owner(self.tp.size)
+        shape = original_module(self._module).get_parameter(name).shape
+        whole = piece.clone() if self.tp.rank == owner else piece.new_empty(shape)
+        dist.broadcast(whole, dist.get_global_rank(self.tp.group, owner), group=self.tp.group)
+        return whole
+
     def _shard_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
-        if isinstance(layout, Shard) and isinstance(value, torch.Tensor):
+        if isinstance(layout, (Shard, StackShard)) and isinstance(value, torch.Tensor):
             return local_piece(value, layout, self.tp.rank, self.tp.size, self.tp.group).clone()
         return value
 
@@ -200,8 +212,10 @@ class TensorParallel(Transform):
         logical = constrain_styled_ops(dce(computation), styles)
         propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
         steps = propagation.run(trace_body(logical))
-        sharded = {name: layout for name, layout in layouts.items() if isinstance(layout, Shard)}
-        localize_prologue(prologue, computation, sharded, self.tp.size)
+        # a simulation runs one trace for every rank: StackShard tensors keep their full shape there (local_piece)
+        sharded = {name: layout for name, layout in layouts.items()
+                   if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not is_simulating())}
+        localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank)
         local = rewrite(logical, steps, propagation.layouts, self.tp)
         return prologue, recompute_matmul_inputs(local), epilogue
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from thunder_tp.execution.agreement import gathered
-from thunder_tp.layouts import Layout, Shard, full_length, held_chunks, piece_parts
+from thunder_tp.layouts import Layout, Shard, StackShard, full_length, held_chunks, piece_parts
 from thunder_tp.thunder_internals.private import wrap_module_call
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: checksums stay exact int64s
@@ -133,6 +133,8 @@ def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout]], group: di
 
 def _has_copies(layout: Layout) -> bool:
     """Whether several ranks hold a copy of (some chunk of) a tensor of this layout."""
+    if isinstance(layout, StackShard):  # one rank holds it
+        return False
     return not isinstance(layout, Shard) or layout.is_replicated
 
 
