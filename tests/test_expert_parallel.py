@@ -1,0 +1,220 @@
+"""Expert parallelism (plans.litgpt / plans.hf with expert_parallel=True): experts whole on their ranks, tokens moved
+by all_to_all, against one device on real gloo ranks in float64 (loss parallel on): loss and every grad, each rank's
+whole experts, the collectives of a step; routings that leave a rank without tokens; checkpoints across EP sizes;
+simulated ranks; one rank alone; greedy generation."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+
+import thunder_tp
+import thunder_tp.checkpoint as ck
+from thunder_tp import TensorParallel
+from thunder_tp.layouts import StackShard
+from thunder_tp.models.expert_parallel import ExpertParallel
+from tests.dist import run_ranks
+from tests.litgpt_models import MOE_BASE, batch, make_moe_model
+from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
+
+# litgpt's RMSNorm (and the grouped router) compute in float32 even for float64 models
+RTOL = ATOL = 1e-5
+LAYERS = MOE_BASE["n_layer"]
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _reference_and_copy(name: str, **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    reference = make_moe_model(name, **overrides)
+    model = make_moe_model(name, **overrides)
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def _jit_ep(model: torch.nn.Module, sequence_parallel: bool) -> tuple[torch.nn.Module, TensorParallel]:
+    plan = thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel, loss_parallel=True, expert_parallel=True)
+    transform = TensorParallel(plan)
+    return thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS), transform
+
+
+def _held_experts(reference: torch.nn.Module, jm: torch.nn.Module) -> dict[str, set[int]]:
+    """Per expert layer kind of each MoE layer (e.g. gpt.transformer.h.0.mlp.fc_1.weight): the experts this rank
+    holds, each checked whole and equal to the single-device one; the others it holds nothing of."""
+    held: dict[str, set[int]] = {}
+    for name, full in reference.named_parameters():
+        match = _EXPERT.search(name)
+        if match is None:
+            continue
+        local = jm.get_parameter(name)
+        if local.numel():
+            assert local.shape == full.shape and torch.equal(local, full), name
+            held.setdefault(_EXPERT.sub(".", name), set()).add(int(match[1]))
+        else:
+            assert local.shape == (0, *full.shape[1:]), (name, local.shape)
+    return held
+
+
+def _step(reference, jm, transform, idx, targets) -> dict:
+    """One training step of both: the loss and every grad equal; this rank's experts and collectives."""
+    rank, size = rank_and_size()
+    held = _held_experts(reference, jm)
+    expected, actual = reference(idx, targets), jm(idx, targets)
+    assert_close_scaled(actual, expected, rtol=RTOL, atol=ATOL, what="loss")
+    expected.backward()
+    actual.backward()
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=RTOL, atol=ATOL)
+    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+    return {"held": held, "forward": collective_counts(forward), "backward": collective_counts(backward),
+            "table": thunder_tp.collectives_table(forward)}
+
+
+def _train(name: str, sequence_parallel: bool) -> dict:
+    reference, model = _reference_and_copy(name)
+    jm, transform = _jit_ep(model, sequence_parallel)
+    return _step(reference, jm, transform, *batch(0))
+
+
+def _expected_counts(name: str, sequence_parallel: bool) -> tuple[dict, dict]:
+    """Per MoE layer 3 all_to_alls forward (counts, dispatch, combine), 2 backward; without SP the layer's input is a
+    local slice and its output all-gathered (backward: the input's grad all-gathered); with SP nothing else. The rest
+    as a dense llama (tests/litgpt_models.py), loss parallel's one all_gather of (log-sum-exp, target logit); the
+    replicated grads (routers, shared experts: float64; norms under SP and q/k norms: float32) summed per dtype."""
+    dtypes = 1 + bool(sequence_parallel or name == "qwen3_moe")
+    if sequence_parallel:
+        forward = {"reduce_scatter": LAYERS + 1, "all_gather": LAYERS + 2, "all_to_all": 3 * LAYERS}
+        backward = {"reduce_scatter": LAYERS + 1, "all_gather": LAYERS + 1, "all_to_all": 2 * LAYERS, "all_reduce": dtypes}
+    else:
+        forward = {"all_reduce": LAYERS + 1, "all_gather": LAYERS + 1, "all_to_all": 3 * LAYERS}
+        backward = {"all_reduce": LAYERS + 1 + dtypes, "all_gather": LAYERS, "all_to_all": 2 * LAYERS}
+    return forward, backward
+
+
+#: the default run: Mixtral-like at EP=2 without SP; DeepSeek-like (shared experts, grouped top-k) at EP=2 with SP and
+#: the TP=4 and Qwen3-MoE cases slow (the same layer; at 4 ranks one expert each)
+CASES = [(2, "mixtral", False, ""), (2, "grouped_shared", True, "slow"), (2, "qwen3_moe", False, "slow"),
+         (4, "mixtral", True, "slow"), (4, "grouped_shared", False, "slow")]
+
+
+@pytest.mark.parametrize("world, name, sequence_parallel", [
+    pytest.param(w, n, sp, id=f"ep{w}-{n}{'-sp' * sp}", marks=[pytest.mark.slow] if slow else [])
+    for w, n, sp, slow in CASES
+])
+def test_expert_parallel_matches_single_device(world, name, sequence_parallel):
+    results = run_ranks(_train, world, name, sequence_parallel)
+    n_expert, k, width = MOE_BASE["n_expert"], MOE_BASE["n_expert_per_token"], MOE_BASE["n_embd"]
+    for rank, result in enumerate(results):
+        per_rank = n_expert // world
+        mine = set(range(rank * per_rank, (rank + 1) * per_rank))
+        assert len(result["held"]) == 3 * LAYERS and all(e == mine for e in result["held"].values()), result["held"]
+        assert (result["forward"], result["backward"]) == _expected_counts(name, sequence_parallel), result
+    idx, _ = batch(0)
+    pairs = idx.numel() // world * k * width * 8  # this rank's tokens x k rows of float64
+    rows = {(r["kind"], r["bytes_per_call"]): r["count"] for r in results[0]["table"] if r["kind"] == "all_to_all"}
+    assert rows == {("all_to_all", 8 * n_expert): LAYERS, ("all_to_all", pairs): 2 * LAYERS}, rows
+
+
+def _skewed(k: int, favoured: tuple[int, ...], length: int) -> dict:
+    """Grouped top-k routing whose score correction bias sends every token to the `favoured` experts (`length`
+    tokens of one sequence: a length the ranks do not divide makes each rank dispatch its share of the rows)."""
+    reference, model = _reference_and_copy("grouped_shared", n_expert_per_token=k)
+    for m in (reference, model):
+        for name, bias in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias[list(favoured)] = 10.0
+    jm, transform = _jit_ep(model, sequence_parallel=False)
+    idx, targets = (t[:1, :length] for t in batch(0))
+    result = _step(reference, jm, transform, idx, targets)
+    result["reached"] = sorted({int(_EXPERT.search(n)[1]) for n, p in reference.named_parameters()
+                                if _EXPERT.search(n) and p.grad.abs().sum() > 0})
+    return result
+
+
+def test_routings_that_leave_a_rank_without_tokens():
+    # every token to expert 3 (top-1): rank 0 receives no row, rank 1's expert 2 none; 15 tokens: 7 + 8 dispatched
+    split = run_ranks(_skewed, 2, 1, (3,), 15)
+    # every token to experts 0 and 1 (top-2), both rank 0's: rank 1 receives no row; 16 tokens: the sequence split
+    held = run_ranks(_skewed, 2, 2, (0, 1), 16)
+    assert split[0]["reached"] == [3] and held[0]["reached"] == [0, 1], (split[0]["reached"], held[0]["reached"])
+    # a split's output is a Partial sum: all-reduced (forward) as its input's grad (backward), per MoE layer
+    assert split[0]["forward"] == {"all_reduce": 2 * LAYERS + 1, "all_gather": 1, "all_to_all": 3 * LAYERS}
+    assert held[0]["forward"] == _expected_counts("grouped_shared", False)[0]
+
+
+def test_indivisible_experts_are_a_clear_error():
+    with pytest.raises(ValueError, match="3 ranks cannot share 4 experts evenly; use a TP size that divides 4"):
+        ExpertParallel(1, 4).check("transformer.h.0.mlp.experts.1.fc_1", 3)
+    with torch.device("meta"):
+        model = make_moe_model("mixtral")
+    styles = thunder_tp.styles.match_plan(model.gpt, thunder_tp.plans.litgpt(model.gpt, expert_parallel=True))
+    with pytest.raises(ValueError, match="cannot share 4 experts evenly"):
+        thunder_tp.styles.planned_tensors(model.gpt, styles, 3)
+    assert thunder_tp.styles.planned_tensors(model.gpt, styles, 2).parameters[
+        "transformer.h.1.mlp.experts.3.proj.weight"] == StackShard(3, 4)
+
+
+# --- checkpoints across EP sizes -------------------------------------------------------------------------------
+
+
+def _save_at_ep(path: str) -> None:
+    _, model = _reference_and_copy("grouped_shared")
+    jm, _ = _jit_ep(model, sequence_parallel=False)
+    ck.save(path, jm)
+
+
+def _load_at_ep(path: str) -> None:
+    rank, size = rank_and_size()
+    reference, model = _reference_and_copy("grouped_shared")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    jm, transform = _jit_ep(model, sequence_parallel=False)
+    ck.load(path, jm)
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=0, atol=0, parameters=True)
+    assert len(_held_experts(reference, jm)) == 3 * LAYERS
+
+
+@pytest.mark.slow  # four ranks; the StackShard pieces are DCP shards as any other (tests/test_checkpoint.py)
+def test_checkpoint_saved_at_ep2_loads_at_ep4_and_on_one_device(tmp_path):
+    path = str(tmp_path / "ep2")
+    run_ranks(_save_at_ep, 2, path)
+    run_ranks(_load_at_ep, 4, path)
+    reference = make_moe_model("grouped_shared")
+    model = make_moe_model("grouped_shared")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    ck.load(path, model)  # TP=1: a plain module, no process group
+    for name, p in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], p), name
+
+
+# --- simulated ranks, one rank alone, generation, HF -------------------------------------------------------------
+
+
+@pytest.mark.slow  # every op of the step runs 8 times in this process
+def test_simulated_ep8_matches_single_device():
+    assert not dist.is_initialized()
+    overrides = dict(n_expert=8, n_head=8, n_query_groups=8, head_size=4)
+    reference, model = _reference_and_copy("mixtral", **overrides)
+    idx, targets = batch(0)
+    expected = reference(idx, targets)
+    expected.backward()
+    with thunder_tp.simulate(world_size=8):
+        jm, transform = _jit_ep(model, sequence_parallel=True)
+        loss = jm(idx, targets)
+        loss.backward()
+        forward = collective_counts(thunder.last_traces(jm)[-1])
+    for rank, value in thunder_tp.per_rank(loss).items():
+        assert_close_scaled(value, expected, rtol=RTOL, atol=ATOL, what=f"loss of simulated rank {rank}")
+    for name, full in reference.named_parameters():
+        layout = transform.parameter_layouts.get(name)
+        for rank, piece in thunder_tp.per_rank(jm.get_parameter(name).grad).items():
+            if isinstance(layout, StackShard):  # simulated ranks hold every expert, zeros but the owner's
+                want = full.grad if rank == layout.owner(8) else torch.zeros_like(full.grad)
+            else:
+                want = thunder_tp.layouts.shard_tensor(full.grad, layout or thunder_tp.Replicate(), rank, 8)
+            assert_close_scaled(piece, want, rtol=RTOL, atol=ATOL, what=f"grad of {name} on simulated rank {rank}")
+    assert forward["all_to_all"] == 3 * LAYERS, forward
