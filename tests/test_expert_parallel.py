@@ -219,3 +219,107 @@ def test_simulated_ep8_matches_single_device():
                 want = thunder_tp.layouts.shard_tensor(full.grad, layout or thunder_tp.Replicate(), rank, 8)
             assert_close_scaled(piece, want, rtol=RTOL, atol=ATOL, what=f"grad of {name} on simulated rank {rank}")
     assert forward["all_to_all"] == 3 * LAYERS, forward
+
+
+@pytest.mark.slow  # one compile in this process; the fake group's exchange (every peer routes as this rank)
+def test_one_rank_alone_runs_an_expert_parallel_step():
+    from thunder.transforms import MaterializationTransform
+
+    assert not dist.is_initialized()
+    with thunder_tp.one_rank(2, 1, device="cpu"):
+        with torch.device("meta"):
+            model = make_moe_model("mixtral")
+        plan = thunder_tp.plans.litgpt(model, loss_parallel=True, expert_parallel=True)
+        init = MaterializationTransform("cpu", init=MaterializationTransform.init_from_original_module_init())
+        jm = thunder.jit(model, transforms=[TensorParallel(plan), init], executors=FAST_EXECUTORS)
+        loss = jm(*batch(0))
+        loss.backward()
+        forward, backward = (collective_counts(t[-1]) for t in (thunder.last_traces(jm), thunder.last_backward_traces(jm)))
+        shapes = {n: tuple(p.shape) for n, p in jm.named_parameters() if _EXPERT.search(n)}
+    assert torch.isfinite(loss), loss
+    assert (forward, backward) == _expected_counts("mixtral", False), (forward, backward)
+    for name, shape in shapes.items():  # rank 1 of 2 holds experts 2 and 3
+        assert (shape[0] > 0) == (int(_EXPERT.search(name)[1]) >= 2), (name, shape)
+
+
+def _generate() -> dict:
+    from tests.generation import NEW_TOKENS, PROMPT, gen_config, greedy, models_with_cache
+    from tests.litgpt_models import VOCAB
+
+    config = gen_config("moe")
+    reference, model = models_with_cache(config, 1)
+    jm = thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model, expert_parallel=True))],
+                     executors=FAST_EXECUTORS)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    expected, _ = greedy(reference, prompt, NEW_TOKENS)
+    decode_counts = []
+    tokens, _ = greedy(jm, prompt, NEW_TOKENS, lambda _: decode_counts.append(collective_counts(thunder.last_traces(jm)[-1])))
+    assert torch.equal(tokens, expected), (tokens, expected)
+    return {"layers": config.n_layer, "decode": decode_counts}
+
+
+@pytest.mark.slow  # the decode step's layer is the routings test's split (a rank's share of the rows, Partial out)
+def test_greedy_generation_with_expert_parallelism_matches_single_device():
+    result = run_ranks(_generate, 2)[0]
+    layers = result["layers"]
+    # a decode step: one token, so one rank dispatches it and the MoE output is a Partial sum (one all_reduce); per
+    # layer the counts exchange, the dispatch and the combine; attention and embedding as in dense TP, logits gathered
+    step = {"all_reduce": 2 * layers + 1, "all_gather": 1, "all_to_all": 3 * layers}
+    assert all(counts == step for counts in result["decode"]), result["decode"]
+
+
+def _train_hf(name: str, sequence_parallel: bool) -> dict:
+    from tests.hf_models import batch as hf_batch
+    from tests.hf_models import make_model
+
+    rank, size = rank_and_size()
+    reference, model = make_model(name), make_model(name)
+    model.load_state_dict(reference.state_dict())
+    plan = thunder_tp.plans.hf(model, sequence_parallel=sequence_parallel, loss_parallel=True, expert_parallel=True)
+    transform = TensorParallel(plan)
+    jm = thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS)
+    held = _held_experts(reference, jm)
+    idx = hf_batch()
+    expected = reference(input_ids=idx, labels=idx, use_cache=False)
+    actual = jm(input_ids=idx, labels=idx, use_cache=False)
+    # HF computes its loss (and most norms) in float32 even for float64 models
+    assert_close_scaled(actual.loss, expected.loss, rtol=1e-6, atol=1e-6, what="loss")
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=1e-5, atol=1e-5)
+    return {"held": held, "forward": collective_counts(thunder.last_traces(jm)[-1]),
+            "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
+
+
+def _expected_hf_counts(name: str, sequence_parallel: bool, world: int) -> tuple[dict, dict]:
+    """Dense TP's counts (tests/hf_models.py) with each MoE block's reduction replaced: without SP its all_reduce each
+    way by an all_gather, with SP its reduce_scatter and all_gather each way by nothing; plus the all_to_alls. Loss
+    parallel adds its (log-sum-exp, target logit) all_gather under SP (the tp_lp mode has it)."""
+    from tests.hf_models import LAYERS as HF_LAYERS
+    from tests.hf_models import expected_counts
+
+    forward, backward = expected_counts(name, "tp_sp" if sequence_parallel else "tp_lp", world)
+    moved = ("reduce_scatter", "all_gather") if sequence_parallel else ("all_reduce",)
+    for counts in (forward, backward):
+        for kind in moved:
+            counts[kind] -= HF_LAYERS
+        if not sequence_parallel:
+            counts["all_gather"] = counts.get("all_gather", 0) + HF_LAYERS
+    forward["all_gather"] += sequence_parallel
+    forward["all_to_all"], backward["all_to_all"] = 3 * HF_LAYERS, 2 * HF_LAYERS
+    return {k: v for k, v in forward.items() if v}, {k: v for k, v in backward.items() if v}
+
+
+@pytest.mark.slow  # the HF blocks run the litgpt cases' layer (the same moe_layer op)
+@pytest.mark.parametrize("world, name, sequence_parallel", [(2, "mixtral", False), (2, "qwen3_moe", True),
+                                                            (4, "qwen3_moe", False), (4, "mixtral", True)])
+def test_hf_expert_parallel_matches_single_device(world, name, sequence_parallel):
+    from tests.hf_models import ARCHITECTURES
+
+    results = run_ranks(_train_hf, world, name, sequence_parallel)
+    n_expert = next(v for k, v in ARCHITECTURES[name][1].items() if k in ("num_local_experts", "num_experts"))
+    for rank, result in enumerate(results):
+        per_rank = n_expert // world
+        assert result["held"] and all(e == set(range(rank * per_rank, (rank + 1) * per_rank))
+                                      for e in result["held"].values()), result["held"]
+        assert (result["forward"], result["backward"]) == _expected_hf_counts(name, sequence_parallel, world), result
