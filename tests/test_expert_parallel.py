@@ -34,10 +34,10 @@ def _reference_and_copy(name: str, **overrides) -> tuple[torch.nn.Module, torch.
     return reference, model
 
 
-def _jit_ep(model: torch.nn.Module, sequence_parallel: bool) -> tuple[torch.nn.Module, TensorParallel]:
+def _jit_ep(model: torch.nn.Module, sequence_parallel: bool, executors=None) -> tuple[torch.nn.Module, TensorParallel]:
     plan = thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel, loss_parallel=True, expert_parallel=True)
     transform = TensorParallel(plan)
-    return thunder.jit(model, transforms=[transform], executors=FAST_EXECUTORS), transform
+    return thunder.jit(model, transforms=[transform], executors=executors or FAST_EXECUTORS), transform
 
 
 def _held_experts(reference: torch.nn.Module, jm: torch.nn.Module) -> dict[str, set[int]]:
@@ -204,7 +204,7 @@ def test_simulated_ep8_matches_single_device():
     expected = reference(idx, targets)
     expected.backward()
     with thunder_tp.simulate(world_size=8):
-        jm, transform = _jit_ep(model, sequence_parallel=True)
+        jm, transform = _jit_ep(model, sequence_parallel=True, executors=thunder_tp.executors())
         loss = jm(idx, targets)
         loss.backward()
         forward = collective_counts(thunder.last_traces(jm)[-1])
