@@ -41,7 +41,8 @@ MOE_CONFIGS = {
 def make_moe_model(name: str, dtype: torch.dtype = torch.float64, **overrides) -> GPTWithLoss:
     """A GPTWithLoss of a MoE config (float64 by default, `overrides` on top), seeded, with a router that does not
     tie."""
-    config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **(MOE_BASE | MOE_CONFIGS[name] | overrides))
+    sizes = dict(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+    config = Config(**sizes, **(MOE_BASE | MOE_CONFIGS[name] | overrides))
     torch.manual_seed(0)
     model = GPTWithLoss(config).to(dtype)
     for module in model.modules():

@@ -14,12 +14,18 @@ import torch.distributed as dist
 
 import thunder_tp
 import thunder_tp.checkpoint as ck
+from tests.dist import run_ranks
+from tests.litgpt_models import MOE_BASE, batch, make_moe_model
+from tests.tp_checks import (
+    FAST_EXECUTORS,
+    assert_close_scaled,
+    assert_grads_are_shards,
+    collective_counts,
+    rank_and_size,
+)
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import StackShard
 from thunder_tp.models.expert_parallel import ExpertParallel
-from tests.dist import run_ranks
-from tests.litgpt_models import MOE_BASE, batch, make_moe_model
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 
 # litgpt's RMSNorm (and the grouped router) compute in float32 even for float64 models
 RTOL = ATOL = 1e-5
@@ -85,7 +91,8 @@ def _expected_counts(name: str, sequence_parallel: bool) -> tuple[dict, dict]:
     dtypes = 1 + bool(sequence_parallel or name == "qwen3_moe")
     if sequence_parallel:
         forward = {"reduce_scatter": LAYERS + 1, "all_gather": LAYERS + 2, "all_to_all": 3 * LAYERS}
-        backward = {"reduce_scatter": LAYERS + 1, "all_gather": LAYERS + 1, "all_to_all": 2 * LAYERS, "all_reduce": dtypes}
+        backward = {"reduce_scatter": LAYERS + 1, "all_gather": LAYERS + 1, "all_to_all": 2 * LAYERS,
+                    "all_reduce": dtypes}
     else:
         forward = {"all_reduce": LAYERS + 1, "all_gather": LAYERS + 1, "all_to_all": 3 * LAYERS}
         backward = {"all_reduce": LAYERS + 1 + dtypes, "all_gather": LAYERS, "all_to_all": 2 * LAYERS}
@@ -234,7 +241,8 @@ def test_one_rank_alone_runs_an_expert_parallel_step():
         jm = thunder.jit(model, transforms=[TensorParallel(plan), init], executors=FAST_EXECUTORS)
         loss = jm(*batch(0))
         loss.backward()
-        forward, backward = (collective_counts(t[-1]) for t in (thunder.last_traces(jm), thunder.last_backward_traces(jm)))
+        forward = collective_counts(thunder.last_traces(jm)[-1])
+        backward = collective_counts(thunder.last_backward_traces(jm)[-1])
         shapes = {n: tuple(p.shape) for n, p in jm.named_parameters() if _EXPERT.search(n)}
     assert torch.isfinite(loss), loss
     assert (forward, backward) == _expected_counts("mixtral", False), (forward, backward)
@@ -253,7 +261,8 @@ def _generate() -> dict:
     prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     expected, _ = greedy(reference, prompt, NEW_TOKENS)
     decode_counts = []
-    tokens, _ = greedy(jm, prompt, NEW_TOKENS, lambda _: decode_counts.append(collective_counts(thunder.last_traces(jm)[-1])))
+    on_decode = lambda _: decode_counts.append(collective_counts(thunder.last_traces(jm)[-1]))  # noqa: E731
+    tokens, _ = greedy(jm, prompt, NEW_TOKENS, on_decode)
     assert torch.equal(tokens, expected), (tokens, expected)
     return {"layers": config.n_layer, "decode": decode_counts}
 

@@ -51,7 +51,7 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
     if src == dst:
         return 0.0
     # -> Partial is never chosen; a StackShard tensor (an expert) is only read where it is, by its MoE layer
-    if _replicated_shard(src, dst) or isinstance(dst, Partial) or isinstance(src, StackShard) or isinstance(dst, StackShard):
+    if _replicated_shard(src, dst) or isinstance(dst, Partial) or StackShard in (type(src), type(dst)):
         return math.inf
     kind = collective_kind(src, dst)
     cost = collective_cost(kind, nbytes(t), size) if kind else 0.0

@@ -58,7 +58,7 @@ class RankExchange:
 
     def joined(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
         """One tensor of the computed ranks' values (a LocalTensor in a simulation)."""
-        return joined_ranks(dict(zip(self.ranks, per_rank))) if self.simulated else per_rank[0]
+        return joined_ranks(dict(zip(self.ranks, per_rank, strict=True))) if self.simulated else per_rank[0]
 
     def counts(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
         """All_to_all of counts: each rank sends (size * n,) numbers, chunk r to rank r; each receives (size, n), row s
@@ -73,11 +73,12 @@ class RankExchange:
         self._wait(dist.all_to_all_single(received, mine.contiguous(), group=self.group, async_op=True), mine)
         return [received.view(self.size, -1)]
 
-    def rows(self, sent: list[torch.Tensor], send_splits: list[Splits], recv_splits: list[Splits]) -> list[torch.Tensor]:
+    def rows(self, sent: list[torch.Tensor], send_splits: list[Splits],
+             recv_splits: list[Splits]) -> list[torch.Tensor]:
         """All_to_all of rows with uneven split sizes: each rank sends send_splits[r] rows of its tensor to rank r
         (consecutive, in rank order) and receives recv_splits[s] rows from rank s."""
         if self.simulated:
-            pieces = [list(t.split(list(splits))) for t, splits in zip(sent, send_splits)]
+            pieces = [list(t.split(list(splits))) for t, splits in zip(sent, send_splits, strict=True)]
             return [torch.cat([pieces[s][r] for s in range(self.size)]) for r in self.ranks]
         (mine,), (send,), (recv,), (rank,) = sent, send_splits, recv_splits, self.ranks
         shape = (sum(recv), *mine.shape[1:])

@@ -60,8 +60,8 @@ from thunder_tp.models.moe import (
     moe_executor,
     moe_layer,
     route,
-    shared_experts,
     sharded_experts,
+    shared_experts,
     weighted_sum,
 )
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
@@ -222,7 +222,7 @@ def _by_expert(received_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 def _experts_forward(received: torch.Tensor, received_counts: torch.Tensor, experts: list[tuple]) -> torch.Tensor:
     """Each local expert's SwiGLU on its received rows, the results in the received order."""
     order, per_expert = _by_expert(received_counts)
-    outputs = torch.cat([expert_mlp(x, *p) for x, p in zip(received[order].split(per_expert), experts)])
+    outputs = torch.cat([expert_mlp(x, *p) for x, p in zip(received[order].split(per_expert), experts, strict=True)])
     result = torch.empty_like(outputs)
     result[order] = outputs
     return result
@@ -242,19 +242,19 @@ def _forward(*args, tokens: str, group: dist.ProcessGroup) -> tuple[torch.Tensor
     ex = RankExchange(group)
     with ex.computing():
         layers = [MoEArgs(*(ex.values(a, r) for a in args)) for r in ex.ranks]
-        rows = [a.token_rows(tokens, r, ex.size) for a, r in zip(layers, ex.ranks)]
-        token_rows = [a.x.reshape(-1, a.x.shape[-1])[s] for a, s in zip(layers, rows)]
-        routed = [_routed(t, a, a.gate_weight) for t, a in zip(token_rows, layers)]
+        rows = [a.token_rows(tokens, r, ex.size) for a, r in zip(layers, ex.ranks, strict=True)]
+        token_rows = [a.x.reshape(-1, a.x.shape[-1])[s] for a, s in zip(layers, rows, strict=True)]
+        routed = [_routed(t, a, a.gate_weight) for t, a in zip(token_rows, layers, strict=True)]
         received_counts = ex.counts([counts for *_, counts in routed])
         send = [_per_rank(counts, ex.size) for *_, counts in routed]
         recv = [c.sum(1).tolist() for c in received_counts]
         k = layers[0].routing.k
-        received = ex.rows([t[order // k] for t, (_, order, _) in zip(token_rows, routed)], send, recv)
+        received = ex.rows([t[order // k] for t, (_, order, _) in zip(token_rows, routed, strict=True)], send, recv)
         outputs = [_experts_forward(rows_in, c, a.local_experts(r, ex.size))
-                   for rows_in, c, a, r in zip(received, received_counts, layers, ex.ranks)]
+                   for rows_in, c, a, r in zip(received, received_counts, layers, ex.ranks, strict=True)]
         returned = ex.rows(outputs, recv, send)
         ys, saved = [], []
-        for a, s, t, (weights, order, _), results in zip(layers, rows, token_rows, routed, returned):
+        for a, s, t, (weights, order, _), results in zip(layers, rows, token_rows, routed, returned, strict=True):
             y = weighted_sum(t, weights, order, results)
             if a.shared is not None:
                 y = y + shared_experts(t, a.shared, a.shared_bias, a.shared_gate)
@@ -278,7 +278,7 @@ def _token_side_grads(a: MoEArgs, token_rows: torch.Tensor, saved: torch.Tensor,
             y = y + shared_experts(tokens, *shared)
         leaves = [tokens, gate, results, *(t for group in shared if group is not None for t in group)]
         grads = torch.autograd.grad(y, leaves, grad, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True)]
     return grads, order, counts
 
 
@@ -289,13 +289,13 @@ def _experts_backward(received: torch.Tensor, received_counts: torch.Tensor, exp
     width = received.shape[1] // 2
     inputs, output_grads = received[order].split(width, dim=1)
     input_grads, parameter_grads = [], []
-    for x, g, params in zip(inputs.split(per_expert), output_grads.split(per_expert), experts):
+    for x, g, params in zip(inputs.split(per_expert), output_grads.split(per_expert), experts, strict=True):
         x = x.detach().requires_grad_()
         leaves = [p.detach().requires_grad_() if p is not None else None for p in params]
         with torch.enable_grad():
             wanted = [x, *(p for p in leaves if p is not None)]
             grads = torch.autograd.grad(expert_mlp(x, *leaves), wanted, g, allow_unused=True)
-        grads = iter(torch.zeros_like(t) if d is None else d for t, d in zip(wanted, grads))
+        grads = iter(torch.zeros_like(t) if d is None else d for t, d in zip(wanted, grads, strict=True))
         input_grads.append(next(grads))
         parameter_grads.append([None if p is None else next(grads) for p in leaves])
     result = torch.empty((received.shape[0], width), dtype=received.dtype, device=received.device)
@@ -309,9 +309,9 @@ def _backward(grad, saved, received_counts, *args, tokens: str, group: dist.Proc
     ex = RankExchange(group)
     with ex.computing():
         layers = [MoEArgs(*(ex.values(a, r) for a in args)) for r in ex.ranks]
-        rows = [a.token_rows(tokens, r, ex.size) for a, r in zip(layers, ex.ranks)]
+        rows = [a.token_rows(tokens, r, ex.size) for a, r in zip(layers, ex.ranks, strict=True)]
         sides = []
-        for a, s, r in zip(layers, rows, ex.ranks):
+        for a, s, r in zip(layers, rows, ex.ranks, strict=True):
             flat = a.x.reshape(-1, a.x.shape[-1])
             g = ex.values(grad, r).reshape(flat.shape)[s]
             sides.append((flat[s], *_token_side_grads(a, flat[s], ex.values(saved, r), g)))
@@ -321,14 +321,15 @@ def _backward(grad, saved, received_counts, *args, tokens: str, group: dist.Proc
         recv = [c.sum(1).tolist() for c in counts]
         sent = [torch.cat([t[order // k], grads[2]], dim=1) for t, grads, order, _ in sides]
         backward = [_experts_backward(rows_in, c, a.local_experts(r, ex.size))
-                    for rows_in, c, a, r in zip(ex.rows(sent, send, recv), counts, layers, ex.ranks)]
+                    for rows_in, c, a, r in zip(ex.rows(sent, send, recv), counts, layers, ex.ranks, strict=True)]
         returned = ex.rows([input_grads for input_grads, _ in backward], recv, send)
         per_rank = []
         for a, s, r, (_, grads, order, _), input_grads, (_, parameter_grads) in zip(
-                layers, rows, ex.ranks, sides, returned, backward):
+                layers, rows, ex.ranks, sides, returned, backward, strict=True):
             token_grads = grads[0].index_add(0, order // k, input_grads)
-            per_rank.append(_all_grads(a, r, ex.size, _placed(a.x, s, token_grads), grads[1], grads[3:], parameter_grads))
-        return tuple(ex.joined(list(g)) for g in zip(*per_rank))
+            x_grad = _placed(a.x, s, token_grads)
+            per_rank.append(_all_grads(a, r, ex.size, x_grad, grads[1], grads[3:], parameter_grads))
+        return tuple(ex.joined(list(g)) for g in zip(*per_rank, strict=True))
 
 
 def _all_grads(a: MoEArgs, rank: int, size: int, x_grad, gate_grad, shared_grads, parameter_grads) -> list:
@@ -351,7 +352,8 @@ def _forward_meta(*args, tokens: str, group: dist.ProcessGroup) -> tuple[TensorP
     return TensorProxy(like=a.x), saved, counts
 
 
-def _backward_meta(grad, saved, received_counts, *args, tokens: str, group: dist.ProcessGroup) -> tuple[TensorProxy, ...]:
+def _backward_meta(grad, saved, received_counts, *args, tokens: str,
+                   group: dist.ProcessGroup) -> tuple[TensorProxy, ...]:
     return tuple(TensorProxy(like=t) for t in differentiable_inputs(*args))
 
 
@@ -369,7 +371,7 @@ def expert_parallel_moe(*args, tokens: str, group: dist.ProcessGroup) -> TensorP
 def _expert_parallel_grad(*args, tokens: str, group: dist.ProcessGroup):
     y, saved, received_counts = expert_parallel_forward(*args, tokens=tokens, group=group)
     grads = expert_parallel_backward(get_grad(y), saved, received_counts, *args, tokens=tokens, group=group)
-    for t, g in zip(differentiable_inputs(*args), grads):
+    for t, g in zip(differentiable_inputs(*args), grads, strict=True):
         put_grad(t, g)
     return y, saved, received_counts
 

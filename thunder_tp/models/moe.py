@@ -118,10 +118,11 @@ def expert_order(indices: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, to
 def expert_parameters(fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias) -> list[tuple]:
     """Each expert's (fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias), None for absent biases."""
     none = (None,) * len(fc_1)
-    return list(zip(fc_1, fc_2, proj, fc_1_bias or none, fc_2_bias or none, proj_bias or none))
+    return list(zip(fc_1, fc_2, proj, fc_1_bias or none, fc_2_bias or none, proj_bias or none, strict=True))
 
 
-def weighted_sum(tokens: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+def weighted_sum(tokens: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                 outputs: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * output of pair (t, j) for every token t; `outputs`: the pairs' expert outputs in
     `order`."""
     weighted = (outputs * weights.reshape(-1)[order, None]).to(tokens.dtype)
@@ -133,7 +134,7 @@ def _routed_experts(tokens, weights, indices, *experts) -> torch.Tensor:
     params = expert_parameters(*experts)
     order, counts = expert_order(indices, len(params))
     rows = tokens[order // indices.shape[1]].split(counts.tolist())
-    return weighted_sum(tokens, weights, order, torch.cat([expert_mlp(x, *p) for x, p in zip(rows, params)]))
+    return weighted_sum(tokens, weights, order, torch.cat([expert_mlp(x, *p) for x, p in zip(rows, params, strict=True)]))
 
 
 def shared_experts(tokens: torch.Tensor, shared: Tensors, shared_bias: OptionalTensors,
