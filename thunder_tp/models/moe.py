@@ -134,7 +134,8 @@ def _routed_experts(tokens, weights, indices, *experts) -> torch.Tensor:
     params = expert_parameters(*experts)
     order, counts = expert_order(indices, len(params))
     rows = tokens[order // indices.shape[1]].split(counts.tolist())
-    return weighted_sum(tokens, weights, order, torch.cat([expert_mlp(x, *p) for x, p in zip(rows, params, strict=True)]))
+    outputs = torch.cat([expert_mlp(x, *p) for x, p in zip(rows, params, strict=True)])
+    return weighted_sum(tokens, weights, order, outputs)
 
 
 def shared_experts(tokens: torch.Tensor, shared: Tensors, shared_bias: OptionalTensors,
