@@ -153,6 +153,22 @@ def test_routings_that_leave_a_rank_without_tokens():
     assert held[0]["forward"] == _expected_counts("grouped_shared", False)[0]
 
 
+@pytest.mark.slow  # pricing serves plans.auto, which does not propose expert parallelism yet
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_priced_collectives_are_the_ones_a_step_issues(sequence_parallel):
+    """communication.py prices the all_to_alls the layer issues inside it (at an even routing's bytes), both ways."""
+    from thunder_tp.layouts import TPGroup
+    from thunder_tp.plan_search.pricing import Pricing
+    from thunder_tp.plan_search.tracing import traced
+
+    with torch.device("meta"):
+        model = make_moe_model("mixtral")
+    pricing = Pricing(model, traced(model, batch(0), {}), TPGroup(None, 2, 0), training=True)
+    plan = thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel, loss_parallel=True, expert_parallel=True)
+    comm, _ = pricing.price_plan(plan)
+    assert (dict(comm.forward), dict(comm.backward)) == _expected_counts("mixtral", sequence_parallel), str(comm)
+
+
 def test_indivisible_experts_are_a_clear_error():
     with pytest.raises(ValueError, match="3 ranks cannot share 4 experts evenly; use a TP size that divides 4"):
         ExpertParallel(1, 4).check("transformer.h.0.mlp.experts.1.fc_1", 3)

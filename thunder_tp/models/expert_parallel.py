@@ -133,15 +133,25 @@ def moe_layer_rule(op: Op) -> list[Strategy]:
     experts = _expert_layouts(op)
     if not any(isinstance(layout, StackShard) for layout in experts.values()):
         return sharded_experts(op)
-    x = op.tensors[0]
-    group = op.tp.group
+    x, group = op.tensors[0], op.tp.group
+    forward, backward = _issued(op)
 
-    def inputs(x_layout: Layout) -> tuple[Layout, ...]:
-        return (x_layout, *(experts.get(t.name, REPLICATE) for t in op.tensors[1:]))
+    def strategy(x_layout: Layout, output: Layout, tokens: str) -> Strategy:
+        inputs = (x_layout, *(experts.get(t.name, REPLICATE) for t in op.tensors[1:]))
+        local = partial(expert_parallel_moe, tokens=tokens, group=group)
+        return Strategy(inputs, (output,), local, issues=forward, backward_issues=backward)
 
-    held = [Strategy(inputs(Shard(d)), (Shard(d),), partial(expert_parallel_moe, tokens=HELD, group=group))
-            for d in range(x.ndim - 1)]
-    return [*held, Strategy(inputs(REPLICATE), (PARTIAL,), partial(expert_parallel_moe, tokens=SPLIT, group=group))]
+    return [*(strategy(Shard(d), Shard(d), HELD) for d in range(x.ndim - 1)), strategy(REPLICATE, PARTIAL, SPLIT)]
+
+
+def _issued(op: Op) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+    """The all_to_alls of the forward and of the backward for pricing, (kind, bytes of all ranks' parts): the counts,
+    the dispatch and the combine of all tokens x k rows (the backward's dispatch twice as wide). How many rows leave
+    each rank depends on the routing: they are priced as an even one."""
+    x, size = op.tensors[0], op.tp.size
+    pairs = math.prod(int(s) for s in x.shape) * op.arg("routing").k * x.dtype.bytes
+    forward = (("all_to_all", size * 8 * len(op.arg("fc_1"))), ("all_to_all", pairs), ("all_to_all", pairs))
+    return forward, (("all_to_all", 2 * pairs), ("all_to_all", pairs))
 
 
 def _expert_layouts(op: Op) -> dict[str, Layout]:
