@@ -191,8 +191,8 @@ def plan_communication(
     plan.grad_sums = _grad_sums(every, layouts, from_inputs)
     plan.grad_sums |= {t.name: GradSum(t, coalesced=True) for t in plan.replica_sums}
     plan.issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
-    plan.issued_backward = [issue for step in steps if any(o.name in plan.needs_grad for o in _tensors(step.bsym.output))
-                            for issue in step.strategy.backward_issues]
+    with_grads = [step for step in steps if any(o.name in plan.needs_grad for o in _tensors(step.bsym.output))]
+    plan.issued_backward = [issue for step in with_grads for issue in step.strategy.backward_issues]
     return plan
 
 
