@@ -195,7 +195,7 @@ class MoEArgs(NamedTuple):
 
     def token_rows(self, tokens: str, rank: int, size: int) -> slice:
         """The rows of the flattened activations whose tokens `rank` routes."""
-        n = self.x.numel() // self.x.shape[-1]
+        n = _tokens(self.x)
         return slice(0, n) if tokens == HELD else slice(rank * n // size, (rank + 1) * n // size)
 
     def local_experts(self, rank: int, size: int) -> list[tuple]:
@@ -204,9 +204,14 @@ class MoEArgs(NamedTuple):
         return expert_parameters(*self[3:9])[rank * per_rank : (rank + 1) * per_rank]
 
 
+def _tokens(x) -> int:
+    """Tokens of activations (..., C), a tensor or a proxy."""
+    return math.prod(int(s) for s in x.shape[:-1])
+
+
 def _saved_rows(x, routing: Routing, tokens: str, size: int) -> int:
     """Rows of the pairs' results the forward saves: tokens x k (a split's largest share, so every rank's alike)."""
-    n = math.prod(int(s) for s in x.shape[:-1])
+    n = _tokens(x)
     return routing.k * (n if tokens == HELD else -(-n // size))
 
 
@@ -240,9 +245,9 @@ def _experts_forward(received: torch.Tensor, received_counts: torch.Tensor, expe
 
 def _placed(x: torch.Tensor, rows: slice, y: torch.Tensor) -> torch.Tensor:
     """`y` (this rank's token rows) at `rows` of a tensor like x, zeros on the others' rows."""
-    if rows.stop - rows.start == x.numel() // x.shape[-1]:
+    if rows.stop - rows.start == _tokens(x):
         return y.view(x.shape)
-    full = y.new_zeros((x.numel() // x.shape[-1], x.shape[-1]))
+    full = y.new_zeros((_tokens(x), x.shape[-1]))
     full[rows] = y
     return full.view(x.shape)
 
