@@ -341,7 +341,8 @@ def _expected_hf_counts(name: str, sequence_parallel: bool, world: int) -> tuple
 
 @pytest.mark.slow  # the HF blocks run the litgpt cases' layer (the same moe_layer op)
 @pytest.mark.parametrize("world, name, sequence_parallel", [(2, "mixtral", False), (2, "qwen3_moe", True),
-                                                            (4, "qwen3_moe", False), (4, "mixtral", True)])
+                                                            (2, "qwen2_moe", False), (4, "qwen3_moe", False),
+                                                            (4, "mixtral", True)])
 def test_hf_expert_parallel_matches_single_device(world, name, sequence_parallel):
     from tests.hf_models import ARCHITECTURES
 
