@@ -27,7 +27,7 @@ from thunder_tp.layouts import (
     local_shape,
 )
 from thunder_tp.execution.agreement import CompileAgreement
-from thunder_tp.execution.divergence import InputAgreement
+from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.composition import check_composition
 from thunder_tp.one_rank import has_peers
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
@@ -58,8 +58,9 @@ class TensorParallel(Transform):
 
     `plan="auto"`: the plan `thunder_tp.plans.auto` searches for on a trace of the model made from
     `example_inputs` (args, kwargs), at jit, on every rank alike (the TP size is the process group's).
-    `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs before the module's "first"
-    call (one small all_gather) or before "every" call, and all raise if they differ (thunder_tp.execution.divergence).
+    `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs (one small all_gather) and all
+    raise if they differ (thunder_tp.execution.divergence): before every "training" call (autograd on) and the first
+    call without autograd (the default), before "every" call, the "first" call only, or "never".
     """
 
     def __init__(
@@ -68,10 +69,12 @@ class TensorParallel(Transform):
         process_group: dist.ProcessGroup | None = None,
         *,
         example_inputs: tuple[tuple, dict] | None = None,
-        check_inputs: Literal["first", "every"] = "first",
+        check_inputs: Literal["training", "every", "first", "never"] = "training",
     ):
-        if check_inputs not in ("first", "every"):
-            raise ValueError(f'thunder_tp.TensorParallel: check_inputs must be "first" or "every", got {check_inputs!r}')
+        if check_inputs not in CHECK_INPUTS:
+            raise ValueError(
+                f"thunder_tp.TensorParallel: check_inputs must be one of {CHECK_INPUTS}, got {check_inputs!r}"
+            )
         self.plan = _checked_plan(plan, example_inputs)
         self.check_inputs = check_inputs
         self.example_inputs = example_inputs
@@ -122,7 +125,8 @@ class TensorParallel(Transform):
         if self.tp.size > 1 and has_peers(self.tp.group):  # a fake group has no peer to agree with
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
-            InputAgreement(self.tp.group, every_call=self.check_inputs == "every").install(model)  # runs first
+            if self.check_inputs != "never":
+                InputAgreement(self.tp.group, self.check_inputs).install(model)  # runs first
 
     def _resolved_plan(self, module: nn.Module) -> Mapping[str, Style]:
         """The plan; "auto" is searched for here, once, before any parameter is sharded."""
