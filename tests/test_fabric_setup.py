@@ -102,3 +102,21 @@ def test_optimizer_of_other_tensors_raises_at_setup():
     for m in run_ranks(_optimizer_of_another_model, 2, timeout=TIMEOUT_S):
         assert "that are no parameter of the model set up by this strategy" in m, m
         assert "fabric.setup(model, optimizer)" in m, m
+
+
+def _setup_with_two_optimizers(init: str) -> list[bool]:
+    """fabric.setup(model, opt1, opt2), each over part of the parameters: each steps its part's shards."""
+    f = fabric_loops.fabric(FAST, fabric_loops.Losses())
+    model = fabric_loops.build_gpt(f, init)
+    matrices = torch.optim.SGD([p for p in model.parameters() if p.dim() >= 2], lr=0.1)
+    vectors = torch.optim.AdamW([p for p in model.parameters() if p.dim() < 2], lr=0.01)
+    model, matrices, vectors = f.setup(model, matrices, vectors)
+    shards = {id(p): p.dim() for p in f.strategy.models[0].parameters()}
+    held = [[shards.get(id(p)) for g in o.param_groups for p in g["params"]] for o in (matrices, vectors)]
+    return [all(d is not None and d >= 2 for d in held[0]), all(d is not None and d < 2 for d in held[1]),
+            len(held[0]) + len(held[1]) == len(shards)]
+
+
+@pytest.mark.parametrize("init", ["plain", "meta"])
+def test_setup_with_two_optimizers_points_each_at_its_shards(init):
+    assert run_ranks(_setup_with_two_optimizers, 2, init, timeout=TIMEOUT_S) == [[True] * 3] * 2

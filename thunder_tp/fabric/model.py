@@ -3,8 +3,9 @@
 Fabric keeps the user's module (its `_FabricModule` reads the original's attributes, `.parameters()`, `state_dict()`
 and `load_state_dict()`), while a TP-jitted module computes with its own tensors, each rank's shards (Thunder traces
 the original module, whose parameters keep their full, logical shapes). So after setup the original's parameters are
-placeholders of their full shapes, which the optimizer that a loop builds from `model.parameters()` holds until
-Fabric sets it up (then it steps the shards), and its state_dict() / load_state_dict() read and write the shards.
+placeholders of their full shapes, and its state_dict() / load_state_dict() read and write the shards. An optimizer
+holds the original tensors (built before setup) or the placeholders (built after it) until Fabric sets it up; then
+it steps the shards.
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 import thunder_tp.clipping as clipping
+from thunder_tp.execution.divergence import CHECK_INPUTS, check_same_tensors
 from thunder_tp.fabric import checkpoints
 from thunder_tp.fabric.data import shard_by_data_parallel
-from thunder_tp.execution.divergence import CHECK_INPUTS, check_same_tensors
 from thunder_tp.fabric.model import ModelOptions, jit, move_optimizer_to_shards, route_state_dicts_to_shards, stand_ins
 from thunder_tp.fabric.precision import check_precision
 from thunder_tp.mesh import Mesh, init_mesh
