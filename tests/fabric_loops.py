@@ -295,11 +295,11 @@ def token_batch(rows: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train_as_in_the_docs(strategy_kwargs: dict | None, init: str, *, steps: int = 3, seed: int = 11,
+def train_as_in_the_docs(strategy_kwargs: dict | None, init: str, *, rows: int = 2, steps: int = 3, seed: int = 11,
                          rank_batches_from: int | None = None) -> dict:
     """`model, optimizer = fabric.setup(model, optimizer)` with the optimizer built before setup, then a plain loop
-    (forward, cross-entropy, fabric.backward, optimizer.step) on one batch (the loss falls step by step); each
-    data-parallel rank takes its rows of it. From step `rank_batches_from` on, every rank draws its own batch (the
+    (forward, cross-entropy, fabric.backward, optimizer.step) on one batch of `rows` rows (the loss falls step by
+    step); each data-parallel rank takes its share of the rows. From step `rank_batches_from` on, every rank draws its own batch (the
     bug the input check catches).
     Returns the losses, the full parameters at the end and the optimizer's options and state shapes; or the losses
     so far, the error and the step where a call with the rank's own batch raised."""
@@ -314,15 +314,15 @@ def train_as_in_the_docs(strategy_kwargs: dict | None, init: str, *, steps: int 
     losses = []
     for step in range(steps):
         own = rank_batches_from is not None and step >= rank_batches_from
-        idx, targets = token_batch(rows=2 * dp, seed=f.global_rank + 1 if own else 0)
-        rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+        idx, targets = token_batch(rows=rows, seed=f.global_rank + 1 if own else 0)
+        mine = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
         try:
-            logits = model(idx[rows])
+            logits = model(idx[mine])
         except RuntimeError as e:
             if not own:
                 raise
             return {"losses": losses, "error": str(e), "failed_step": step}
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[mine].reshape(-1))
         f.backward(loss)
         optimizer.step()
         optimizer.zero_grad()

@@ -20,13 +20,13 @@ FAST = {"executors": "fast"}
 
 
 @functools.cache
-def _one_device(init: str) -> dict:
+def _one_device(init: str, rows: int = 2) -> dict:
     """The same loop with Fabric on one device (this process)."""
-    return fabric_loops.train_as_in_the_docs(None, init)
+    return fabric_loops.train_as_in_the_docs(None, init, rows=rows)
 
 
-def _check_equal_to_one_device(results: list[dict], init: str) -> None:
-    expected = _one_device(init)
+def _check_equal_to_one_device(results: list[dict], init: str, rows: int = 2) -> None:
+    expected = _one_device(init, rows)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(expected["losses"]), rtol=RTOL, atol=0)
         assert r["losses"][-1] < r["losses"][0] - 0.05, r["losses"]  # it trains: a stepped-on-nothing run fails here
@@ -53,8 +53,8 @@ def test_setup_model_and_optimizer_tp2_equals_one_device(init):
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_setup_model_and_optimizer_on_a_2x2_mesh_equals_one_device(data_parallel):
     strategy = FAST | {"tensor_parallel_size": 2, "data_parallel": data_parallel}
-    results = run_ranks(fabric_loops.train_as_in_the_docs, 4, strategy, "meta", timeout=TIMEOUT_S)
-    _check_equal_to_one_device(results, "meta")
+    results = run_ranks(fabric_loops.train_as_in_the_docs, 4, strategy, "meta", rows=4, timeout=TIMEOUT_S)
+    _check_equal_to_one_device(results, "meta", rows=4)  # each data-parallel rank 2 of one device's 4 rows
 
 
 def _setup_with_rank_seeds(init: str) -> str:
