@@ -295,8 +295,8 @@ def token_batch(rows: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train_as_in_the_docs(strategy_kwargs: dict | None, init: str, *, rows: int = 2, steps: int = 3, seed: int = 11,
-                         rank_batches_from: int | None = None) -> dict:
+def train_as_in_the_docs(strategy_kwargs: dict | None, init: str, *, rows: int = 2, steps: int = 3,
+                         seed: int = 11, rank_batches_from: int | None = None) -> dict:
     """`model, optimizer = fabric.setup(model, optimizer)` with the optimizer built before setup, then a plain loop
     (forward, cross-entropy, fabric.backward, optimizer.step) on one batch of `rows` rows (the loss falls step by
     step); each data-parallel rank takes its share of the rows. From step `rank_batches_from` on, every rank draws its own batch (the
