@@ -90,6 +90,7 @@ def test_different_batches_at_step_3_raise_on_every_rank_at_that_call():
 
 def _optimizer_of_another_model() -> str:
     f = fabric_loops.fabric(FAST, fabric_loops.Losses())
+    f.seed_everything(5)
     model, other = fabric_loops.build_gpt(f, "plain"), fabric_loops.build_gpt(f, "plain")
     try:
         f.setup(model, torch.optim.AdamW(other.parameters()))
@@ -107,6 +108,7 @@ def test_optimizer_of_other_tensors_raises_at_setup():
 def _setup_with_two_optimizers(init: str) -> list[bool]:
     """fabric.setup(model, opt1, opt2), each over part of the parameters: each steps its part's shards."""
     f = fabric_loops.fabric(FAST, fabric_loops.Losses())
+    f.seed_everything(5)
     model = fabric_loops.build_gpt(f, init)
     matrices = torch.optim.SGD([p for p in model.parameters() if p.dim() >= 2], lr=0.1)
     vectors = torch.optim.AdamW([p for p in model.parameters() if p.dim() < 2], lr=0.01)
@@ -120,3 +122,39 @@ def _setup_with_two_optimizers(init: str) -> list[bool]:
 @pytest.mark.parametrize("init", ["plain", "meta"])
 def test_setup_with_two_optimizers_points_each_at_its_shards(init):
     assert run_ranks(_setup_with_two_optimizers, 2, init, timeout=TIMEOUT_S) == [[True] * 3] * 2
+
+
+def _state_from_before_setup() -> list[str]:
+    """An optimizer that stepped the full model before fabric.setup: after setup each state tensor is this rank's
+    shard of the full one (as its parameter), the step counts kept; returns what differs."""
+    import thunder
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from thunder_tp.layouts import REPLICATE, shard_tensor
+    from thunder_tp.transform import TensorParallel
+
+    f = fabric_loops.fabric(FAST, fabric_loops.Losses(), precision="32-true")
+    f.seed_everything(3)
+    model = fabric_loops.build_gpt(f, "plain")
+    optimizer = fabric_loops.two_group_adamw(model)
+    idx, targets = fabric_loops.token_batch()
+    F.cross_entropy(model(idx).flatten(0, 1), targets.flatten()).backward()
+    optimizer.step()
+    before = {name: {k: v.clone() for k, v in optimizer.state[p].items()} for name, p in model.named_parameters()}
+    model, optimizer = f.setup(model, optimizer)
+    jitted = f.strategy.models[0]
+    layouts = next(t for t in thunder.list_transforms(jitted) if isinstance(t, TensorParallel)).parameter_layouts
+    rank, size = dist.get_rank(), dist.get_world_size()
+    differing = []
+    for name, shard in jitted.named_parameters():
+        state = optimizer.state[shard]
+        for key, full in before[name].items():
+            want = full if full.dim() == 0 else shard_tensor(full, layouts.get(name, REPLICATE), rank, size)
+            if not torch.equal(state[key], want) or (full.dim() and state[key].shape != shard.shape):
+                differing.append(f"{name}.{key}")
+    return differing
+
+
+def test_optimizer_state_from_before_setup_is_sharded_like_its_parameter():
+    assert run_ranks(_state_from_before_setup, 2, timeout=TIMEOUT_S) == [[], []]
