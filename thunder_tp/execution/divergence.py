@@ -108,7 +108,7 @@ class InputAgreement:
 
     def check(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Raise on every rank of the group if some rank's inputs differ from the others' (collective)."""
-        every = gathered(fingerprint(args, kwargs), self.group)
+        every = gathered(fingerprint(args, kwargs), self.group, "the input check's all_gather")
         if all(f == every[0] for f in every):
             return
         ranks = dist.get_process_group_ranks(self.group)
@@ -156,7 +156,7 @@ def check_same_tensors(checksums: Mapping[str, int], group: dist.ProcessGroup, w
     names = sorted(checksums)
     if dist.get_world_size(group) == 1 or not names:
         return
-    every = gathered([checksums[n] for n in names], group)
+    every = gathered([checksums[n] for n in names], group, f"{what}'s all_gather")
     differing = [n for i, n in enumerate(names) if len({values[i] for values in every}) > 1]
     if differing:
         ranks = dist.get_process_group_ranks(group)
