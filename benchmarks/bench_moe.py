@@ -1,90 +1,198 @@
-"""Step time of a Mixtral-style MoE layer (litgpt LLaMAMoE) under TP vs the dense LLaMAMLP of the same active size.
+"""Expert parallelism against experts split like dense MLPs: one MoE layer (litgpt's LLaMAMoE), per-rank step time,
+peak memory and bytes moved per step, side by side in one process group (the two modes alternate round by round).
 
-    torchrun --nproc-per-node 1 benchmarks/bench_moe.py   # single device
-    torchrun --nproc-per-node 2 benchmarks/bench_moe.py   # TP=2
-    [--tokens 512 --embd 512 --experts 8 --top-k 2 --expert-size 1024 --steps 20]
+    torchrun --nproc-per-node 2 benchmarks/bench_moe.py                  # mixtral and fine, TP=2, on the CPU (gloo)
+    torchrun --nproc-per-node 4 benchmarks/bench_moe.py --configs fine   # TP=4
+    python benchmarks/bench_moe.py --one_rank 8 --configs qwen3-30b-a3b --dtype bfloat16   # a GPU: one rank of 8
+    [--tokens N --steps 12 --rounds 4 --warmup 2 --json_path out.json]
 
-The dense MLP has intermediate size top_k x expert_size: the same matmul FLOPs per token as the MoE layer.
-Every expert's fc_1/fc_2 is column-parallel and proj row-parallel (the dense MLP's plan), router replicated.
-A step is forward + backward; the reported time is the median over ``--steps`` steps after ``--warmup``
-warm-up steps (rank 0's clock, every step starting after a barrier). CPU (gloo) or one GPU per rank (NCCL).
+Configs (C = the hidden size, w = one expert's width): "mixtral" 8 experts, top-2, w 1024, C 512, 512 tokens;
+"fine" 64 experts, top-8, w 256 (fine-grained, as Qwen3-MoE and DeepSeek: the same active FLOPs per token);
+"qwen3-30b-a3b" one layer of Qwen3-30B-A3B: 128 experts, top-8, w 768, C 2048, 8192 tokens. Modes:
+- tp: every expert's fc_1/fc_2 column-, proj row-parallel (plans.litgpt's default for LLaMAMoE), router replicated:
+  each rank runs 1/TP of every expert on every token; the output all-reduced (forward), its input's grad (backward).
+- ep: each rank holds n_expert / TP experts whole (plans.litgpt(expert_parallel=True)): each rank routes its
+  sequence shard, all_to_alls move the (token, expert) rows to their experts and back, the output is all-gathered.
+A step: forward and backward of the layer on (1, tokens, C) activations, whole on every rank, the sum of squares as
+the loss. Per mode: the median step time of the slowest rank (every step starts after a barrier), the peak memory a
+step needs above what is live before it (CUDA: max allocated; CPU: peak resident set; the largest over the ranks), the
+parameters per rank and the bytes this rank's collectives move per step (thunder_tp.collectives_table of the final
+traces; an all_to_all counts the rows of this rank's (token, expert) pairs; the routing is data: the random
+activations and router here route about evenly). Before timing, both modes' outputs are checked against each other.
+
+`--one_rank N`: rank N-1 of a fake group of N (thunder_tp.one_rank) at the config's true shapes, built on the meta
+device: its own program and memory, every collective returning at once (no transport: step time is compute alone;
+an all_to_all's bytes are those of an even routing, every peer taken to route as this rank does).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import thunder
 import torch
 import torch.distributed as dist
+from harness import (
+    alternating_rounds,
+    collectives_per_iteration,
+    exit_without_teardown,
+    fmt_bytes,
+    init_distributed,
+    log,
+    param_bytes,
+    peak_step_bytes,
+    slowest_rank,
+    steps_per_round,
+    sync,
+    thunder_default_executors,
+    write_json,
+)
 from litgpt import Config
-from litgpt.model import LLaMAMLP, LLaMAMoE
+from litgpt.model import LLaMAMoE
+from thunder.transforms import MaterializationTransform
 
 import thunder_tp
-from harness import exit_without_teardown
-from thunder_tp.collectives import comm_executor
+from thunder_tp.layouts import REPLICATE
+from thunder_tp.models.expert_parallel import expert_parallel_plan
 
-MLP_PLAN = {"fc_1": thunder_tp.ColwiseParallel(), "fc_2": thunder_tp.ColwiseParallel(), "proj": thunder_tp.RowwiseParallel()}
-MOE_PLAN = {f"experts.*.{name}": style for name, style in MLP_PLAN.items()}
+EXPERT_LAYERS = ("fc_1", "fc_2", "proj")
+TP_PLAN = {"experts.*.fc_1": thunder_tp.ColwiseParallel(), "experts.*.fc_2": thunder_tp.ColwiseParallel(),
+           "experts.*.proj": thunder_tp.RowwiseParallel()}
+MODES = ("tp", "ep")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A MoE layer: experts, experts per token, one expert's width, the hidden size, tokens per step."""
+
+    experts: int
+    top_k: int
+    width: int
+    embd: int
+    tokens: int
+
+
+CONFIGS = {
+    "mixtral": Shape(experts=8, top_k=2, width=1024, embd=512, tokens=512),
+    "fine": Shape(experts=64, top_k=8, width=256, embd=512, tokens=512),
+    "qwen3-30b-a3b": Shape(experts=128, top_k=8, width=768, embd=2048, tokens=8192),
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=512, help="batch x sequence length")
-    parser.add_argument("--embd", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-size", type=int, default=1024, help="intermediate size of one expert")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--configs", default="mixtral,fine", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the config's)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--one_rank", type=int, default=0, help="run one rank of a fake group of this size")
+    parser.add_argument("--json_path", default="")
     return parser.parse_args()
 
 
-def build(kind: str, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    """The MoE layer or the dense MLP of the same active size, jitted with TP over the whole world."""
-    config = Config(n_embd=args.embd, n_head=1, bias=False, mlp_class_name="LLaMAMoE", n_expert=args.experts,
-                    n_expert_per_token=args.top_k, intermediate_size=args.top_k * args.expert_size,
-                    moe_intermediate_size=args.expert_size)
+def layer_config(shape: Shape) -> Config:
+    return Config(n_embd=shape.embd, n_head=1, bias=False, mlp_class_name="LLaMAMoE", n_expert=shape.experts,
+                  n_expert_per_token=shape.top_k, intermediate_size=shape.top_k * shape.width,
+                  moe_intermediate_size=shape.width)
+
+
+def build(mode: str, shape: Shape, device: torch.device, dtype: torch.dtype, meta: bool) -> torch.nn.Module:
+    """The layer, seeded (or on the meta device, materialized shard by shard), jitted with the mode's plan."""
     torch.manual_seed(0)
-    model = (LLaMAMoE(config) if kind == "moe" else LLaMAMLP(config)).to(device)
-    plan = MOE_PLAN if kind == "moe" else MLP_PLAN
-    executors = [comm_executor, *thunder.get_default_executors()]
-    return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=executors)
+    with torch.device("meta" if meta else device):
+        model = LLaMAMoE(layer_config(shape)).to(dtype)
+    plan = expert_parallel_plan(shape.experts, EXPERT_LAYERS, REPLICATE) if mode == "ep" else TP_PLAN
+    transforms = [thunder_tp.TensorParallel(plan)]
+    if meta:
+        init = MaterializationTransform.init_from_original_module_init()
+        transforms.append(MaterializationTransform(device, init=init))
+    return thunder.jit(model, transforms=transforms, executors=thunder_default_executors())
 
 
-def time_steps(jm: torch.nn.Module, x: torch.Tensor, steps: int, warmup: int) -> list[float]:
-    """Seconds per step (forward + backward), after warm-up."""
-    times = []
-    for i in range(warmup + steps):
-        for p in jm.parameters():
-            p.grad = None
-        dist.barrier()
-        start = time.perf_counter()
-        jm(x).square().mean().backward()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+def step(jm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward and backward (grads cleared first); the output."""
+    for p in jm.parameters():
+        p.grad = None
+    y = jm(x)
+    y.float().square().mean().backward()
+    return y.detach()
+
+
+def compare(shape: Shape, args: argparse.Namespace, device: torch.device, meta: bool) -> dict:
+    """Both modes on one config: built, checked against each other, timed in alternating rounds, measured."""
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(1)
+    x = torch.randn(1, args.tokens or shape.tokens, shape.embd, device=device, dtype=dtype)
+    modules = {mode: build(mode, shape, device, dtype, meta) for mode in MODES}
+    outputs = {mode: [step(jm, x) for _ in range(args.warmup)][-1] for mode, jm in modules.items()}
+    if not meta:  # the same layer, the same result (fp32: summation order only)
+        scale = outputs["tp"].abs().max().item()
+        torch.testing.assert_close(outputs["ep"], outputs["tp"], rtol=1e-3, atol=1e-3 * scale)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    per_round = steps_per_round(args.steps, args.rounds)
+    for r, mode in alternating_rounds(MODES, len(per_round)):
+        for _ in range(per_round[r]):
+            if dist.is_initialized():
+                dist.barrier()
+            sync(device)
+            start = time.perf_counter()
+            step(modules[mode], x)
+            sync(device)
+            times[mode].append(time.perf_counter() - start)
+    results = {}
+    for mode, jm in modules.items():
+        peak = torch.tensor([peak_step_bytes(lambda jm=jm: step(jm, x)) or 0], device=device)
+        if dist.is_initialized() and not meta:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        moved = collectives_per_iteration(jm)["per_iteration"]
+        results[mode] = {"median_s": statistics.median(slowest_rank(times[mode], device) if not meta else times[mode]),
+                         "peak_step_bytes": int(peak.item()), "param_bytes": param_bytes(jm),
+                         "collectives": moved}
+    return results
+
+
+def table(results: dict, tp: int) -> str:
+    lines = ["| config | TP | experts | step (ms) | EP / TP | peak step memory | parameters per rank | moved per step "
+             "(forward + backward) | collectives |", "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for name, modes in results.items():
+        for mode, r in modes.items():
+            c = r["collectives"]
+            moved = c["forward"]["bytes"] + c["backward"]["bytes"]
+            kinds = " + ".join(f"{v['count']} {k}" for p in ("forward", "backward") for k, v in c[p]["by_kind"].items())
+            ratio = f"{r['median_s'] / modes['tp']['median_s']:.2f}x" if mode == "ep" else ""
+            lines.append(f"| {name} | {tp} | {'whole (EP)' if mode == 'ep' else 'split (TP)'} | "
+                         f"{r['median_s'] * 1e3:.1f} | {ratio} | {fmt_bytes(r['peak_step_bytes'])} | "
+                         f"{fmt_bytes(r['param_bytes'])} | {fmt_bytes(moved)} | "
+                         f"{kinds} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     args = parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    torch.manual_seed(1)
-    x = torch.randn(1, args.tokens, args.embd, device=device)
-    for kind in ("moe", "dense"):
-        median = statistics.median(time_steps(build(kind, args, device), x, args.steps, args.warmup))
-        if rank == 0:
-            print(f"{kind:5s} TP={world}: {median * 1e3:8.2f} ms per step (median of {args.steps})", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+    if args.one_rank:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        with thunder_tp.one_rank(args.one_rank, args.one_rank - 1, device):
+            results = {n: compare(CONFIGS[n], args, device, meta=True) for n in names}
+        tp, rank = args.one_rank, 0
+    else:
+        rank, tp, device = init_distributed()
+        results = {n: compare(CONFIGS[n], args, device, meta=False) for n in names}
+    log(rank, table(results, tp))
+    if args.json_path and rank == 0:
+        write_json(args.json_path, {"args": vars(args), "tp": tp, "device": str(device), "results": results})
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

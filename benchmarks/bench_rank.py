@@ -5,14 +5,16 @@
 
 Every run is rank ``--rank`` (default: the last) of a fake TP group of each size (``thunder_tp.one_rank``): the
 rank's own program, its own shards (built on the meta device, random weights), every collective returning at once.
-Training (forward + backward + AdamW, ``--seq`` tokens of ``--batch`` rows, sequence parallel and loss parallel)
-runs modes (a)-(c) of ``rank_modes.py``, decode (one token with ``--context`` cached positions, for each of
-``--decode_batches``) modes (d)-(g). Models: ``--model`` Llama-3-8B / Llama-3-70B (litgpt's configs) or ``tiny``,
-each dimension overridable. ``--layers`` are the depths measured: with two (default 0 and 2) every per-step
-figure is extrapolated linearly to the model's depth (``--full_layers``): the 70B rows are its first layers, scaled
-per layer. Per row: the median step time (forward, backward, optimizer), peak memory, parameter bytes per rank,
-the collectives (thunder modes: ``thunder_tp.debug.collective_calls`` of the final traces; compiled modes: counted
-at runtime), the loss finite; per TP size, whether the modes' structures (collectives, bytes, parameters) agree.
+Training (forward + backward + AdamW, ``--seq`` tokens of ``--batch`` rows, ``--plan``: by default sequence
+parallel and loss parallel) runs modes (a)-(c) of ``rank_modes.py``, decode (one token with ``--context`` cached
+positions, for each of ``--decode_batches``) modes (d)-(g). Models: ``--model`` Llama-3-8B / Llama-3-70B (litgpt's
+configs) or ``tiny``, each dimension overridable. ``--layers`` are the depths measured: with two (default 0 and 2)
+every per-step figure is extrapolated linearly to the model's depth (``--full_layers``): the 70B rows are its first
+layers, scaled per layer. Per row: the median step time (forward, backward, optimizer), peak memory (each row
+after releasing the previous rows' memory; ``--peak_at_full``: measured at full depth, not extrapolated), parameter
+bytes per rank, the collectives (thunder modes: ``thunder_tp.debug.collective_calls`` of the final traces; compiled
+modes: counted at runtime), the loss finite; per TP size, whether the modes' structures (collectives, bytes,
+parameters) agree, and (a)'s loss against (b)'s (the same weights and batch).
 ``--project``: ``projection.py``'s step on an 8-GPU node from these figures (``--link``, ``--link_override``),
 without and with overlap, as tokens/s/GPU (training) and tokens/s (decode), beside the public references.
 Modes that need CUDA are skipped on the CPU with the reason. ``--quick``: no code generation (smoke tests).
@@ -28,6 +30,7 @@ import argparse
 import gc
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,7 +39,7 @@ import torch.nn as nn
 from harness import param_bytes, random_batch, step_context, write_json
 from llama import LlamaConfig
 from projection import LINKS, RecordedPass, extrapolate, project_step
-from rank_modes import DECODE, TRAINING, RankMode
+from rank_modes import DECODE, PLANS, TRAINING, RankMode
 from rank_report import report
 from rank_timing import thunder_structure, timed_decode, timed_training
 
@@ -57,10 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{dim}", type=int, default=None, help="override the preset's")
     p.add_argument("--full_layers", type=int, default=None, help="the depth reported (default: the preset's)")
     p.add_argument("--layers", default="0,2", help="depths measured: two (extrapolated to --full_layers) or one (as is)")
+    p.add_argument("--peak_at_full", action="store_true",
+                   help="measure each row's peak memory at --full_layers (one warm-up and one measured step in a run "
+                        "of its own) instead of extrapolating it; where that run fails (out of memory), extrapolated")
     p.add_argument("--tp", default="1,2,4,8", help="TP sizes")
     p.add_argument("--rank", type=int, default=None, help="the rank run (default: the last of each group)")
     p.add_argument("--train_modes", default="a,b,c", help="training modes ('' for none)")
     p.add_argument("--decode_modes", default="d,e,f", help="decode modes ('' for none)")
+    p.add_argument("--plan", choices=list(PLANS), default="tp_sp_lp",
+                   help="training: TP, with sequence parallel (sp) and/or loss parallel (lp)")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1, help="training rows per step")
     p.add_argument("--context", type=int, default=1024, help="decode: cached positions")
@@ -129,30 +137,69 @@ def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg:
 
 
 def run_row(mode: RankMode, tp: int, rank: int, device: torch.device, measure: Callable[[], dict]) -> dict:
-    """``measure()`` as rank ``rank`` of a fake group of ``tp`` ranks; the error instead where it raised."""
+    """``measure()`` as rank ``rank`` of a fake group of ``tp`` ranks, after releasing what earlier rows left; the
+    error instead where it raised. On CUDA its peak is the row's own: what was still allocated before it (reported
+    as ``left_bytes``) is subtracted."""
     import thunder_tp
 
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    left = release_memory(device)
     try:
-        with thunder_tp.one_rank(tp, rank, device):
-            return measure()
+        with thunder_tp.one_rank(tp, rank, device), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            result = measure()
     except Exception as e:
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+    finally:
+        release_memory(device)
+    result["fallbacks"] = _fallbacks(caught)
+    if device.type == "cuda" and result.get("peak_bytes") is not None:
+        result.update(peak_bytes=result["peak_bytes"] - left, left_bytes=left)
+    return result
 
 
-def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, device) -> dict:
+def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The warnings of regions that their backend rejected (thunder_tp.execution.fallback); the others shown."""
+    from thunder_tp.execution.fallback import RegionFallbackWarning
+
+    fallbacks = []
+    for w in caught:
+        if issubclass(w.category, RegionFallbackWarning):
+            fallbacks.append(str(w.message))
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return fallbacks
+
+
+def release_memory(device: torch.device) -> int:
+    """Frees what earlier rows left: unreachable objects, torch.compile's caches (Dynamo's cache entries keep the
+    compiled modules' tensors alive), the CUDA allocator's cached blocks; the bytes still allocated on CUDA (0 on
+    the CPU)."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, device, structure: bool = True
+                 ) -> dict:
+    """One training measurement; ``structure``: with the collectives of a step (a compiled mode runs one more)."""
+
     def measure() -> dict:
         cfg = llama_config(dims, depth, args.seq)
-        model = mode.build(cfg, device, DTYPES[args.dtype], args.quick)
+        torch.manual_seed(0)  # the same weights in every mode: (a) and (b) compute the same loss
+        model = mode.build(cfg, device, DTYPES[args.dtype], args.quick, plan=args.plan)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         batch = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
         result = timed_training(model, batch, optimizer, args.steps, args.warmup, device)
         result["param_bytes"] = param_bytes(model)
-        result.update(thunder_structure(model) if mode.runtime == "thunder"
-                      else compiled_training_structure(model, args, cfg, device, tp))
+        if structure:
+            result.update(thunder_structure(model) if mode.runtime == "thunder"
+                          else compiled_training_structure(model, args, cfg, device, tp))
         return result
 
     return run_row(mode, tp, rank, device, measure)
@@ -195,22 +242,28 @@ def sweep(args: argparse.Namespace, device: torch.device) -> dict:
     dims = model_dims(args)
     train, train_skipped = _selected(TRAINING, args.train_modes, device)
     decode, decode_skipped = _selected(DECODE, args.decode_modes, device)
+    peak_run = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 1})  # the run at full depth, for its peak
+    full = dims["n_layer"] if args.peak_at_full and dims["n_layer"] not in args.depths else None
     rows = []
     for tp in [int(t) for t in args.tp.split(",") if t]:
         rank = tp - 1 if args.rank is None else args.rank
         for mode in train:
             by_depth = {d: training_row(mode, args, dims, d, tp, rank, device) for d in args.depths}
-            rows.append(_row("training", mode, tp, rank, None, by_depth, args, dims))
+            peak = training_row(mode, peak_run, dims, full, tp, rank, device, structure=False) if full else None
+            rows.append(_row("training", mode, tp, rank, None, by_depth, args, dims, peak))
         for batch in [int(b) for b in args.decode_batches.split(",") if b]:
             for mode in decode:
                 by_depth = {d: decode_row(mode, args, dims, d, tp, rank, batch, device) for d in args.depths}
-                rows.append(_row("decode", mode, tp, rank, batch, by_depth, args, dims))
+                peak = decode_row(mode, peak_run, dims, full, tp, rank, batch, device) if full else None
+                rows.append(_row("decode", mode, tp, rank, batch, by_depth, args, dims, peak))
     return {"dims": dims, "rows": rows, "skipped": {**train_skipped, **decode_skipped}}
 
 
-def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, by_depth: dict, args, dims) -> dict:
+def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, by_depth: dict, args, dims,
+         peak: dict | None = None) -> dict:
     """A row at the reported depth: each timing and byte figure extrapolated from the measured depths, the
-    projection of each depth extrapolated alike."""
+    projection of each depth extrapolated alike; the peak memory measured at that depth where ``peak`` (the run at
+    full depth) has it."""
     row = {"workload": workload, "mode": mode.key, "description": mode.description, "tp": tp, "rank": rank,
            "batch": batch if batch is not None else args.batch, "depths": by_depth}
     errors = [r["error"] for r in by_depth.values() if "error" in r]
@@ -223,10 +276,27 @@ def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, b
     for key in figures:
         if all(r.get(key) is not None for r in by_depth.values()):
             row[key] = _at_depth({d: r[key] for d, r in by_depth.items()}, dims["n_layer"])
+    row["peak_source"] = _peak_source(row, by_depth, peak, dims["n_layer"])
     row["loss_finite"] = all(r["loss_finite"] for r in by_depth.values())
     row["collectives"] = deepest["collectives"]
     row["projection"] = _projection(workload, mode, by_depth, args, dims)
     return row
+
+
+def _peak_source(row: dict, by_depth: dict, peak: dict | None, layers: int) -> str:
+    """How the row's peak memory was had: measured at the reported depth (taken from ``peak``, the run at that
+    depth, into the row), else extrapolated (why, where that run failed), or measured at the one depth run; "not
+    measured" where no run has a figure (decode on the CPU)."""
+    if peak is not None:
+        row["peak_run"] = {k: v for k, v in peak.items() if k != "traces"}  # the JSON holds no trace
+        if peak.get("peak_bytes") is not None:
+            row["peak_bytes"] = peak["peak_bytes"]
+            return f"measured at {layers} layers"
+    if row.get("peak_bytes") is None:
+        return "not measured"
+    if peak is not None and "error" in peak:
+        return f"extrapolated ({layers} layers: {peak['error']})"
+    return "extrapolated" if len(by_depth) == 2 else f"measured at {next(iter(by_depth))} layers"
 
 
 def _at_depth(values: dict[int, float], layers: int) -> float:

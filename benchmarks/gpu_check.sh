@@ -17,20 +17,30 @@
 #
 # GPU_PARTS picks what runs (comma-separated; default "tests,bench", the above): "rank" runs issue 49's one-rank
 # table instead (docs/gpu.md): benchmarks/bench_rank.py as one rank of a fake TP group at Llama-3 shapes, in phases
-# by priority, each given what is left of GPU_RANK_S (default 660 s; a phase starts only with 60 s left):
+# by priority, each given what is left of GPU_RANK_S (default 540 s; a phase starts only with 60 s left):
 #   decode8b  Llama-3-8B decode at TP=8, batch 1: (d) thunder_tp, (e) + CUDA graphs, (f) hand TP compiled
 #   train8b   Llama-3-8B training at TP=8, seq 8192: (a) nvFuser, (b) Inductor, (c) DTensor + torch.compile
 #   batch8    Llama-3-8B decode at TP=8, batch 8: (d), (e), (f)
+#   full8b    Llama-3-8B training at TP=8 with all 32 layers: (a), (b), (c) measured, peak memory included
 #   sweep8b   the TP 1/2/4 points of the projection: (a) training, (d)/(e) decode
 #   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
-# Every phase measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.{json,log} into OUT_DIR.
-#   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 12 minutes with the install
+# Every phase but full8b measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.log into
+# OUT_DIR, and their JSON comes in one rank_json.tar.gz (at most 8 files come back from a device call).
+#   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 10 minutes with the install
+# "bf16" runs what users train, in bf16, all at once within GPU_BF16_S (default 420 s; one 10-minute call with the
+# install): a training step of Llama-3-8B's shapes at one layer, seq 8192, as the last rank of a fake group of 2 and
+# of 8 (bench_rank.py's modes (a) nvFuser and (b) Inductor: every region compiled, the loss finite, (a)'s equal to
+# (b)'s, no region fallen back) under each plan (TP, TP+SP, TP+LP, TP+SP+LP), one process per plan; beside them the
+# CUDA tests in bf16 (tests/test_cuda.py -k bf16), in three processes. Into OUT_DIR: bf16_steps.log (the four
+# plans' tables), bf16_steps.tar.gz (their JSON), bf16_tests.log.
+#   GPU_PARTS=bf16 bash benchmarks/gpu_check.sh
 # "decode32" (issue 53) measures Llama-3-8B decode at TP=8 at full depth instead, not extrapolated: 32 layers
 # (GPU_DECODE_LAYERS; "8,24" measures two depths and extrapolates where 32 does not fit), (e) thunder_tp's decode
 # step replayed as a CUDA graph against (f) the hand-written TP under torch.compile reduce-overhead, 10 steps:
 #   decode32_b1   batch 1      decode32_b8   batch 8
-# each phase given what is left of GPU_RANK_S (its compiles take most of it: Thunder's and Inductor's, per batch).
-#   GPU_PARTS=decode32 GPU_RANK_S=540 bash benchmarks/gpu_check.sh   # one 10-minute call with the install
+# each phase given what is left of GPU_RANK_S (its compiles take most of it: Thunder's and Inductor's, per batch);
+# their JSON in decode32_json.tar.gz.
+#   GPU_PARTS=decode32 bash benchmarks/gpu_check.sh   # one 10-minute call with the install
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
@@ -82,13 +92,14 @@ if [[ $PARTS == *,bench,* ]] && ((left > 90)); then
     tar czf "$OUT_DIR/traces.tar.gz" -C /tmp gpu_check_traces  # each thunder mode's final traces, in one file
     grep -E "^\[compare\].*median|^\|" "$OUT_DIR/compare_gpu.log" | tail -12
 fi
-rank_phase() {  # name, then bench_rank.py's arguments
-    local name=$1 left=$((${GPU_RANK_S:-660} - (SECONDS - T0)))
+rank_phase() {  # name, then bench_rank.py's arguments (--layers 0,1 unless they name the depths)
+    local name=$1 left=$((${GPU_RANK_S:-540} - (SECONDS - T0)))
     shift
     if ((left < 60)); then say "rank $name skipped: ${left} s left"; return; fi
     say "rank $name (${left} s left)"
-    timeout "$left" python3 benchmarks/bench_rank.py --layers 0,1 "$@" --project --json_path "$OUT_DIR/rank_$name.json" \
-        > "$OUT_DIR/rank_$name.log" 2>&1
+    mkdir -p /tmp/gpu_check_rank
+    timeout "$left" python3 benchmarks/bench_rank.py --layers 0,1 "$@" --project \
+        --json_path "/tmp/gpu_check_rank/rank_$name.json" > "$OUT_DIR/rank_$name.log" 2>&1
     echo "exit code $?"
     grep -E "^\||^- |^mode|^ERROR|shapes" "$OUT_DIR/rank_$name.log" | head -60
 }
@@ -96,13 +107,47 @@ if [[ $PARTS == *,rank,* ]]; then
     rank_phase decode8b --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 1 --steps 20
     rank_phase train8b --model Llama-3-8B --tp 8 --train_modes a,b,c --decode_modes "" --steps 5
     rank_phase batch8 --model Llama-3-8B --tp 8 --train_modes "" --decode_modes d,e,f --decode_batches 8 --steps 20
+    rank_phase full8b --model Llama-3-8B --tp 8 --train_modes a,b,c --decode_modes "" --layers 32 --steps 3 --warmup 1
     rank_phase sweep8b --model Llama-3-8B --tp 1,2,4 --train_modes a --decode_modes d,e --decode_batches 1 --steps 5
     rank_phase slice70b --model Llama-3-70B --tp 8 --train_modes a,c --decode_modes e,f --decode_batches 1 --steps 5
+    tar czf "$OUT_DIR/rank_json.tar.gz" -C /tmp gpu_check_rank
+fi
+if [[ $PARTS == *,bf16,* ]]; then
+    say "bf16: steps at Llama-3-8B shapes under 4 plans, and the CUDA tests, concurrently (${GPU_BF16_S:-420} s)"
+    work=/tmp/gpu_check_bf16
+    rm -rf "$work" && mkdir -p "$work"
+    jobs_run=()
+    for plan in tp_sp_lp tp_lp tp_sp tp; do
+        TORCHINDUCTOR_COMPILE_THREADS=3 timeout "${GPU_BF16_S:-420}" python3 benchmarks/bench_rank.py \
+            --model Llama-3-8B --tp 8,2 --plan "$plan" --train_modes a,b --decode_modes "" --layers 1 --steps 1 \
+            --warmup 1 --json_path "$work/bf16_$plan.json" > "$work/steps_$plan.log" 2>&1 &
+        jobs_run+=("$!:steps $plan")
+    done
+    for tests in "litgpt and nvfuser" "litgpt and inductor" "generation"; do
+        timeout "${GPU_BF16_S:-420}" python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py \
+            -k "bf16 and $tests" > "$work/tests_${tests// /_}.log" 2>&1 &
+        jobs_run+=("$!:tests $tests")
+    done
+    for job in "${jobs_run[@]}"; do
+        wait "${job%%:*}"
+        echo "${job#*:}: exit code $? (124: out of time)"
+    done
+    for plan in tp_sp_lp tp_lp tp_sp tp; do
+        echo "=== plan $plan"
+        grep -E "^\||^- |^FALLBACK|^ERROR|shapes" "$work/steps_$plan.log" | grep -v "^|---"
+    done | tee "$OUT_DIR/bf16_steps.log"
+    for plan in tp_sp_lp tp_lp tp_sp tp; do cat "$work/steps_$plan.log"; done >> "$OUT_DIR/bf16_steps.log"
+    if compgen -G "$work/bf16_*.json" > /dev/null; then
+        tar czf "$OUT_DIR/bf16_steps.tar.gz" -C "$work" $(cd "$work" && ls bf16_*.json)
+    fi
+    cat "$work"/tests_*.log > "$OUT_DIR/bf16_tests.log"
+    grep -hE "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" "$work"/tests_*.log | head -40
 fi
 if [[ $PARTS == *,decode32,* ]]; then
     for batch in 1 8; do
         rank_phase "decode32_b$batch" --model Llama-3-8B --tp 8 --train_modes "" --decode_modes e,f \
             --decode_batches "$batch" --layers "${GPU_DECODE_LAYERS:-32}" --steps 10 --warmup 2
     done
+    tar czf "$OUT_DIR/decode32_json.tar.gz" -C /tmp gpu_check_rank
 fi
 say "end"

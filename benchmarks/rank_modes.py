@@ -1,11 +1,11 @@
 """The modes ``bench_rank.py`` runs as one rank of a fake TP group: each builds its module on the meta device and
 materializes this rank's share with random weights (no full model is ever allocated).
 
-Training (``llama.py``'s Llama, the model compare.py trains, at Llama-3 shapes; its loss inside; sequence parallel
-and loss parallel, torchtitan's defaults):
+Training (``llama.py``'s Llama, the model compare.py trains, at Llama-3 shapes; its loss inside; under one of
+``PLANS``, by default sequence parallel and loss parallel, torchtitan's defaults):
 - (a) thunder_tp with nvFuser regions (CUDA only), (b) thunder_tp with Inductor regions: ``llama.thunder_tp_plan``;
-- (c) DTensor TP + SP with torchtitan's plan (``compare_modes.dtensor_plan("sp", loss_parallel=True)``) under
-  ``torch.compile``.
+- (c) DTensor TP with torchtitan's plan (``compare_modes.dtensor_plan``: "sp" with sequence parallel, else
+  "best"; ``loss_parallel`` where the plan has it) under ``torch.compile``.
 Decode (litgpt's GPT with a KV cache, one token per step; thunder_tp's model jitted with ``plans.litgpt`` and
 ``thunder_tp.executors()``, then called through a ``thunder_tp.DecodeStep``: parameters and caches bound once):
 - (d) the decode step compiled as one program (strategy ``"compiled"``), (e) replayed as a CUDA graph (``"graph"``,
@@ -32,10 +32,14 @@ from harness import thunder_default_executors
 from llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
 
 
+#: the training plans by name: (sequence parallel, loss parallel)
+PLANS = {"tp": (False, False), "tp_sp": (True, False), "tp_lp": (False, True), "tp_sp_lp": (True, True)}
+
+
 @dataclass(frozen=True)
 class RankMode:
-    """A way to run one rank: ``build(config, device, dtype, quick)`` gives the module; ``cuda_only`` modes skip on
-    the CPU with ``skip_reason``."""
+    """A way to run one rank: ``build(config, device, dtype, quick)`` gives the module (training modes take the
+    plan's name too, ``plan=``); ``cuda_only`` modes skip on the CPU with ``skip_reason``."""
 
     key: str
     description: str
@@ -87,30 +91,36 @@ def llama_on_meta(cfg: LlamaConfig, dtype: torch.dtype) -> nn.Module:
 
 
 def _thunder_training(backend: str | None) -> Callable[..., nn.Module]:
-    def build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
+    def build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool, plan: str = "tp_sp_lp"
+              ) -> nn.Module:
         import thunder
         import thunder_tp
 
         executors = thunder_default_executors() if quick else thunder_tp.executors(backend)
-        plan = thunder_tp_plan(sequence_parallel=True, loss_parallel=True)
+        sequence_parallel, loss_parallel = PLANS[plan]
+        plan = thunder_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         tp = thunder_tp.TensorParallel(per_layer_keys_dropped(plan, cfg.n_layers))
         return thunder.jit(llama_on_meta(cfg, dtype), transforms=[tp, random_weights(device)], executors=executors)
 
     return build
 
 
-def _dtensor_training(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
-    """torchtitan's TP + SP plan with loss parallel on the Llama, compiled (the targets replicated as DTensors)."""
+def _dtensor_training(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool,
+                      plan: str = "tp_sp_lp") -> nn.Module:
+    """torchtitan's TP plan on the Llama (with loss parallel: the targets replicated as DTensors), compiled."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+    sequence_parallel, with_loss_parallel = PLANS[plan]
     model = llama_on_meta(cfg, dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    parallelize_module(model.model, mesh, per_layer_keys_dropped(dtensor_plan("sp", loss_parallel=True), cfg.n_layers))
+    styles = dtensor_plan("sp" if sequence_parallel else "best", loss_parallel=with_loss_parallel)
+    parallelize_module(model.model, mesh, per_layer_keys_dropped(styles, cfg.n_layers))
     _init_local(model, device)
-    model.register_forward_pre_hook(lambda _m, args: (args[0], DTensor.from_local(args[1], mesh, [Replicate()])))
-    model.step_context = loss_parallel  # harness.step_context: forward and backward of the loss inside it
+    if with_loss_parallel:
+        model.register_forward_pre_hook(lambda _m, args: (args[0], DTensor.from_local(args[1], mesh, [Replicate()])))
+        model.step_context = loss_parallel  # harness.step_context: forward and backward of the loss inside it
     return torch.compile(model, backend="eager" if quick else "inductor")
 
 
@@ -118,7 +128,7 @@ TRAINING = (
     RankMode("a", "thunder_tp, nvFuser regions", "thunder", _thunder_training("nvfuser"), cuda_only=True,
              skip_reason="nvFuser runs on CUDA only"),
     RankMode("b", "thunder_tp, Inductor regions", "thunder", _thunder_training("inductor")),
-    RankMode("c", "DTensor TP+SP (torchtitan plan), torch.compile", "compile", _dtensor_training),
+    RankMode("c", "DTensor (torchtitan plan), torch.compile", "compile", _dtensor_training),
 )
 
 

@@ -61,10 +61,31 @@ def _training_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         tokens = r["batch"] * args.seq / r["step_s"] / r["tp"]
         lines.append(
             f"| {r['tp']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['forward_s'])} | "
-            f"{_ms(r['backward_s'])} | {_ms(r['optimizer_s'])} | {fmt_bytes(r.get('peak_bytes'))} | "
+            f"{_ms(r['backward_s'])} | {_ms(r['optimizer_s'])} | {_peak(r)} | "
             f"{fmt_bytes(r['param_bytes'])} | {_kinds(r['collectives']['forward'])} / "
             f"{_kinds(r['collectives']['backward'])} | {'yes' if r['loss_finite'] else 'NO'} | {tokens:.0f} |")
     return lines
+
+
+def _peak(row: dict) -> str:
+    """The peak memory and how it was had: measured at the reported depth or at the one run, or extrapolated."""
+    source = row.get("peak_source", "")
+    if row.get("peak_bytes") is None or not source:
+        return fmt_bytes(row.get("peak_bytes"))
+    tag = "extrapolated" if source.startswith("extrapolated") else source.removeprefix("measured at ")
+    return f"{fmt_bytes(row['peak_bytes'])} ({tag})"
+
+
+def _memory_notes(rows: list[dict]) -> list[str]:
+    """Why a peak is extrapolated where the run at full depth failed; what earlier rows left allocated."""
+    notes = [f"- {r['workload']} TP={r['tp']} ({r['mode']}): peak {r['peak_source']}" for r in rows
+             if "error" in r.get("peak_run", {})]
+    for r in rows:
+        left = max((d.get("left_bytes", 0) for d in (*r["depths"].values(), r.get("peak_run", {}))), default=0)
+        if left:
+            notes.append(f"- {r['workload']} TP={r['tp']} ({r['mode']}): {fmt_bytes(left)} still allocated before "
+                         "its run, subtracted from its peak")
+    return notes
 
 
 def _per_layer_us(row: dict) -> str:
@@ -92,8 +113,23 @@ def _decode_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def _structure_lines(rows: list[dict]) -> tuple[list[str], bool]:
-    """Per TP size: thunder_tp's two backends must agree exactly (else a failure); the others are compared."""
+def _first_loss(row: dict) -> float:
+    """The row's first measured loss at its deepest depth."""
+    return row["depths"][max(row["depths"])]["samples"][0]["loss"]
+
+
+def _losses_agree(a: dict, b: dict, dtype: str) -> tuple[bool, str]:
+    """Whether two training rows' first measured losses (the same weights and batch) agree: within a few roundings
+    of a bf16 loss (2e-2 relative), else 1e-4; and the words for it."""
+    la, lb = _first_loss(a), _first_loss(b)
+    rtol = 2e-2 if dtype == "bfloat16" else 1e-4
+    agree = abs(la - lb) <= rtol * max(abs(la), abs(lb))
+    return agree, f"loss {la:.4f} vs {lb:.4f}{'' if agree else f' (must agree within {rtol:g}: FAILED)'}"
+
+
+def _structure_lines(rows: list[dict], dtype: str) -> tuple[list[str], bool]:
+    """Per TP size: thunder_tp's two backends must agree exactly (else a failure), and in training their losses too;
+    the others are compared."""
     lines, failed = [], False
     by_tp: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -107,6 +143,10 @@ def _structure_lines(rows: list[dict]) -> tuple[list[str], bool]:
                 must = {a, b} <= {"a", "b"} or {a, b} <= THUNDER_DECODE
                 failed |= must and not same
                 verdict = "same collectives, bytes and parameters" if same else _describe_difference(modes[a], modes[b])
+                if workload == "training" and {a, b} == {"a", "b"}:
+                    agree, losses = _losses_agree(modes[a], modes[b], dtype)
+                    failed |= not agree
+                    verdict += f"; {losses}"
                 lines.append(f"- {workload} TP={tp}{f', batch {batch}' if workload == 'decode' else ''}: ({a}) vs ({b}): "
                              f"{verdict}{' (must agree: FAILED)' if must and not same else ''}")
     return lines, failed
@@ -160,12 +200,19 @@ def report(results: dict, args: argparse.Namespace, device: torch.device) -> boo
     training = [r for r in rows if r["workload"] == "training"]
     decode = [r for r in rows if r["workload"] == "decode"]
     if training:
-        print(f"\nTraining (forward + backward + AdamW, batch {args.batch} x seq {args.seq}, SP + loss parallel):\n")
+        print(f"\nTraining (forward + backward + AdamW, batch {args.batch} x seq {args.seq}, plan {args.plan}):\n")
         print(*_training_table(training, args), sep="\n")
+    notes = _memory_notes([r for r in rows if "error" not in r])
+    if notes:
+        print("\nPeak memory:", *notes, sep="\n")
+    fallbacks = [f"- {r['workload']} TP={r['tp']} ({r['mode']}), {depth} layers: {message}" for r in rows
+                 for depth, d in r["depths"].items() for message in d.get("fallbacks", ())]
+    if fallbacks:
+        print("\nFALLBACK: regions that their backend rejected ran on the next one:", *fallbacks, sep="\n")
     if decode:
         print(f"\nDecode (one token, {args.context} cached positions):\n")
         print(*_decode_table(decode, args), sep="\n")
-    structure, failed = _structure_lines(rows)
+    structure, failed = _structure_lines(rows, args.dtype)
     print("\nStructure per TP size (collectives: kind, bytes, order; parameter bytes per rank):", *structure, sep="\n")
     if args.project:
         link = LINKS[args.link].overridden(args.link_override)

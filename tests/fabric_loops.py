@@ -251,3 +251,84 @@ def finetune(kind: str, checkpoint_dir: str, out_dir: str, strategy_kwargs: dict
         script.main(f, devices=1, seed=5, config=config, data=data, checkpoint_dir=checkpoint_dir,
                     out_dir=Path(out_dir), train=train, eval=evaluation, optimizer=optimizer, **arguments)
     return logger.values()
+
+
+# --- the idioms of Lightning's docs: fabric.setup(model, optimizer) and a hand-written loop -----------------------
+
+INITS = ("plain", "init_module", "meta")
+
+
+def build_gpt(f, init: str, config=None):
+    """A litgpt GPT built as a user would: "plain" (`GPT(config)`), "init_module" (under `fabric.init_module()`) or
+    "meta" (under `fabric.init_module(empty_init=True)`); on one device "meta" is initialized as ThunderTPStrategy
+    initializes it: each module's reset_parameters in module order."""
+    from litgpt import GPT
+    from litgpt.utils import reset_parameters
+
+    config = config or neox_config()
+    if init == "plain":
+        return GPT(config)
+    if init == "meta" and f.world_size == 1:  # one device: Fabric's empty_init would leave the memory uninitialized
+        with f.init_module(), torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device=f.device)
+        reset_parameters(model)
+        return model
+    with f.init_module(empty_init=init == "meta"):
+        return GPT(config)
+
+
+def two_group_adamw(model) -> torch.optim.Optimizer:
+    """AdamW with two param groups of their own options: the matrices decayed, the vectors not, at another lr."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([
+        {"params": matrices, "weight_decay": 0.1},
+        {"params": vectors, "weight_decay": 0.0, "lr": 0.01, "betas": (0.8, 0.95)},
+    ], lr=0.02)
+
+
+def token_batch(rows: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and their next tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (rows, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_as_in_the_docs(strategy_kwargs: dict | None, init: str, *, rows: int = 2, steps: int = 3,
+                         seed: int = 11, rank_batches_from: int | None = None) -> dict:
+    """`model, optimizer = fabric.setup(model, optimizer)` with the optimizer built before setup, then a plain loop
+    (forward, cross-entropy, fabric.backward, optimizer.step) on one batch of `rows` rows (the loss falls step by
+    step); each data-parallel rank takes its share of the rows. From step `rank_batches_from` on, every rank draws its own batch (the
+    bug the input check catches).
+    Returns the losses, the full parameters at the end and the optimizer's options and state shapes; or the losses
+    so far, the error and the step where a call with the rank's own batch raised."""
+    import torch.nn.functional as F
+
+    f = fabric(strategy_kwargs, Losses())
+    f.seed_everything(seed)
+    model = build_gpt(f, init)
+    optimizer = two_group_adamw(model)
+    model, optimizer = f.setup(model, optimizer)
+    dp, dp_rank = (f.strategy.mesh.dp, f.strategy.mesh.dp_rank) if strategy_kwargs is not None else (1, 0)
+    losses = []
+    for step in range(steps):
+        own = rank_batches_from is not None and step >= rank_batches_from
+        idx, targets = token_batch(rows=rows, seed=f.global_rank + 1 if own else 0)
+        mine = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
+        try:
+            logits = model(idx[mine])
+        except RuntimeError as e:
+            if not own:
+                raise
+            return {"losses": losses, "error": str(e), "failed_step": step}
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[mine].reshape(-1))
+        f.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(f.all_reduce(loss.detach(), reduce_op="mean").item())
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    held = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+    moments = [tuple(optimizer.state[p]["exp_avg"].shape) for g in optimizer.param_groups for p in g["params"]]
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "groups": groups, "held": held, "moments": moments}

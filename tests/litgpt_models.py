@@ -25,6 +25,32 @@ CONFIGS = {
 }
 
 
+#: litgpt MoE configs (LLaMAMoE), scaled down with their head counts and MoE flags kept
+MOE_BASE = dict(n_layer=2, n_embd=32, head_size=8, bias=False, mlp_class_name="LLaMAMoE", norm_class_name="RMSNorm",
+                parallel_residual=False, n_expert=4, n_expert_per_token=2)
+MOE_CONFIGS = {
+    "mixtral": dict(n_head=4, n_query_groups=2, intermediate_size=32),
+    "qwen3_moe": dict(n_head=4, n_query_groups=4, intermediate_size=64, moe_intermediate_size=16, norm_qk=True),
+    # DeepSeek-V3-style routing (litgpt's model supports it; no litgpt 0.5.13 config uses it)
+    "grouped_shared": dict(n_head=4, n_query_groups=4, intermediate_size=64, moe_intermediate_size=16,
+                           n_shared_expert=1, n_expert_groups=2, n_topk_groups=1, n_topk_scores_per_group=2,
+                           routed_scaling_factor=2.5, norm_topk_prob=True),
+}
+
+
+def make_moe_model(name: str, dtype: torch.dtype = torch.float64, **overrides) -> GPTWithLoss:
+    """A GPTWithLoss of a MoE config (float64 by default, `overrides` on top), seeded, with a router that does not
+    tie."""
+    sizes = dict(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+    config = Config(**sizes, **(MOE_BASE | MOE_CONFIGS[name] | overrides))
+    torch.manual_seed(0)
+    model = GPTWithLoss(config).to(dtype)
+    for module in model.modules():
+        if type(module).__name__ == "GroupedTopkRouter":  # litgpt leaves its weight uninitialized
+            torch.nn.init.normal_(module.weight, std=0.2)
+    return model
+
+
 def make_config(name: str) -> Config:
     """A tiny litgpt Config of the given family."""
     return Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **CONFIGS[name])

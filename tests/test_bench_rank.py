@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/bench_rank.py: a tiny llama at TP=4 as one rank of a fake group on the CPU, ``--quick``
-(no code generation), every mode that runs on the CPU, the table and the projection printed."""
+(no code generation), every mode that runs on the CPU, the table and the projection printed, the peak memory
+measured at full depth."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import sys
 
 from tests.dist import BENCHMARKS
 
-TINY = ["--model", "tiny", "--tp", "4", "--quick", "--layers", "0,1", "--full_layers", "2", "--seq", "32",
-        "--context", "16", "--decode_batches", "1", "--steps", "2", "--warmup", "1", "--project"]
+TINY = ["--model", "tiny", "--tp", "4", "--quick", "--layers", "0,1", "--full_layers", "2", "--peak_at_full",
+        "--seq", "32", "--context", "16", "--decode_batches", "1", "--steps", "2", "--warmup", "1", "--project"]
 
 
 def test_tiny_tp4_on_cpu(tmp_path):
@@ -28,6 +29,9 @@ def test_tiny_tp4_on_cpu(tmp_path):
     for key, row in rows.items():
         assert "error" not in row and row["loss_finite"], (key, row)
         assert set(row["depths"]) == {"0", "1"}, key  # both depths measured (JSON keys)
+        if key[0] == "training":  # decode has no peak on the CPU
+            assert row["peak_source"] == "measured at 2 layers", (key, row["peak_source"])
+            assert row["peak_run"]["peak_bytes"] == row["peak_bytes"], key
         p = row["projection"]
         assert p["no_overlap_s"] >= p["overlap_s"] > 0 and p["comm_s"] > 0, (key, p)
     # the same Llama, the same shards: thunder_tp and DTensor hold the same parameter bytes per rank
@@ -41,3 +45,39 @@ def _env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def _training_row(mode: str, loss: float) -> dict:
+    """A training row of bench_rank's results at one depth: its first loss, one collective."""
+    return {"workload": "training", "mode": mode, "tp": 8, "batch": 1, "param_bytes": 1,
+            "depths": {1: {"samples": [{"loss": loss}]}},
+            "collectives": {"forward": [["all_gather", 8, 4]], "backward": []}}
+
+
+def test_report_fails_where_the_backends_losses_differ():
+    """(a) and (b) run the same weights and batch: their losses must agree within bf16's rounding."""
+    from tests.dist import benchmark_module
+
+    report = benchmark_module("rank_report")
+    lines, failed = report._structure_lines([_training_row("a", 11.75), _training_row("b", 11.8125)], "bfloat16")
+    assert not failed and "loss 11.7500 vs 11.8125" in lines[0], lines
+    lines, failed = report._structure_lines([_training_row("a", 11.75), _training_row("b", 12.5)], "bfloat16")
+    assert failed and "FAILED" in lines[0], lines
+    assert report._structure_lines([_training_row("a", 11.75), _training_row("b", 11.8125)], "float32")[1]
+
+
+def test_peak_at_full_depth_or_why_not():
+    """The peak measured at full depth replaces the extrapolated one; where that run failed, the reason is given."""
+    from tests.dist import benchmark_module
+
+    bench_rank = benchmark_module("bench_rank")
+    by_depth = {0: {"peak_bytes": 5}, 1: {"peak_bytes": 3}}
+    row = {"peak_bytes": -13}  # extrapolated from 5 and 3 to 10 layers
+    assert bench_rank._peak_source(row, by_depth, {"peak_bytes": 40, "traces": {}}, 10) == "measured at 10 layers"
+    assert row["peak_bytes"] == 40 and "traces" not in row["peak_run"]
+    row = {"peak_bytes": -13}
+    why = bench_rank._peak_source(row, by_depth, {"error": "OutOfMemoryError: CUDA out of memory"}, 10)
+    assert why == "extrapolated (10 layers: OutOfMemoryError: CUDA out of memory)" and row["peak_bytes"] == -13
+    assert bench_rank._peak_source({"peak_bytes": -13}, by_depth, None, 10) == "extrapolated"
+    assert bench_rank._peak_source({"peak_bytes": 3}, {1: {}}, None, 10) == "measured at 1 layers"
+    assert bench_rank._peak_source({}, {1: {}}, {"peak_bytes": None}, 10) == "not measured"

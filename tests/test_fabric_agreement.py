@@ -3,10 +3,12 @@ asked), before any collective; replicated parameters that differ across the TP g
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist import run_ranks
 from tests.tp_checks import FAST_EXECUTORS
+from thunder_tp.execution.divergence import InputAgreement
 
 
 def _gpt(dtype=torch.float64):
@@ -58,21 +60,53 @@ def _mlp(check_inputs: str):
 
 
 def _later_call_with_rank_shapes(check_inputs: str) -> str:
-    """The same inputs first, then a different batch size on rank 1."""
+    """The same inputs first, then a different batch size on rank 1 (a training call: autograd on)."""
     import torch.distributed as dist
 
     jm = _mlp(check_inputs)
     jm(torch.ones(3, 8))
     try:
-        jm(torch.ones(3 + dist.get_rank(), 8)) if check_inputs == "every" else None
+        jm(torch.ones(3 + dist.get_rank(), 8))
     except RuntimeError as e:
         return str(e)
     return "no error"
 
 
-def test_check_inputs_every_call():
-    for m in run_ranks(_later_call_with_rank_shapes, 2, "every", timeout=120):
+@pytest.mark.parametrize("check_inputs", ["training", "every"])
+def test_check_inputs_at_a_later_training_call(check_inputs):
+    for m in run_ranks(_later_call_with_rank_shapes, 2, check_inputs, timeout=120):
         assert "different inputs (their shapes or dtypes differ" in m, m
+
+
+@pytest.mark.parametrize(("check_inputs", "compared"), [
+    ("training", [True, True, False, False, True]),  # every call with autograd on, the first without
+    ("every", [True, True, True, True, True]),
+    ("first", [True, False, False, False, False]),
+])
+def test_which_calls_are_compared(check_inputs, compared):
+    """Calls with autograd on, off, off, off, on (the group is not used to decide)."""
+    agreement = InputAgreement(None, check_inputs)
+    due = []
+    for grad in (True, False, False, False, True):
+        with torch.set_grad_enabled(grad):
+            due.append(agreement._due())
+    assert due == compared
+
+
+def _first_call_with_rank_values() -> float:
+    """check_inputs="never": each rank its own values at the first call (same shapes: the collectives match) run."""
+    import torch.distributed as dist
+
+    jm = _mlp("never")
+    return jm(torch.full((3, 8), 1.0 + dist.get_rank())).sum().item()
+
+
+def test_check_inputs_never_compares_nothing():
+    run_ranks(_first_call_with_rank_values, 2, timeout=120)  # no error: what "never" asks for
+    with pytest.raises(ValueError, match="check_inputs must be one of"):
+        import thunder_tp
+
+        thunder_tp.TensorParallel({}, check_inputs="sometimes")
 
 
 def _save_with_diverged_replica(directory: str) -> str:

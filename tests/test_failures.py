@@ -41,14 +41,18 @@ def _rank_main(mode: str, rank: int, port: int) -> None:
     timeout = datetime.timedelta(seconds=HANG_TIMEOUT_S) if mode == "hang" else None
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
     torch.manual_seed(0)
-    jm = thunder.jit(MLP(), transforms=[thunder_tp.TensorParallel(PLAN)], executors=FAST_EXECUTORS)
+    # the input check's all_gather off: these tests are about the model's own collectives (test_peer_raising_
+    # before_the_input_check is about that one)
+    check_inputs = "training" if mode == "raise_before_check" else "first"
+    transform = thunder_tp.TensorParallel(PLAN, check_inputs=check_inputs)
+    jm = thunder.jit(MLP(), transforms=[transform], executors=FAST_EXECUTORS)
     (x,) = mlp_input()
     try:
         for step in range(STEPS):
             failing = rank == 1 and step == FAILING_STEP
             if failing:
                 print(f"failing at {time.monotonic()}", flush=True)  # CLOCK_MONOTONIC: one clock for the host
-            if failing and mode == "raise":
+            if failing and mode in ("raise", "raise_before_check"):
                 raise ValueError("rank 1 fails before its next collective")
             if failing and mode == "hang":
                 time.sleep(10 * SURVIVOR_LIMIT_S)  # alive, but never reaches the forward all_reduce
@@ -96,14 +100,14 @@ def _run_pair(mode: str) -> tuple[subprocess.CompletedProcess, float, float]:
     return subprocess.CompletedProcess(procs[0].args, procs[0].returncode, out, err), raised, after
 
 
-def _check_survivor(mode: str, kind: str) -> float:
+def _check_survivor(mode: str, kind: str, tensor: str = "(32, 4, 128) torch.float32") -> float:
     """Rank 0's error after rank 1 failed as ``mode`` says; how long after rank 1's failure rank 0 raised."""
     survivor, raised, after = _run_pair(mode)
     exited = "" if mode == "hang" else f"; exited {after:.1f} s after rank 1"
     print(f"{mode}: rank 0 raised {raised:.1f} s after rank 1 failed{exited} (rc {survivor.returncode})")
     assert survivor.returncode != 0, survivor.stdout + survivor.stderr
     assert "finished every step" not in survivor.stdout
-    message = f"thunder_tp: {kind} of a (32, 4, 128) torch.float32 tensor over the gloo group of global ranks [0, 1] failed"
+    message = f"thunder_tp: {kind} of a {tensor} tensor over the gloo group of global ranks [0, 1] failed"
     assert message in survivor.stderr, survivor.stderr[-3000:]
     if mode != "hang":
         assert after < SURVIVOR_LIMIT_S, after
@@ -116,6 +120,10 @@ def test_peer_killed_mid_step_is_an_error_within_seconds():
 
 def test_peer_raising_before_a_collective_does_not_hang():
     _check_survivor("raise", "all_reduce")  # the forward all_reduce of the next step
+
+
+def test_peer_raising_before_the_input_check_does_not_hang():
+    _check_survivor("raise_before_check", "the input check's all_gather", "(2,) torch.int64")  # check_inputs="training"
 
 
 def test_hung_peer_is_an_error_after_the_process_group_timeout():

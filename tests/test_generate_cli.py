@@ -14,7 +14,7 @@ import pytest
 import torch
 from litgpt import GPT, Config
 
-from tests.dist import REPO_ROOT, free_port
+from tests.dist import REPO_ROOT, free_port, run_ranks
 from thunder_tp.generate import main, prefill_chunks
 
 SENTENCES = ["the llama eats grass and hay", "a tensor is split over the ranks", "every rank holds its heads",
@@ -119,3 +119,22 @@ def test_cli_tp2_bf16_with_sampling(tmp_path):
     assert report["kv_cache_bytes_per_rank"] * 2 == full_cache, report["kv_cache_bytes_per_rank"]
     counts = {row["kind"]: row["count"] for row in report["decode_step_collectives"]}
     assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts
+
+
+def _prompt_of_rank() -> str:
+    import torch.distributed as dist
+
+    from thunder_tp.generate import GenerateError, check_same_prompt
+
+    check_same_prompt(torch.tensor([5, 7, 9]))  # alike: nothing
+    try:
+        check_same_prompt(torch.tensor([5, 7, 9 + dist.get_rank()]))
+    except GenerateError as e:
+        return str(e)
+    return "no error"
+
+
+def test_different_prompts_raise_on_every_rank():
+    for m in run_ranks(_prompt_of_rank, 2, timeout=120):
+        assert "the prompt: 1 of 2 tensors differ across the ranks" in m and "token ids" in m, m
+        assert "the same --prompt" in m, m

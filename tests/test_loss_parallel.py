@@ -1,4 +1,4 @@
-"""Loss parallel: cross-entropy over vocabulary-sharded logits, against one device (float64), and its log-sum-exp."""
+"""Loss parallel: cross-entropy over vocabulary-sharded logits, against one device (float64), and the loss's symbols."""
 
 import pytest
 import thunder
@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from thunder_tp import ColwiseParallel, Replicate, TensorParallel
 from tests.dist import run_ranks
 from tests.tp_checks import compare_with_single_device
+from thunder_tp import ColwiseParallel, Replicate, TensorParallel
 
 TOKENS, DIM, VOCAB, MASKED_ROWS = 6, 16, 64, 3
 
@@ -66,19 +66,31 @@ def test_vocab_parallel_loss_without_grad():
     assert info["forward"] == {"all_gather": 1}, info
 
 
-def test_softmax_logsumexp_value_and_grad():
-    """torch.logsumexp's value; its grad is the softmax, and zero (not nan) over a slice of -inf only."""
-    from thunder_tp.propagation.losses import softmax_logsumexp
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_cross_entropy_symbols_on_two_shards_value_and_grad(dtype):
+    """The loss's two symbols on two vocabulary shards, the second all -inf on some rows: torch's cross_entropy in the
+    loss's precision (float32 for bf16 logits, rounded to bf16 once at the end) and its grad, zero (not nan) over the
+    -inf columns."""
+    from thunder_tp.propagation.losses import cross_entropy_of_stats, cross_entropy_stats
 
     torch.manual_seed(0)
-    a = torch.randn(4, 7, dtype=torch.float64) * 30
-    a[1, 2:] = float("-inf")
-    a[3] = float("-inf")
-    a.requires_grad_()
-    out = thunder.jit(lambda t: softmax_logsumexp(t, 1))(a)
-    torch.testing.assert_close(out, torch.logsumexp(a.detach(), 1), rtol=1e-15, atol=0)
-    weights = torch.randn(4, dtype=torch.float64)
-    (grad,) = torch.autograd.grad(out, a, weights)
-    softmax = torch.softmax(a.detach()[:3], 1) * weights[:3, None]
-    torch.testing.assert_close(grad[:3], softmax, rtol=1e-14, atol=1e-300)
-    assert torch.equal(grad[3], torch.zeros(7, dtype=torch.float64))
+    logits = torch.randn(5, 8, dtype=torch.float64) * 30
+    logits[:2, 4:] = float("-inf")
+    logits = logits.to(dtype).requires_grad_()
+    target = torch.tensor([0, 3, 5, 7, -100])
+
+    def loss(a, t):
+        stats = torch.cat([cross_entropy_stats(a[:, :4], t), cross_entropy_stats(a[:, 4:], t - 4)])
+        return cross_entropy_of_stats(stats, t, -100, "mean", a.dtype)
+
+    actual = thunder.jit(loss)(logits, target)
+    reference = logits.detach().double().requires_grad_()
+    expected = F.cross_entropy(reference, target)
+    exact = dtype == torch.float64
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-15 if exact else 2**-8, atol=0)
+    (grad,) = torch.autograd.grad(actual, logits)
+    (expected_grad,) = torch.autograd.grad(expected, reference)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-14 if exact else 2**-7,
+                               atol=1e-15 if exact else 1e-3)
+    assert torch.equal(grad[:2, 4:], torch.zeros(2, 4, dtype=dtype))

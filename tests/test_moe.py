@@ -8,37 +8,16 @@ from litgpt import Config
 import thunder_tp
 from thunder_tp import TensorParallel
 from tests.dist import run_ranks
-from tests.litgpt_models import SEQ, VOCAB, GPTWithLoss, batch
+from tests.litgpt_models import MOE_BASE, MOE_CONFIGS, SEQ, VOCAB, GPTWithLoss, batch, make_moe_model
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 
-_BASE = dict(n_layer=2, n_embd=32, head_size=8, bias=False, mlp_class_name="LLaMAMoE", norm_class_name="RMSNorm",
-             parallel_residual=False, n_expert=4, n_expert_per_token=2)
-CONFIGS = {  # scaled down, head counts and MoE flags kept
-    "mixtral": dict(n_head=4, n_query_groups=2, intermediate_size=32),
-    "qwen3_moe": dict(n_head=4, n_query_groups=4, intermediate_size=64, moe_intermediate_size=16, norm_qk=True),
-    # DeepSeek-V3-style routing (litgpt's model supports it; no litgpt 0.5.13 config uses it)
-    "grouped_shared": dict(n_head=4, n_query_groups=4, intermediate_size=64, moe_intermediate_size=16,
-                           n_shared_expert=1, n_expert_groups=2, n_topk_groups=1, n_topk_scores_per_group=2,
-                           routed_scaling_factor=2.5, norm_topk_prob=True),
-}
 # litgpt's RMSNorm (and the grouped router) compute in float32 even for float64 models
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def make_model(name: str, dtype: torch.dtype = torch.float64) -> GPTWithLoss:
-    """A GPTWithLoss of the scaled config (float64 by default), with a router that does not tie."""
-    config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **_BASE, **CONFIGS[name])
-    torch.manual_seed(0)
-    model = GPTWithLoss(config).to(dtype)
-    for module in model.modules():
-        if type(module).__name__ == "GroupedTopkRouter":  # litgpt leaves its weight uninitialized
-            torch.nn.init.normal_(module.weight, std=0.2)
-    return model
-
-
 def _reference_and_copy(name: str, dtype: torch.dtype = torch.float64) -> tuple[GPTWithLoss, GPTWithLoss]:
-    reference = make_model(name, dtype)
-    model = make_model(name, dtype)
+    reference = make_moe_model(name, dtype)
+    model = make_moe_model(name, dtype)
     model.load_state_dict(reference.state_dict())
     return reference, model
 
@@ -86,11 +65,11 @@ CASES = [(2, "mixtral", False, torch.float64, "slow"), (2, "mixtral", False, tor
 ])
 def test_tp_matches_single_device_with_one_reduction_per_moe_layer(world, name, sequence_parallel, dtype):
     counts = run_ranks(_tp, world, name, sequence_parallel, dtype)[0]
-    blocks = 2 * _BASE["n_layer"] + 1  # attention and MoE layer of each block, and the embedding
+    blocks = 2 * MOE_BASE["n_layer"] + 1  # attention and MoE layer of each block, and the embedding
     # the grads of the replicated parameters used on sharded values are summed in one all_reduce per dtype: every MoE
     # layer's router weight (n_expert x C, used by every rank's experts; float64) and, in float32 (litgpt's RMSNorm
     # casts its weight), Qwen3's per-head q/k norm weights and, under SP, the norms applied to sequence shards
-    grads = 1 + bool(sequence_parallel or CONFIGS[name].get("norm_qk"))
+    grads = 1 + bool(sequence_parallel or MOE_CONFIGS[name].get("norm_qk"))
     if sequence_parallel:  # as a dense llama with SP: the MoE layer (shared experts included) reduce-scattered once
         assert counts["forward"] == {"reduce_scatter": blocks, "all_gather": blocks + 1}, counts
         assert counts["backward"] == {"reduce_scatter": blocks, "all_gather": blocks, "all_reduce": grads}, counts
@@ -100,7 +79,7 @@ def test_tp_matches_single_device_with_one_reduction_per_moe_layer(world, name, 
 
 
 def test_moe_with_biased_experts_is_a_clear_error():
-    config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **{**_BASE, "bias": True},
-                    **CONFIGS["mixtral"])
+    config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, **{**MOE_BASE, "bias": True},
+                    **MOE_CONFIGS["mixtral"])
     with pytest.raises(NotImplementedError, match="bias=False"):
         thunder_tp.plans.litgpt(GPTWithLoss(config))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import warnings
 
 from tests.dist import REPO_ROOT
 
@@ -35,3 +36,29 @@ def test_only_the_no_cuda_runtime_record_is_dropped():
 
     assert not logger.filter(record("No CUDA runtime is found, using CUDA_HOME='%s'"))
     assert logger.filter(record("another message about CUDA_HOME='%s'"))
+
+
+def _warnings_of(save) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save()
+    return [str(w.message) for w in caught]
+
+
+def test_checkpoint_saves_over_a_directory_without_dcps_warnings(tmp_path):
+    """thunder_tp.checkpoint.save twice to one directory, in a process without a process group: no warning, where
+    DCP's own save warns (the control: the test would see them)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import thunder_tp.checkpoint as ck
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    for _ in range(2):
+        assert _warnings_of(lambda: ck.save(tmp_path / "ours", model, optimizer)) == []
+        control = _warnings_of(lambda: dcp.save({"w": model.weight.detach()}, checkpoint_id=str(tmp_path / "dcp")))
+    assert any("Detected an existing checkpoint" in m for m in control), control
+    assert any("torch.distributed is disabled" in m for m in control), control

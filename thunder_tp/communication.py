@@ -124,6 +124,7 @@ class CommunicationPlan:
     grad_sums: dict[str, GradSum]
     replica_sums: list[TensorProxy]
     issued: list[tuple[str, int]]
+    issued_backward: list[tuple[str, int]] = field(default_factory=list)
 
     def resolved(self, t: TensorProxy, layout: Layout, into_tp_region: bool = False) -> list[Need]:
         """What reading `t` in `layout` reads, through aliases: the value it ends up with last, after the needs
@@ -146,6 +147,8 @@ class CommunicationPlan:
                 comm.add(r.backward, nbytes(r.value), size, backward=True)
         for kind, full_bytes in self.issued:
             comm.add(kind, full_bytes, size)
+        for kind, full_bytes in self.issued_backward:
+            comm.add(kind, full_bytes, size, backward=True)
         coalesced: set = set()
         for s in self.grad_sums.values():
             if s.gathered:  # the gather is the grad sum's own: forward all_gather, backward reduce_scatter
@@ -188,6 +191,8 @@ def plan_communication(
     plan.grad_sums = _grad_sums(every, layouts, from_inputs)
     plan.grad_sums |= {t.name: GradSum(t, coalesced=True) for t in plan.replica_sums}
     plan.issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
+    with_grads = [step for step in steps if any(o.name in plan.needs_grad for o in _tensors(step.bsym.output))]
+    plan.issued_backward = [issue for step in with_grads for issue in step.strategy.backward_issues]
     return plan
 
 

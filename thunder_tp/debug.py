@@ -13,7 +13,10 @@ inside a fusion region):
   is what thunder_tp's collectives (and Thunder's DDP/FSDP) are lowered to in the final traces;
 - Thunder's ``thunder.distributed.prims`` themselves (``all_reduce``, ``all_gather``, ...);
 - thunder_tp's own collective symbols (``tp_reduce_from_tp``, ``tp_gather``, ...; see
-  ``thunder_tp.collectives.COLLECTIVE_KINDS``), where they were not lowered (comm executor not listed).
+  ``thunder_tp.collectives.COLLECTIVE_KINDS``), where they were not lowered (comm executor not listed);
+- opaque ops that issue collectives inside them (``thunder_tp.collectives.ISSUED_INSIDE``: expert parallelism's
+  exchange of counts, dispatch and combine, each an all_to_all; its bytes are this rank's pairs' rows, which its
+  dispatch sends and its combine receives).
 
 Sizes are per rank: the trace is the rank's local program, so its proxies have local shapes.
 """
@@ -33,7 +36,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.collectives import COLLECTIVE_KINDS
+from thunder_tp.collectives import COLLECTIVE_KINDS, ISSUED_INSIDE
 from thunder_tp.reshard import nbytes
 from thunder_tp.simulate import is_simulating
 
@@ -81,6 +84,11 @@ def collective_calls(trace: TraceCtx) -> list[dict]:
     """Every collective of ``trace`` in program order: kind, group size, bytes, and the bound symbol."""
     calls = []
     for bsym in trace.bound_symbols:
+        if bsym.sym.name in ISSUED_INSIDE:  # an opaque op with collectives inside (expert parallelism's all_to_alls)
+            group = _group(bsym)
+            calls += [{"kind": kind, "group_size": _group_size(group), "bytes": moved, "group": group, "bsym": bsym}
+                      for kind, moved in ISSUED_INSIDE[bsym.sym.name](bsym)]
+            continue
         kind = collective_kind(bsym)
         if kind is None:
             continue

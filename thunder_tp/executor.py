@@ -3,6 +3,10 @@
 Compute is fused by nvFuser where tensors are on CUDA and nvFuser is installed and able to run, otherwise by
 Inductor (``torch.compile``: Triton on CUDA, C++ on CPU). An nvFuser that Thunder registers but cannot run (0.2.36
 under Thunder 0.2.6) is an error when asked for, and left to Inductor with a warning when chosen automatically.
+Where nvFuser fuses, the cross-entropy's symbols (``propagation/losses.py``) are still lowered by Inductor, in a pass
+before nvFuser's, as Thunder's own ``torchcompile_xentropy`` does for its cross-entropy: nvFuser 0.2.35's segmenter
+asserts (``revertPrivatizedOps``) on the fusion of a vocabulary-parallel loss in bf16. A region that a backend
+rejects anyway is lowered again by the next one (``execution/fallback.py``).
 Communication — thunder_tp's collectives, Thunder's ``thunder.distributed.prims`` (DDP/FSDP) and torchex's
 implementations of them, waits included — is never claimed, so every collective stays a top-level symbol and a
 fusion-region boundary.
@@ -19,16 +23,19 @@ import torch
 from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
+from thunder.executors import nvfuserex
 from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_xentropy_ex
 from thunder.executors.torchex import ex as pytorch_ex
-from thunder.executors import nvfuserex
+from thunder.executors.utils import Region
 from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_executors, register_executor
 
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
+from thunder_tp.execution.fallback import RegionBackend, with_fallback
 from thunder_tp.execution.schedule import schedule
+from thunder_tp.propagation.losses import CROSS_ENTROPY_SYMBOLS
 from thunder_tp.simulate import is_simulating
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
@@ -62,33 +69,57 @@ def _automatic_backwards() -> frozenset:
     from thunder.core.transforms import backward_impls
     from thunder.torch import _torch_to_thunder_function_map
 
-    automatic = (s for s in _torch_to_thunder_function_map.values() if OpTags.AUTO_REGISTERED in (getattr(s, "tags", None) or ()))
+    automatic = (s for s in _torch_to_thunder_function_map.values()
+                 if OpTags.AUTO_REGISTERED in (getattr(s, "tags", None) or ()))
     return frozenset(backward_impls[s.id].id for s in automatic if s.id in backward_impls)
 
 
 def _outputs_proxies(bsym: BoundSymbol) -> bool:
     """Whether every output of ``bsym`` and of its subsymbols is a proxy (or None)."""
-    return all(o is None or isinstance(o, Proxy) for o in bsym.flat_outs) and all(map(_outputs_proxies, bsym.subsymbols))
+    outputs = all(o is None or isinstance(o, Proxy) for o in bsym.flat_outs)
+    return outputs and all(map(_outputs_proxies, bsym.subsymbols))
+
+
+#: the ids of the symbols that Inductor lowers even where nvFuser fuses (kept whole until then: torchex runs their
+#: decompositions inside the region)
+INDUCTOR_ONLY = frozenset(sym.id for sym in CROSS_ENTROPY_SYMBOLS)
 
 
 class InductorFusionExecutor(TorchCompileExecutor):
-    """torch.compile (Inductor) fusions of torchex-executable compute; refuses communication."""
+    """torch.compile (Inductor) fusions of torchex-executable compute and of ``INDUCTOR_ONLY``'s symbols; refuses
+    communication. ``skip_cuda``: no CUDA ops (nvFuser's) but those symbols; ``only``: nothing but those symbols.
+    Its regions are named ``{region_name}{n}``: a trace's regions need distinct names (each is its callable's key)."""
 
-    def __init__(self, name: str, *, skip_cuda: bool = False):
+    def __init__(self, name: str, *, skip_cuda: bool = False, only: bool = False,
+                 region_name: str = "TorchCompile"):
         super().__init__(name)
         self.skip_cuda = skip_cuda
+        self.only = only
+        self.region_name = region_name
         # torchex's checkers come along: a region is lowered by torchex alone before torch.compile, so what torchex
         # refuses (e.g. number-only prims such as the shape arithmetic of symbolic values) is left to pythonex
         self.implmap.update(
             {op: ImplInfo(checker=info.checker) for op, info in pytorch_ex.implmap.items() if op not in COMM_IDS}
         )
+        self.implmap.update({op: ImplInfo() for op in INDUCTOR_ONLY})
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         """True for tensor compute Inductor can take; never for communication (or CUDA ops when ``skip_cuda``), nor
         for shape queries and number arithmetic (symbolic values), which no kernel computes."""
-        if is_communication(bsym) or not _regionable(bsym) or (self.skip_cuda and _on_cuda(bsym)):
+        if bsym.sym.id in INDUCTOR_ONLY:
+            return True
+        if self.only or is_communication(bsym) or not _regionable(bsym) or (self.skip_cuda and _on_cuda(bsym)):
             return False
         return super().can_fuse(bsym)
+
+    def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
+        """Thunder's torch.compile region, named ``{region_name}{fusion_counter}``."""
+        fusion = super().fuse(region, fusion_counter)
+        name = f"{self.region_name}{fusion_counter}"
+        if name == fusion.sym.name:
+            return fusion
+        return self.register_temporary_operation(name, fusion._call_ctx[fusion.sym.name], inputs=list(fusion.args),
+                                                 outputs=list(fusion.output), bsyms=list(fusion.subsymbols))
 
 
 class TPFusionExecutor(FusionExecutor):
@@ -102,23 +133,31 @@ class TPFusionExecutor(FusionExecutor):
         else:
             nvfuser = _automatic_nvfuser() if backend is None else None
         self.nvfuser: FusionExecutor | None = nvfuser
+        #: beside nvFuser, the Inductor pass that takes INDUCTOR_ONLY's symbols before nvFuser's pass could
+        self.inductor_only: InductorFusionExecutor | None = None
+        if nvfuser is not None:
+            self.inductor_only = InductorFusionExecutor(f"{name}_inductor_only", only=True, region_name="InductorOnly")
         self.inductor: InductorFusionExecutor | None = None
-        if backend != "nvfuser":
-            self.inductor = InductorFusionExecutor(f"{name}_inductor", skip_cuda=nvfuser is not None)
+        if backend != "nvfuser":  # beside nvFuser, for what is not on CUDA (named apart from torchcompile_xentropy's)
+            self.inductor = InductorFusionExecutor(f"{name}_inductor", skip_cuda=nvfuser is not None,
+                                                   region_name="TorchCompile" if nvfuser is None else "InductorCPU")
 
     @property
     def backends(self) -> tuple[FusionExecutor, ...]:
         """The fusion executors that lower regions, in the order their passes run."""
-        return tuple(ex for ex in (self.nvfuser, self.inductor) if ex is not None)
+        return tuple(self.backend_kinds)
+
+    @property
+    def backend_kinds(self) -> dict[FusionExecutor, RegionBackend]:
+        """Each fusion executor that lowers regions, in the order their passes run, and which backend it is."""
+        kinds = ((self.inductor_only, "inductor"), (self.nvfuser, "nvfuser"), (self.inductor, "inductor"))
+        return {ex: kind for ex, kind in kinds if ex is not None}
 
     def _claimant(self, bsym: BoundSymbol) -> FusionExecutor | None:
         if is_communication(bsym):
             return None
-        if self.nvfuser is not None and _on_cuda(bsym) and self.nvfuser.can_fuse(bsym):
-            return self.nvfuser
-        if self.inductor is not None and self.inductor.can_fuse(bsym):
-            return self.inductor
-        return None
+        return next((ex for ex in self.backends if ex.can_fuse(bsym) and (ex is not self.nvfuser or _on_cuda(bsym))),
+                    None)
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         """True if a backend will fuse ``bsym``; never for communication."""
@@ -131,12 +170,13 @@ class TPFusionExecutor(FusionExecutor):
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Schedules the trace (``thunder_tp.execution.schedule``), runs each backend's fusion pass (regions stop at
-        collectives), then lets all_reduces of values nothing else reads run in place."""
+        collectives), lets all_reduces of values nothing else reads run in place, and gives every region the next
+        backend to fall back on (``thunder_tp.execution.fallback``)."""
         trace = schedule(trace)
         for ex in self.backends:
             trace = ex.fusion_pass(trace)
         _check_no_fused_communication(trace)
-        return reduce_in_place(trace)
+        return with_fallback(reduce_in_place(trace), self.backend_kinds)
 
 
 def _check_no_fused_communication(trace: TraceCtx) -> None:
@@ -199,13 +239,17 @@ def fusion_executor(backend: Backend = None) -> TPFusionExecutor:
 
 @functools.cache
 def _executors(backend: Backend) -> tuple[Executor, ...]:
-    # Thunder's defaults are read once; other fusion executors (nvFuser, torchcompile_*) would compete with ours,
-    # but for Thunder's cross-entropy one beside nvFuser (see _kept_default).
+    return executors_around(fusion_executor(backend))  # Thunder's defaults are read once
+
+
+def executors_around(fusion: TPFusionExecutor) -> tuple[Executor, ...]:
+    """``executors()``'s list with ``fusion`` as its fusion executor."""
+    # Other fusion executors of Thunder's defaults (nvFuser, torchcompile_*) would compete with ours, but for
+    # Thunder's cross-entropy one beside nvFuser (see _kept_default).
     # Attention executors (ours for CPU; for CUDA, ours for a mask shared by the batch, which Thunder's sdpa
     # executor claims and then fails on, then Thunder's sdpa, cudnn) come before the fusion executor, as in
     # Thunder's defaults: its autograd takes the grad rule of the first executor that can run an op, and Inductor
     # can run SDPA (as its decomposition, which saves the probabilities for the backward).
-    fusion = fusion_executor(backend)
     defaults = tuple(ex for ex in get_default_executors() if _kept_default(ex, fusion))
     return (comm_executor, cpu_attention_executor, cuda_attention_executor, *defaults, fusion)
 

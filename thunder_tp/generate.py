@@ -31,6 +31,7 @@ import thunder_tp
 import thunder_tp.checkpoint as ck
 from thunder_tp.collectives import comm_executor
 from thunder_tp.execution.decode_step import STRATEGIES, DecodeStep, Strategy
+from thunder_tp.execution.divergence import check_same_tensors, checksum
 from thunder_tp.one_rank import has_peers
 
 class GenerateError(ValueError):
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = _config(args)
     tokenizer = _tokenizer(args)
     prompt = _encode(args.prompt, tokenizer, config, device)
+    check_same_prompt(prompt)
     max_seq_length = _check_lengths(config, prompt.numel(), args.max_new_tokens)
     model = _build(args, config, max_seq_length, device)
     jm = _jit(model, args.compile, tp_size)
@@ -169,6 +171,18 @@ def _encode(prompt: str, tokenizer, config, device: torch.device) -> torch.Tenso
     if tokenizer is not None:
         return tokenizer.encode(prompt, device=device).to(torch.int64)
     return torch.tensor([b % config.vocab_size for b in prompt.encode()], dtype=torch.int64, device=device)
+
+
+def check_same_prompt(prompt: torch.Tensor) -> None:
+    """Every rank must prefill the same prompt (one model computed over it): raise on every rank otherwise (one
+    all_gather of its length and a checksum of its token ids)."""
+    if not dist.is_initialized() or not has_peers():
+        return
+    try:
+        check_same_tensors({"length": prompt.numel(), "token ids": checksum(prompt)}, dist.group.WORLD, "the prompt",
+                           "Give every rank the same --prompt and tokenizer.")
+    except RuntimeError as error:
+        raise GenerateError(str(error)) from None
 
 
 def _check_lengths(config, prompt_length: int, new_tokens: int) -> int:

@@ -67,7 +67,24 @@ class Partial:
         return "Partial()"
 
 
-Layout = Replicate | Shard | Partial
+@dataclass(frozen=True)
+class StackShard:
+    """Item `index` of a stack of `count` same-shaped tensors (the experts of a MoE layer) whose stacking dim is split
+    over the ranks: rank `index // (count / size)` holds the tensor whole, every other rank nothing (a piece of
+    length 0 in dim 0). So each rank holds `count / size` whole items, its shard of the stack."""
+
+    index: int
+    count: int
+
+    def __repr__(self) -> str:
+        return f"StackShard({self.index} of {self.count})"
+
+    def owner(self, size: int) -> int:
+        """The rank that holds the tensor."""
+        return self.index // (self.count // size)
+
+
+Layout = Replicate | Shard | Partial | StackShard
 REPLICATE = Replicate()
 PARTIAL = Partial()
 
@@ -80,6 +97,12 @@ def normalize(layout: Layout, ndim: int) -> Layout:
 
 def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) -> None:
     """Raise a ValueError naming `what` if `layout` cannot split a tensor of `shape` over `size` ranks."""
+    if isinstance(layout, StackShard) and layout.count % size:
+        raise ValueError(
+            f"{what}: one of {layout.count} stacked tensors (experts) held whole by one rank each, which {size} ranks "
+            f"cannot share evenly: {size} does not divide {layout.count}; choose a TP size that divides {layout.count} "
+            "or split the experts like dense MLPs (expert_parallel=False)"
+        )
     if not isinstance(layout, Shard):
         return
     if not -len(shape) <= layout.dim < len(shape):
@@ -106,11 +129,15 @@ def local_size(n: int, layout: Shard, size: int) -> int:
     return sum(length for _, length in held_chunks(layout, n, 0, size))
 
 
-def local_shape(shape: Sequence[int], layout: Layout, size: int) -> tuple[int, ...]:
-    """Shape of one rank's piece."""
+def local_shape(shape: Sequence[int], layout: Layout, size: int, rank: int | None = None) -> tuple[int, ...]:
+    """Shape of one rank's piece (the same on every rank, but for a StackShard: then `rank`'s)."""
     out = list(shape)
     if isinstance(layout, Shard):
         out[layout.dim] = local_size(out[layout.dim], layout, size)
+    if isinstance(layout, StackShard):
+        if rank is None:
+            raise ValueError(f"the shape of a {layout} piece depends on the rank; pass rank=")
+        out[0] = out[0] if rank == layout.owner(size) else 0
     return tuple(out)
 
 
@@ -149,6 +176,8 @@ def _cat(parts: Sequence, dim: int, ops):
 
 def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int, ops=torch) -> torch.Tensor:
     """This rank's piece of a full tensor (meta tensors too; proxies inside a trace with ops=thunder.torch)."""
+    if isinstance(layout, StackShard):
+        return t if rank == layout.owner(size) else t[:0]
     if not isinstance(layout, Shard):
         return t
     chunks = _all_chunks(layout, t.shape[layout.dim], size)
@@ -158,6 +187,8 @@ def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int, ops=torc
 
 def piece_parts(piece: torch.Tensor, layout: Layout, rank: int, size: int, ops=torch) -> list[torch.Tensor]:
     """A rank's piece cut into the chunks it holds (views, in held_chunks' order); an unsharded tensor whole."""
+    if isinstance(layout, StackShard):
+        return [piece] if rank == layout.owner(size) else []
     if not isinstance(layout, Shard):
         return [piece]
     n = full_length(layout, piece.shape[layout.dim], size)
@@ -167,6 +198,8 @@ def piece_parts(piece: torch.Tensor, layout: Layout, rank: int, size: int, ops=t
 def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(global offsets, sizes) of the slices of the full tensor that make up this rank's piece (held_chunks in
     every dim); the piece is their concatenation along the layout's dim, in this order."""
+    if isinstance(layout, StackShard):
+        return [((0,) * len(shape), tuple(shape))] if rank == layout.owner(size) else []
     if not isinstance(layout, Shard):
         return [((0,) * len(shape), tuple(shape))]
     dim = layout.dim % len(shape)
@@ -181,6 +214,8 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout, ops=torch) ->
     proxies inside a trace with ops=thunder.torch)."""
     if isinstance(layout, Replicate):
         return pieces[0]
+    if isinstance(layout, StackShard):
+        return pieces[layout.owner(len(pieces))]
     if isinstance(layout, Partial):
         return torch.stack(list(pieces)).sum(0)
     size = len(pieces)

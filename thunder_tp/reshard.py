@@ -8,7 +8,7 @@ import torch.distributed as dist
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
-from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard
+from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, StackShard
 from thunder_tp.simulate import is_simulating
 
 #: latency of one collective, in bytes-equivalent (alpha / beta)
@@ -50,7 +50,8 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
     """Alpha-beta cost of turning `t` from `src` into `dst` over `size` ranks."""
     if src == dst:
         return 0.0
-    if _replicated_shard(src, dst) or isinstance(dst, Partial):  # -> Partial is never chosen
+    # -> Partial is never chosen; a StackShard tensor (an expert) is only read where it is, by its MoE layer
+    if _replicated_shard(src, dst) or isinstance(dst, Partial) or StackShard in (type(src), type(dst)):
         return math.inf
     kind = collective_kind(src, dst)
     cost = collective_cost(kind, nbytes(t), size) if kind else 0.0

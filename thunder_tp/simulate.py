@@ -27,10 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from thunder_tp.layouts import Layout, shard_tensor
+from thunder_tp.layouts import Layout, StackShard, shard_tensor
 from thunder_tp.thunder_internals.private import fake_args_built_under
 
-__all__ = ["check_transforms", "for_each_rank", "is_simulating", "local_piece", "per_rank", "simulate"]
+__all__ = [
+    "check_transforms", "for_each_rank", "is_simulating", "joined_ranks", "local_piece", "outside_local_tensors",
+    "per_rank", "rank_value", "simulate",
+]
 
 
 @dataclass(frozen=True)
@@ -124,10 +127,37 @@ def for_each_rank(fn: Callable[..., torch.Tensor], group: dist.ProcessGroup | No
         return LocalTensor(pieces)
 
 
+def rank_value(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """Simulated rank `rank`'s value of `t` (a plain tensor is the same on every rank)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
+
+
+def joined_ranks(values: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One LocalTensor of every simulated rank's value."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor(values)
+
+
+@contextlib.contextmanager
+def outside_local_tensors() -> Iterator[None]:
+    """LocalTensorMode off: an op that computes every simulated rank's part itself works on their plain values."""
+    with _require_active("outside_local_tensors").mode.disable():
+        yield
+
+
 def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor)."""
+    """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor).
+
+    A StackShard tensor is held whole by one rank and by no other, but one simulated trace cannot give the ranks
+    different shapes: in a simulation the others hold zeros of its full shape instead."""
     if not is_simulating():
         return shard_tensor(t, layout, rank, size)
+    if isinstance(layout, StackShard):
+        owner = layout.owner(size)
+        return for_each_rank(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), group, t.detach())
     return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size).clone(), group, t.detach())
 
 

@@ -19,13 +19,15 @@ from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import (
     REPLICATE,
     Layout,
+    Replicate,
     Shard,
+    StackShard,
     TPGroup,
     group_device,
     local_shape,
 )
 from thunder_tp.execution.agreement import CompileAgreement
-from thunder_tp.execution.divergence import InputAgreement
+from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.composition import check_composition
 from thunder_tp.one_rank import has_peers
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
@@ -56,8 +58,9 @@ class TensorParallel(Transform):
 
     `plan="auto"`: the plan `thunder_tp.plans.auto` searches for on a trace of the model made from
     `example_inputs` (args, kwargs), at jit, on every rank alike (the TP size is the process group's).
-    `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs before the module's "first"
-    call (one small all_gather) or before "every" call, and all raise if they differ (thunder_tp.execution.divergence).
+    `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs (one small all_gather) and all
+    raise if they differ (thunder_tp.execution.divergence): before every "training" call (autograd on) and the first
+    call without autograd (the default), before "every" call, the "first" call only, or "never".
     """
 
     def __init__(
@@ -66,10 +69,12 @@ class TensorParallel(Transform):
         process_group: dist.ProcessGroup | None = None,
         *,
         example_inputs: tuple[tuple, dict] | None = None,
-        check_inputs: Literal["first", "every"] = "first",
+        check_inputs: Literal["training", "every", "first", "never"] = "training",
     ):
-        if check_inputs not in ("first", "every"):
-            raise ValueError(f'thunder_tp.TensorParallel: check_inputs must be "first" or "every", got {check_inputs!r}')
+        if check_inputs not in CHECK_INPUTS:
+            raise ValueError(
+                f"thunder_tp.TensorParallel: check_inputs must be one of {CHECK_INPUTS}, got {check_inputs!r}"
+            )
         self.plan = _checked_plan(plan, example_inputs)
         self.check_inputs = check_inputs
         self.example_inputs = example_inputs
@@ -120,7 +125,8 @@ class TensorParallel(Transform):
         if self.tp.size > 1 and has_peers(self.tp.group):  # a fake group has no peer to agree with
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
-            InputAgreement(self.tp.group, every_call=self.check_inputs == "every").install(model)  # runs first
+            if self.check_inputs != "never":
+                InputAgreement(self.tp.group, self.check_inputs).install(model)  # runs first
 
     def _resolved_plan(self, module: nn.Module) -> Mapping[str, Style]:
         """The plan; "auto" is searched for here, once, before any parameter is sharded."""
@@ -138,7 +144,7 @@ class TensorParallel(Transform):
         if simulating:
             check_transforms(model, self.tp.group)
         layouts = {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in original_module(model).named_parameters()}
-        return {name: layout for name, layout in layouts.items() if simulating or isinstance(layout, Shard)}
+        return {name: layout for name, layout in layouts.items() if simulating or not isinstance(layout, Replicate)}
 
     def _shard_caches(self, model) -> None:
         """Each cache buffer becomes this rank's zeroed piece; the module keeps a full-size meta placeholder (no
@@ -174,13 +180,23 @@ class TensorParallel(Transform):
 
     def _gather_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
+        if isinstance(layout, StackShard) and isinstance(value, torch.Tensor):
+            return self._broadcast_whole(name, value.detach(), layout)
         if not isinstance(layout, Shard) or not isinstance(value, torch.Tensor):
             return value
         return gather_full(value.detach(), layout, self.tp.group)
 
+    def _broadcast_whole(self, name: str, piece: torch.Tensor, layout: StackShard) -> torch.Tensor:
+        """A StackShard tensor whole on every rank, from the one rank that holds it."""
+        owner = layout.owner(self.tp.size)
+        shape = original_module(self._module).get_parameter(name).shape
+        whole = piece.clone() if self.tp.rank == owner else piece.new_empty(shape)
+        dist.broadcast(whole, dist.get_global_rank(self.tp.group, owner), group=self.tp.group)
+        return whole
+
     def _shard_full(self, name: str, value: Any) -> Any:
         layout = self.parameter_layouts.get(name)
-        if isinstance(layout, Shard) and isinstance(value, torch.Tensor):
+        if isinstance(layout, (Shard, StackShard)) and isinstance(value, torch.Tensor):
             return local_piece(value, layout, self.tp.rank, self.tp.size, self.tp.group).clone()
         return value
 
@@ -200,8 +216,10 @@ class TensorParallel(Transform):
         logical = constrain_styled_ops(dce(computation), styles)
         propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
         steps = propagation.run(trace_body(logical))
-        sharded = {name: layout for name, layout in layouts.items() if isinstance(layout, Shard)}
-        localize_prologue(prologue, computation, sharded, self.tp.size)
+        # a simulation runs one trace for every rank: StackShard tensors keep their full shape there (local_piece)
+        sharded = {name: layout for name, layout in layouts.items()
+                   if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not is_simulating())}
+        localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank)
         local = rewrite(logical, steps, propagation.layouts, self.tp)
         return prologue, recompute_matmul_inputs(local), epilogue
 

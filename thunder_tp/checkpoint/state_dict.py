@@ -21,6 +21,7 @@ from thunder_tp.checkpoint.tensors import (
     state_like,
 )
 from thunder_tp.thunder_internals.private import original_module
+from thunder_tp.thunder_internals.quiet import quiet_checkpoint_save
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
@@ -85,7 +86,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """Write a DCP checkpoint directory (collective): each rank writes only its shards, replicas once (after checking
     that the replicas agree: thunder_tp.execution.divergence)."""
     _check_replicas(model)
-    with sharded_tensor_without_deprecation_warnings():
+    with sharded_tensor_without_deprecation_warnings(), quiet_checkpoint_save():
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd} | ({"optim": optim_sd} if optimizer is not None else {})
         dcp.save(state, checkpoint_id=os.fspath(path))

@@ -41,12 +41,13 @@ class HeldTensor:
         return [(offsets, sizes, part) for (offsets, sizes), part in zip(self.chunks(), parts)]
 
     def for_dcp(self) -> torch.Tensor:
-        """A plain tensor when this rank holds all of it, else a ShardedTensor of its slices.
+        """A plain tensor when every rank holds all of it, else a ShardedTensor of this rank's slices.
 
         A chunk that several ranks hold (replicated K/V heads) is described once, by its first holder: DCP then
         writes it once and reads it once; copy_from hands it on to the other holders.
         """
-        if self.chunks() == [((0,) * len(self.global_shape), self.global_shape)]:
+        whole = [((0,) * len(self.global_shape), self.global_shape)]
+        if all(self.chunks(r) == whole for r in range(self.size)):  # (a StackShard tensor: whole on one rank only)
             return self.local
         device = self.local.device
         holders: dict[tuple, int] = {}

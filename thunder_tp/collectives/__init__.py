@@ -4,6 +4,7 @@
     distributed   their synchronous torch.distributed implementations; work handles whose failure names them
     lowering      how `comm_executor` runs them: async torchex prims + wait, local ops the fusion executor claims
     packing       blocked shards packed into / out of the dim-0 order of torch.distributed's collectives
+    exchange      all_to_alls with uneven split sizes (expert parallelism's dispatch and combine) inside opaque ops
 """
 
 from thunder_tp.collectives import lowering  # noqa: F401  (importing it registers the symbols' executions)
@@ -11,10 +12,12 @@ from thunder_tp.collectives.distributed import gather_full, gather_shards
 from thunder_tp.collectives.symbols import (
     COLLECTIVE_KINDS,
     COMM_IDS,
+    ISSUED_INSIDE,
     comm_executor,
     is_communication,
     is_wait,
     rank_offset,
+    register_issued_collectives,
     tp_all_to_all,
     tp_copy_all_to_tp,
     tp_copy_to_tp,
@@ -29,12 +32,14 @@ from thunder_tp.collectives.symbols import (
 __all__ = [
     "COLLECTIVE_KINDS",
     "COMM_IDS",
+    "ISSUED_INSIDE",
     "comm_executor",
     "is_communication",
     "is_wait",
     "gather_full",
     "gather_shards",
     "rank_offset",
+    "register_issued_collectives",
     "tp_all_to_all",
     "tp_copy_all_to_tp",
     "tp_copy_to_tp",

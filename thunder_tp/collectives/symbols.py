@@ -6,6 +6,8 @@ grad is the conjugate collective (Megatron's f/g operator pairs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import thunder.distributed.prims as dist_prims
 import thunder.torch as ltorch
 import torch.distributed as dist
@@ -92,6 +94,17 @@ COLLECTIVE_KINDS: dict[str, str] = {
     "tp_all_to_all": "all_to_all",
     "tp_all_to_all_start": "all_to_all",
 }
+
+#: opaque ops that issue collectives inside them (expert parallelism's exchanges, whose sizes depend on the data):
+#: symbol name -> the (kind, bytes) of each collective one call issues, from its bound symbol
+ISSUED_INSIDE: dict[str, Callable[[BoundSymbol], list[tuple[str, int]]]] = {}
+
+
+def register_issued_collectives(sym, issued: Callable[[BoundSymbol], list[tuple[str, int]]]) -> None:
+    """Declare the collectives an opaque op issues inside it (listed in the trace tables); the op then counts as
+    communication: never fused, never recomputed."""
+    ISSUED_INSIDE[sym.name] = issued
+
 
 # --- helpers of the lowering: packing for dim-0 collectives, named work handles ------------------------------
 
@@ -189,7 +202,7 @@ _WAIT_IDS: frozenset = frozenset({dist_prims.PrimIDs.WAIT, pytorch_ex.implmap[di
 def is_communication(bsym: BoundSymbol) -> bool:
     """True if ``bsym`` is a collective, a wait or a DDP/FSDP prim, or contains one among its subsymbols."""
     sym = bsym.sym
-    if sym.executor is comm_executor or sym.name.startswith("tp_") or sym.id in COMM_IDS:
+    if sym.executor is comm_executor or sym.name.startswith("tp_") or sym.id in COMM_IDS or sym.name in ISSUED_INSIDE:
         return True
     return any(is_communication(sub) for sub in bsym.subsymbols)
 

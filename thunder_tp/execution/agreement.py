@@ -18,6 +18,7 @@ import thunder
 import torch
 import torch.distributed as dist
 
+from thunder_tp.collectives.distributed import NamedWork
 from thunder_tp.layouts import group_device
 from thunder_tp.thunder_internals.private import wrap_module_call
 
@@ -64,12 +65,13 @@ class CompileAgreement:
             )
 
 
-def gathered(values: list[int], group: dist.ProcessGroup) -> list[list[int]]:
-    """Every rank's `values` (int64s, as many on every rank), in the group's rank order (one all_gather)."""
+def gathered(values: list[int], group: dist.ProcessGroup, what: str = "all_gather") -> list[list[int]]:
+    """Every rank's `values` (int64s, as many on every rank), in the group's rank order (one all_gather; a failure
+    names it as `what`)."""
     device = group_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     every = torch.zeros(group.size() * len(values), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group)
+    NamedWork(dist.all_gather_into_tensor(every, mine, group, async_op=True), what, mine, group).wait()
     return every.view(group.size(), len(values)).tolist()
 
 

@@ -3,14 +3,16 @@
 Inputs. A TP-jitted module computes one program over the ranks of its TP group, from inputs that every rank must
 hold whole and alike. Handed a different batch on each rank (a data loader that shards by the world's rank, where
 it should shard by the data-parallel group), it still runs: the vocab-parallel embedding looks each rank's own ids
-up in its part of the vocabulary and sums, and every rank returns the same, wrong, logits. So before its first
-call (or every call, when asked) the ranks all-gather a fingerprint of the call's inputs (the structure, each
-tensor's shape and dtype, a checksum of its bytes) and every rank raises if they differ: a few integers in one
-all_gather, before anything else of the call runs, so no rank is left waiting in a collective.
+up in its part of the vocabulary and sums, and every rank returns the same, wrong, logits. So before every training
+call (autograd on) and the first call without autograd, by default, the ranks all-gather a fingerprint of the
+call's inputs (the structure, each tensor's shape and dtype, a checksum of its bytes) and every rank raises if they
+differ: two integers per rank in one all_gather, before anything else of the call runs, so no rank is left waiting
+in a collective.
 
 Replicated tensors. Replicated parameters stay equal across the TP group as long as every rank applies the same
 update; a checkpoint save checks that they do (each replicated tensor's checksum, each chunk that several ranks hold
-compared among its holders) and refuses to write one rank's copy for all when they differ.
+compared among its holders) and refuses to write one rank's copy for all when they differ. `check_same_tensors`
+compares whole tensors (ThunderTPStrategy's setup: the full parameters every rank shards from).
 """
 
 from __future__ import annotations
@@ -25,25 +27,32 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from thunder_tp.execution.agreement import gathered
-from thunder_tp.layouts import Layout, Shard, full_length, held_chunks, piece_parts
+from thunder_tp.layouts import Layout, Shard, StackShard, full_length, held_chunks, piece_parts
 from thunder_tp.thunder_internals.private import wrap_module_call
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: checksums stay exact int64s
-_CHUNK = 1 << 20  # words per step of a checksum (bounds the temporary memory)
+_CHUNK = 1 << 16  # words per step of a checksum (a cache-sized temporary: 4x faster than 1 << 20 on a CPU)
 
 
 def checksum(t: torch.Tensor) -> int:
-    """A position-weighted sum of a tensor's bytes (as 32-bit words where they divide evenly): equal for equal
-    tensors, and different for different ones but by a rare coincidence."""
+    """A position-weighted sum of a tensor's bytes (as 32-bit words where they divide evenly), chunk by chunk: equal
+    for equal tensors, and different for different ones but by a rare coincidence. One host sync per chunk."""
     data = t.detach().contiguous().reshape(-1).view(torch.uint8)
     aligned = data.numel() % 4 == 0 and data.storage_offset() % 4 == 0
     words = data.view(torch.int32) if aligned else data
+    weights = _position_weights(words.device)
     total = 0
     for start in range(0, words.numel(), _CHUNK):
-        part = words[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64) % 65521 + 1
-        total = (total * 1_000_003 + int((part * weights).sum()) + int(part.sum())) % _MODULUS
+        part = words[start : start + _CHUNK]
+        total = (total * 1_000_003 + int((part * weights[: part.numel()]).sum())) % _MODULUS
     return total
+
+
+@functools.cache
+def _position_weights(device: torch.device) -> torch.Tensor:
+    """The int64 weight of each position of a chunk: a chunk's weighted sum is exact in int64 (2^16 products of a
+    word below 2^31 by a weight below 2^16)."""
+    return torch.arange(_CHUNK, device=device, dtype=torch.int64) % 65521 + 2
 
 
 def fingerprint(args: tuple, kwargs: Mapping[str, Any]) -> list[int]:
@@ -62,41 +71,51 @@ def fingerprint(args: tuple, kwargs: Mapping[str, Any]) -> list[int]:
     return [zlib.crc32("|".join(described).encode()), data]
 
 
-class InputAgreement:
-    """The check that every rank of a TP group calls a jitted module with the same inputs."""
+#: when the ranks of a TP group compare their inputs (TensorParallel's and ThunderTPStrategy's check_inputs)
+CHECK_INPUTS = ("training", "every", "first", "never")
 
-    def __init__(self, group: dist.ProcessGroup, every_call: bool = False):
+
+class InputAgreement:
+    """The check that every rank of a TP group calls a jitted module with the same inputs.
+
+    `when`: "training" (every call with autograd on, and the first call without: evaluation and generation are
+    checked once), "every" call, or the "first" call only."""
+
+    def __init__(self, group: dist.ProcessGroup, when: str = "training"):
         self.group = group
-        self.every_call = every_call
-        self.checked = False
+        self.when = when
+        self.checked = False  # a call the first-call rule applies to was checked
 
     def install(self, model) -> None:
-        """Check the inputs of `model`'s first call (every call if `every_call`) before it runs."""
+        """Check the inputs of `model`'s calls, as `when` says, before each runs."""
         wrap_module_call(model, self._checking)
 
     def _checking(self, forward: Callable) -> Callable:
         @functools.wraps(forward)
         def forward_checked(*args, **kwargs) -> Any:
-            if self.every_call or not self.checked:
-                self.checked = True
+            if self._due():
                 self.check(args, kwargs)
             return forward(*args, **kwargs)
 
         return forward_checked
 
+    def _due(self) -> bool:
+        """Whether this call's inputs are compared."""
+        if self.when == "every" or (self.when == "training" and torch.is_grad_enabled()):
+            return True
+        due, self.checked = not self.checked, True
+        return due
+
     def check(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Raise on every rank of the group if some rank's inputs differ from the others' (collective)."""
-        every = gathered(fingerprint(args, kwargs), self.group)
+        every = gathered(fingerprint(args, kwargs), self.group, "the input check's all_gather")
         if all(f == every[0] for f in every):
             return
         ranks = dist.get_process_group_ranks(self.group)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for rank, f in zip(ranks, every):
-            groups.setdefault(tuple(f), []).append(rank)
         shapes = "their shapes or dtypes differ" if len({f[0] for f in every}) > 1 else "same shapes, different values"
         raise RuntimeError(
             f"thunder_tp: the ranks of a TP group (global ranks {ranks}) were handed different inputs ({shapes}; "
-            f"ranks with equal inputs: {sorted(groups.values())}). Every rank of a TP group computes one program over "
+            f"ranks with equal inputs: {_alike(ranks, every)}). Every rank of a TP group computes one program over "
             "the same batch; a sampler or data loader that shards the data over the whole world (a DistributedSampler "
             "with the world's rank, litdata's StreamingDataset) hands each rank its own. Shard the data by the "
             "data-parallel group instead: DistributedSampler(dataset, num_replicas=mesh.dp, rank=mesh.dp_rank) with "
@@ -131,8 +150,35 @@ def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout]], group: di
         )
 
 
+def check_same_tensors(checksums: Mapping[str, int], group: dist.ProcessGroup, what: str, cause: str) -> None:
+    """Raise on every rank of `group` if a tensor's checksum (name -> checksum, the same names on every rank) differs
+    among the ranks (collective: one all_gather of a checksum per tensor); the error names them and `cause`."""
+    names = sorted(checksums)
+    if dist.get_world_size(group) == 1 or not names:
+        return
+    every = gathered([checksums[n] for n in names], group, f"{what}'s all_gather")
+    differing = [n for i, n in enumerate(names) if len({values[i] for values in every}) > 1]
+    if differing:
+        ranks = dist.get_process_group_ranks(group)
+        raise RuntimeError(
+            f"thunder_tp: {what}: {len(differing)} of {len(names)} tensors differ across the ranks (global ranks "
+            f"with equal tensors: {_alike(ranks, every)}): {', '.join(differing[:6])}"
+            f"{f' and {len(differing) - 6} more' if len(differing) > 6 else ''}. {cause}"
+        )
+
+
+def _alike(ranks: list[int], values: list[list[int]]) -> list[list[int]]:
+    """The ranks grouped by equal `values` (each rank's, in `ranks`' order)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, v in zip(ranks, values, strict=True):
+        groups.setdefault(tuple(v), []).append(rank)
+    return sorted(groups.values())
+
+
 def _has_copies(layout: Layout) -> bool:
     """Whether several ranks hold a copy of (some chunk of) a tensor of this layout."""
+    if isinstance(layout, StackShard):  # one rank holds it
+        return False
     return not isinstance(layout, Shard) or layout.is_replicated
 
 

@@ -3,8 +3,9 @@
 Fabric keeps the user's module (its `_FabricModule` reads the original's attributes, `.parameters()`, `state_dict()`
 and `load_state_dict()`), while a TP-jitted module computes with its own tensors, each rank's shards (Thunder traces
 the original module, whose parameters keep their full, logical shapes). So after setup the original's parameters are
-placeholders of their full shapes, which the optimizer that a loop builds from `model.parameters()` holds until
-Fabric sets it up (then it steps the shards), and its state_dict() / load_state_dict() read and write the shards.
+placeholders of their full shapes, and its state_dict() / load_state_dict() read and write the shards. An optimizer
+holds the original tensors (built before setup) or the placeholders (built after it) until Fabric sets it up; then
+it steps the shards.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch.nn as nn
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from thunder.transforms import MaterializationTransform
 
+from thunder_tp.execution.divergence import checksum
 from thunder_tp.executor import executors as default_executors
 from thunder_tp.mesh import Mesh
 from thunder_tp.plans import auto as auto_plan
 from thunder_tp.plans import hf as hf_plan
 from thunder_tp.plans import litgpt as litgpt_plan
-from thunder_tp.thunder_internals.private import original_module
+from thunder_tp.thunder_internals.private import applied_transforms, original_module
 from thunder_tp.transform import TensorParallel
 
 FAMILIES = ("litgpt", "hf")
@@ -107,9 +109,11 @@ def checkpoint_activations(module: nn.Module, policy: frozenset[type]) -> None:
             m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
 
 
-def jit(module: nn.Module, options: ModelOptions, mesh: Mesh, device: torch.device):
+def jit(module: nn.Module, options: ModelOptions, mesh: Mesh, device: torch.device) -> tuple[Any, dict[str, int]]:
     """`module` jitted with TensorParallel over the mesh's TP group, Thunder's DDP or FSDP over its data-parallel group,
-    and each rank's meta-device tensors materialized by their modules' own reset_parameters."""
+    and each rank's meta-device tensors materialized by their modules' own reset_parameters; and the checksum of every
+    full parameter that this rank sharded (the module's, or the materialized one), for the ranks to compare."""
+    checksums = {name: checksum(p) for name, p in module.named_parameters() if not p.is_meta}
     plan = resolve_plan(module, options, mesh.tp)
     checkpoint_activations(module, options.activation_checkpointing)
     transforms: list = [TensorParallel(plan, process_group=mesh.tp_group, check_inputs=options.check_inputs)]
@@ -118,11 +122,12 @@ def jit(module: nn.Module, options: ModelOptions, mesh: Mesh, device: torch.devi
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         # after FSDP (each rank materializes its FSDP shards), before DDP (which records its parameters' devices)
         where = len(transforms) - (options.data_parallel == "ddp" and mesh.dp > 1)
-        transforms.insert(where, MaterializationTransform(device, init=reset_each_module))
+        init = functools.partial(reset_each_module, checksums=checksums)
+        transforms.insert(where, MaterializationTransform(device, init=init))
     executors = list(options.executors) if options.executors is not None else default_executors()
     jitted = thunder.jit(module, transforms=transforms, executors=executors)
     _run_eagerly_under_torch_compile(jitted)
-    return jitted
+    return jitted, checksums
 
 
 def _data_parallel(kind: str, mesh: Mesh, device: torch.device):
@@ -135,11 +140,12 @@ def _data_parallel(kind: str, mesh: Mesh, device: torch.device):
     return FSDPTransform(device=device, process_group=mesh.dp_group)
 
 
-def reset_each_module(transform: MaterializationTransform, jitted) -> None:
+def reset_each_module(transform: MaterializationTransform, jitted, checksums: dict[str, int]) -> None:
     """MaterializationTransform's init: each module whose tensors were on the meta device runs its own
     reset_parameters at full size, on the module itself (a reset_parameters replaced on the instance, as litgpt's
     initialize_weights does, acts on the module it was bound to), in module order (the order and so the random
-    numbers of litgpt's reset_parameters(model) on one device); the transforms before shard the result."""
+    numbers of litgpt's reset_parameters(model) on one device); the transforms before shard the result. The
+    checksum of each full parameter goes to `checksums`."""
     plain = original_module(jitted)
     for name, module in plain.named_modules():
         prefix = f"{name}." if name else ""
@@ -155,6 +161,7 @@ def reset_each_module(transform: MaterializationTransform, jitted) -> None:
             )
         with _full_size(module, own, transform.device) as full:
             module.reset_parameters()
+        checksums.update({prefix + k: checksum(full[k]) for k in module._parameters if k in full})
         jitted.load_original_state_dict({prefix + k: v for k, v in full.items()})
 
 
@@ -203,18 +210,21 @@ def _in_torch_compile() -> bool:
     return _is_in_optimized_module()
 
 
-def placeholders_for_shards(jitted, device: torch.device) -> dict[int, nn.Parameter]:
-    """Each parameter of the original module that the jitted module replaced by a shard (or materialized) becomes a
-    placeholder: the full logical shape, on `device`, one NaN element broadcast (no memory; any use of it outside the
-    jitted module shows as NaN). Fabric's module lists these (it reads the original module) and accepts an optimizer
-    of them (no meta-device tensors); returns id of each placeholder -> the shard that the optimizer must step."""
+def stand_ins(jitted, device: torch.device) -> list[tuple[torch.Tensor, str]]:
+    """Every tensor an optimizer may hold for a parameter of the jitted module, with the parameter's name: the shard
+    it computes with, the original module's tensor that the shard replaced (full-size, or on the meta device under
+    init_module(empty_init=True)), and the placeholder that replaces that tensor in the original module from now on.
+
+    A placeholder has the full logical shape, lives on `device` and is one NaN element broadcast (no memory; any use
+    of it outside the jitted module shows as NaN): Fabric's module lists these (it reads the original module), and an
+    optimizer built from them after setup is accepted by Fabric (no meta-device tensors)."""
     plain = original_module(jitted)
-    shards: dict[int, nn.Parameter] = {}
+    found: list[tuple[torch.Tensor, str]] = []
     made: dict[int, nn.Parameter] = {}  # a tied parameter: one placeholder under each of its names
     for name, p in plain.named_parameters(remove_duplicate=False):
         shard = jitted.get_parameter(name)
+        found.append((shard, name))
         if shard is p:
-            shards[id(p)] = p
             continue
         if id(p) not in made:
             fill = float("nan") if p.dtype.is_floating_point or p.dtype.is_complex else 0
@@ -222,22 +232,47 @@ def placeholders_for_shards(jitted, device: torch.device) -> dict[int, nn.Parame
             made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
         owner, _, attr = name.rpartition(".")
         plain.get_submodule(owner)._parameters[attr] = made[id(p)]
-        shards[id(made[id(p)])] = shard
-    return shards
+        found += [(p, name), (made[id(p)], name)]
+    return found
 
 
-def swap_optimizer_parameters(optimizer: torch.optim.Optimizer, shards: Mapping[int, nn.Parameter]) -> None:
-    """Point an optimizer built from the original module's parameters at the shards (and move any state along)."""
-    for group in optimizer.param_groups:
-        group["params"] = [shards.get(id(p), p) for p in group["params"]]
-    for p in [p for p in optimizer.state if id(p) in shards]:
-        optimizer.state[shards[id(p)]] = optimizer.state.pop(p)
-    meta = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p.is_meta]
-    if meta:
+def move_optimizer_to_shards(optimizer: torch.optim.Optimizer, owners: Mapping[torch.Tensor, tuple[Any, str]]) -> None:
+    """Point an optimizer at the shards of the parameters it holds (stand-ins: `owners` maps each to its jitted module
+    and name), keeping its param groups' options; state already there for a full tensor is sharded like it."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    unknown = [p for p in held if p not in owners]
+    if unknown:
+        shapes = [tuple(p.shape) for p in unknown[:3]]
         raise ValueError(
-            f"ThunderTPStrategy: the optimizer holds {len(meta)} meta-device parameters of no model set up by this "
-            f"strategy (e.g. of shapes {meta[:3]}); build it from the parameters of the model that fabric.setup returned"
+            f"ThunderTPStrategy: the optimizer holds {len(unknown)} of its {len(held)} tensors (e.g. of shapes "
+            f"{shapes}) that are no parameter of the model set up by this strategy: it would step tensors the model "
+            "does not compute with. Build the optimizer from the parameters of the model you pass to fabric.setup, "
+            "then set both up: `model, optimizer = fabric.setup(model, optimizer)`, or `model = fabric.setup(model)` "
+            "then `optimizer = fabric.setup_optimizers(optimizer)` (the model first)"
         )
+    for group in optimizer.param_groups:
+        group["params"] = [_shard_of(owners[p]) for p in group["params"]]
+    for p in [p for p in optimizer.state if p in owners and _shard_of(owners[p]) is not p]:
+        jitted, name = owners[p]
+        state = optimizer.state.pop(p)
+        optimizer.state[_shard_of(owners[p])] = {k: _sharded_like(jitted, name, p, v) for k, v in state.items()}
+
+
+def _shard_of(owner: tuple[Any, str]) -> nn.Parameter:
+    jitted, name = owner
+    return jitted.get_parameter(name)
+
+
+def _sharded_like(jitted, name: str, full: torch.Tensor, value: Any) -> Any:
+    """An optimizer state entry of parameter `name` on this rank: a tensor of the full parameter's shape goes through
+    the jitted module's transforms as the parameter would (its TP shard, then its FSDP shard); anything else stays."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != full.shape:
+        return value
+    owner, _, attr = name.rpartition(".")
+    piece = {attr: value}
+    for transform in applied_transforms(jitted):
+        piece = transform.transform_state_dict_for_submodule(jitted, owner, piece)
+    return piece[attr]
 
 
 def load_raw(jitted, path, strict: bool) -> None:

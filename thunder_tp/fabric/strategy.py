@@ -37,13 +37,13 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 import thunder_tp.clipping as clipping
+from thunder_tp.execution.divergence import CHECK_INPUTS, check_same_tensors
 from thunder_tp.fabric import checkpoints
 from thunder_tp.fabric.data import shard_by_data_parallel
-from thunder_tp.fabric.model import (
-    ModelOptions, route_state_dicts_to_shards, jit, placeholders_for_shards, swap_optimizer_parameters,
-)
+from thunder_tp.fabric.model import ModelOptions, jit, move_optimizer_to_shards, route_state_dicts_to_shards, stand_ins
 from thunder_tp.fabric.precision import check_precision
 from thunder_tp.mesh import Mesh, init_mesh
 
@@ -58,8 +58,9 @@ class ThunderTPStrategy(ParallelStrategy):
     one of them given: the other is the world over it). data_parallel: "fsdp" or "ddp" over the data-parallel group.
     sequence_parallel / loss_parallel: options of the family plans. executors: Thunder executors (default
     thunder_tp.executors()). activation_checkpointing_policy: module types whose forward is recomputed in the
-    backward (e.g. {litgpt.model.Block}). check_inputs: "first" (the ranks of a TP group compare a fingerprint of
-    the inputs of the model's first call) or "every" call. example_inputs: (args, kwargs) of a call, for plan="auto".
+    backward (e.g. {litgpt.model.Block}). check_inputs: when the ranks of a TP group compare a fingerprint of the
+    model's inputs: "training" (every call with autograd on, and the first without), "every" call, the "first"
+    call, or "never". example_inputs: (args, kwargs) of a call, for plan="auto".
     """
 
     def __init__(
@@ -72,7 +73,7 @@ class ThunderTPStrategy(ParallelStrategy):
         loss_parallel: bool = False,
         executors: Sequence | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
-        check_inputs: Literal["first", "every"] = "first",
+        check_inputs: Literal["training", "every", "first", "never"] = "training",
         example_inputs: tuple[tuple, dict] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -84,6 +85,8 @@ class ThunderTPStrategy(ParallelStrategy):
         for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if size != "auto" and (not isinstance(size, int) or size < 1):
                 raise ValueError(f'ThunderTPStrategy: {name} must be a positive int or "auto", got {size!r}')
+        if check_inputs not in CHECK_INPUTS:
+            raise ValueError(f"ThunderTPStrategy: check_inputs must be one of {CHECK_INPUTS}, got {check_inputs!r}")
         self.options = ModelOptions(
             plan=plan, data_parallel=data_parallel, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
             executors=executors, activation_checkpointing=frozenset(activation_checkpointing_policy or ()),
@@ -94,7 +97,8 @@ class ThunderTPStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._mesh: Mesh | None = None
-        self._shards: dict[int, nn.Parameter] = {}
+        #: every tensor an optimizer may hold for a parameter of a model set up here -> (the jitted model, its name)
+        self._owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: the jitted modules this strategy set up (fabric.setup returns each wrapped in Fabric's module)
         self.models: list[nn.Module] = []
         self._backward_sync_control = _DataParallelSyncControl(self)
@@ -173,19 +177,23 @@ class ThunderTPStrategy(ParallelStrategy):
         """Nothing: setup_module places each rank's shards."""
 
     def setup_module(self, module: nn.Module):
-        """`module` jitted with thunder_tp over the mesh (a torch.compile'd module's original is used)."""
+        """`module` jitted with thunder_tp over the mesh (a torch.compile'd module's original is used), once every rank
+        is found to shard the same full parameters (else every rank raises, naming them and the likely cause)."""
         module = getattr(module, "_orig_mod", module)
         if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             module.to(self.root_device)
-        jitted = jit(module, self.options, self.mesh, self.root_device)
-        self._shards.update(placeholders_for_shards(jitted, self.root_device))
+        jitted, checksums = jit(module, self.options, self.mesh, self.root_device)
+        check_same_tensors(checksums, dist.group.WORLD, "ThunderTPStrategy setup", _DIFFERENT_INITIALIZATION)
+        for tensor, name in stand_ins(jitted, self.root_device):
+            self._owners[tensor] = (jitted, name)
         route_state_dicts_to_shards(jitted)
         self.models.append(jitted)
         return jitted
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer of `model.parameters()` (the original module's) steps the shards instead."""
-        swap_optimizer_parameters(optimizer, self._shards)
+        """The optimizer of the model's parameters (built before fabric.setup or after it) steps the shards instead,
+        its param groups' options and state kept."""
+        move_optimizer_to_shards(optimizer, self._owners)
         return optimizer
 
     def process_dataloader(self, dataloader):
@@ -248,6 +256,17 @@ class ThunderTPStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("thunder_tp", cls, description="thunder_tp tensor parallelism (+ Thunder DDP/FSDP)")
+
+
+_DIFFERENT_INITIALIZATION = (
+    "Every rank shards its own full parameters, so they must be equal on every rank (every rank of a TP group holds "
+    "a copy of the replicated ones, and a data-parallel replica of them all). Most likely the ranks were seeded "
+    "differently before the model was built (fabric.seed_everything(seed + fabric.global_rank), a seed from the "
+    "rank): seed every rank alike before building the model (fabric.seed_everything(seed)). The ranks of a TP group "
+    "must also draw the same random numbers inside the model; for randomness per data-parallel replica, reseed with "
+    "seed + strategy.mesh.dp_rank after fabric.setup. (Weights loaded on some ranks only differ too: load them on "
+    "every rank, or with fabric.load_raw after setup.) Nothing was set up."
+)
 
 
 class _DataParallelSyncControl(_BackwardSyncControl):

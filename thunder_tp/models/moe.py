@@ -14,7 +14,8 @@ plus one all_reduce of the router weight's grad.
 litgpt's and HF's MoE blocks are traced as this op by their families' lookasides (`thunder_tp.models.litgpt`,
 `thunder_tp.models.hf.moe`), so a plain `thunder.jit` of such a model traces once thunder_tp is imported. The
 symbol's grad is `moe_layer_backward`, which recomputes the forward through torch.autograd (the forward keeps no
-data-dependent residuals). Its propagation rule is at the end.
+data-dependent residuals). Its propagation rule for experts split like dense MLPs is at the end; with experts whole
+on their ranks (expert parallelism) the layer runs as `thunder_tp.models.expert_parallel` describes.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ from thunder.core.transforms import register_grad
 from thunder.extend import OperatorExecutor, add_default_executor, register_executor
 
 from thunder_tp.layouts import PARTIAL, REPLICATE, Layout, Shard
-from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.propagation.engine import Op, Strategy
 
-__all__ = ["Routing", "mlp_parameters", "moe_executor", "moe_layer", "moe_layer_backward", "moe_layer_torch"]
+__all__ = [
+    "Routing", "differentiable_inputs", "expert_mlp", "expert_order", "expert_parameters", "mlp_parameters",
+    "moe_executor", "moe_layer", "moe_layer_backward", "moe_layer_torch", "route", "shared_experts", "sharded_experts",
+    "weighted_sum",
+]
 
 #: Runs the MoE symbols (opaque: never fused). A Thunder default executor, so `executors()`, tests' executor
 #: lists and a plain `thunder.jit` all include it.
@@ -65,7 +70,7 @@ class Routing:
                    config.n_topk_scores_per_group, config.norm_topk_prob, config.routed_scaling_factor)
 
 
-def _expert_mlp(x, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias) -> torch.Tensor:
+def expert_mlp(x, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias) -> torch.Tensor:
     """litgpt's LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x))."""
     return F.linear(F.silu(F.linear(x, fc_1, fc_1_bias)) * F.linear(x, fc_2, fc_2_bias), proj, proj_bias)
 
@@ -103,22 +108,41 @@ def route(tokens: torch.Tensor, gate_weight: torch.Tensor, score_bias, r: Routin
     return (weights * r.routed_scaling_factor if r.routed_scaling_factor != 1.0 else weights), indices
 
 
-def _routed_experts(tokens, weights, indices, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias) -> torch.Tensor:
-    """sum_j weights[t, j] * expert[indices[t, j]](tokens[t]) for every token t."""
-    n_expert, k = len(fc_1), indices.shape[1]
+def expert_order(indices: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed (token, expert) pairs grouped by expert, tokens ascending within each (positions in the flattened
+    tokens x k pairs: pair p is token p // k's), and how many pairs each expert has."""
     flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # routed rows grouped by expert, tokens ascending within each
-    rows = order // k
-    counts = torch.bincount(flat, minlength=n_expert).tolist()
-    none = (None,) * n_expert
-    outputs = [
-        _expert_mlp(x, *params)
-        for x, *params in zip(
-            tokens[rows].split(counts), fc_1, fc_2, proj, fc_1_bias or none, fc_2_bias or none, proj_bias or none
-        )
-    ]
-    weighted = (torch.cat(outputs) * weights.reshape(-1)[order, None]).to(tokens.dtype)
-    return torch.zeros_like(tokens).index_add_(0, rows, weighted)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=n_expert)
+
+
+def expert_parameters(fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias) -> list[tuple]:
+    """Each expert's (fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias), None for absent biases."""
+    none = (None,) * len(fc_1)
+    return list(zip(fc_1, fc_2, proj, fc_1_bias or none, fc_2_bias or none, proj_bias or none, strict=True))
+
+
+def weighted_sum(tokens: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                 outputs: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * output of pair (t, j) for every token t; `outputs`: the pairs' expert outputs in
+    `order`."""
+    weighted = (outputs * weights.reshape(-1)[order, None]).to(tokens.dtype)
+    return torch.zeros_like(tokens).index_add_(0, order // weights.shape[1], weighted)
+
+
+def _routed_experts(tokens, weights, indices, *experts) -> torch.Tensor:
+    """sum_j weights[t, j] * expert[indices[t, j]](tokens[t]) for every token t."""
+    params = expert_parameters(*experts)
+    order, counts = expert_order(indices, len(params))
+    rows = tokens[order // indices.shape[1]].split(counts.tolist())
+    outputs = torch.cat([expert_mlp(x, *p) for x, p in zip(rows, params, strict=True)])
+    return weighted_sum(tokens, weights, order, outputs)
+
+
+def shared_experts(tokens: torch.Tensor, shared: Tensors, shared_bias: OptionalTensors,
+                   shared_gate: OptionalTensors) -> torch.Tensor:
+    """The shared experts' output, scaled by sigmoid(tokens @ shared_gate) where given (Qwen2-MoE)."""
+    out = expert_mlp(tokens, *shared, *(shared_bias or (None,) * 3))
+    return out if shared_gate is None else torch.sigmoid(F.linear(tokens, shared_gate[0])) * out
 
 
 def moe_layer_torch(
@@ -142,14 +166,11 @@ def moe_layer_torch(
     weights, indices = route(tokens, gate_weight, score_bias, routing)
     y = _routed_experts(tokens, weights, indices, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias)
     if shared is not None:
-        shared_out = _expert_mlp(tokens, *shared, *(shared_bias or (None,) * 3))
-        if shared_gate is not None:
-            shared_out = torch.sigmoid(F.linear(tokens, shared_gate[0])) * shared_out
-        y = y + shared_out
+        y = y + shared_experts(tokens, shared, shared_bias, shared_gate)
     return y.view(x.shape)
 
 
-def _differentiable(x, gate_weight, score_bias, *params_and_routing) -> list[torch.Tensor]:
+def differentiable_inputs(x, gate_weight, score_bias, *params_and_routing) -> list[torch.Tensor]:
     """The inputs that get a grad, in the order the backward returns them."""
     params = params_and_routing[:-1]
     return [x, gate_weight, *(t for group in params if group is not None for t in group)]
@@ -157,7 +178,7 @@ def _differentiable(x, gate_weight, score_bias, *params_and_routing) -> list[tor
 
 def _moe_layer_backward(grad: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
     """Grads of x, the router weight and every expert parameter, by recomputing the forward under torch.autograd."""
-    inputs = _differentiable(*args)
+    inputs = differentiable_inputs(*args)
     with torch.enable_grad():
         leaves = {id(t): t.detach().requires_grad_() for t in inputs}
         relinked = [[leaves[id(t)] for t in a] if isinstance(a, (list, tuple)) else leaves.get(id(a), a) for a in args]
@@ -173,7 +194,7 @@ def _forward_meta(x, gate_weight, score_bias, fc_1, fc_2, proj, fc_1_bias, fc_2_
 
 
 def _backward_meta(grad: TensorProxy, *args) -> tuple[TensorProxy, ...]:
-    return tuple(TensorProxy(like=t) for t in _differentiable(*args))
+    return tuple(TensorProxy(like=t) for t in differentiable_inputs(*args))
 
 
 moe_layer = moe_executor.register_operator("moe_layer", meta=_forward_meta, fn=moe_layer_torch)
@@ -183,7 +204,7 @@ moe_layer_backward = moe_executor.register_operator("moe_layer_backward", meta=_
 def _moe_layer_grad(*args) -> TensorProxy:
     y = moe_layer(*args)
     grads = moe_layer_backward(get_grad(y), *args)
-    for t, g in zip(_differentiable(*args), grads):
+    for t, g in zip(differentiable_inputs(*args), grads):
         put_grad(t, g)
     return y
 
@@ -207,9 +228,9 @@ _EXPERT_LAYOUTS = {"fc_1": Shard(0), "fc_2": Shard(0), "proj": Shard(1), "fc_1_b
 _SHARED_LAYOUTS = {"shared": (Shard(0), Shard(0), Shard(1)), "shared_bias": (Shard(0), Shard(0), REPLICATE)}
 
 
-@register_rule(moe_layer)
-def moe(op: Op) -> list[Strategy]:
-    """Activations and router Replicate, experts sharded -> Partial: one reduction per MoE layer.
+def sharded_experts(op: Op) -> list[Strategy]:
+    """Experts split like dense MLPs: activations and router Replicate, experts sharded -> Partial: one reduction
+    per MoE layer (the rule of `moe_layer` unless its experts are expert-parallel: `thunder_tp.models.expert_parallel`).
 
     The replicated inputs' grads are then partial sums (each rank's experts' share), reduced on entry into the
     TP region. A proj bias would be added once per rank, so experts with one stay replicated.

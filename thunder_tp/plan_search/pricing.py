@@ -87,7 +87,7 @@ class Pricing:
     def memory(self, layouts: dict[str, Layout], only: str | None = None) -> int:
         """Parameter bytes per rank (of parameter `only`, if given)."""
         return sum(
-            math.prod(local_shape(p.shape, layouts.get(n, REPLICATE), self.tp.size)) * p.element_size()
+            math.prod(local_shape(p.shape, layouts.get(n, REPLICATE), self.tp.size, self.tp.rank)) * p.element_size()
             for n, p in self.module.named_parameters() if only in (None, n)
         )
 

@@ -5,7 +5,8 @@ and the CausalLM class adds `_tp_plan` (its head, "colwise_rep"). `hf` reads bot
 Megatron's minimum of collectives, as `plans.litgpt` does for litgpt: attention projections split by whole heads
 (K/V heads replicated where there are fewer of them than ranks), every down projection row-parallel, the embedding
 and the head vocabulary-parallel (one vocab-sharded tensor when they are tied), OLMo-2's norms over all heads split
-like the heads, MoE experts sharded like dense MLPs; optionally sequence parallel and loss parallel.
+like the heads, MoE experts sharded like dense MLPs (or whole on their ranks: expert parallelism); optionally
+sequence parallel and loss parallel.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import warnings
 import torch
 import torch.nn as nn
 
+from thunder_tp.layouts import REPLICATE, Layout, Shard
+from thunder_tp.models.expert_parallel import expert_parallel_plan
 from thunder_tp.models.hf import moe as hf_moe
 from thunder_tp.models.hf import register_lookasides
-from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
 
 SEQUENCE_DIM = 1
@@ -40,12 +42,16 @@ _FIXES = {("starcoder2", "mlp.c_proj"): "row"}  # Starcoder2 lists its down proj
 _HEAD_NORMS = ("q_norm", "k_norm")
 
 
-def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Style]:
+def hf(
+    model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False, expert_parallel: bool = False
+) -> dict[str, Style]:
     """Plan for a HuggingFace transformers model (a CausalLM or a base model) from its own tp_plan.
 
     sequence_parallel: the norms and the residual stream sharded on the sequence dim. loss_parallel: the head's
     output stays vocab-sharded for the model's own loss (computed in forward when `labels` are passed); logits
     the model returns are still gathered, so jit a module that returns only the loss to skip that gather.
+    expert_parallel: each rank holds num_experts / TP experts of every sparse MoE block whole, its tokens sent to
+    them by all_to_all (router and shared expert replicated); otherwise every expert is split like a dense MLP.
     """
     _check_version()
     register_lookasides(model)
@@ -61,7 +67,7 @@ def hf(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool
         style = _style(model, name, kind, block_output)
         if style is not None:
             plan[name] = style
-    plan |= _moe_plan(model)
+    plan |= _moe_plan(model, reduced) if expert_parallel else _moe_plan(model)
     plan[_name_of(model, model.get_input_embeddings())] = RowwiseParallel(output_layout=reduced)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
@@ -250,13 +256,19 @@ def _moe_blocks(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if hf_moe.is_moe_block(module)]
 
 
-def _moe_plan(model: nn.Module) -> dict[str, Style]:
+def _moe_plan(model: nn.Module, expert_parallel_output: Layout | None = None) -> dict[str, Style]:
     """Sparse MoE blocks, traced as one `moe_layer` op: every expert (and the shared expert) sharded like a dense
-    MLP, router (and shared-expert gate) replicated; the op's rule reduces the block's output once."""
+    MLP, router (and shared-expert gate) replicated; the op's rule reduces the block's output once. With
+    `expert_parallel_output` (the layout of the block's output): experts whole on their ranks instead, router and
+    shared expert replicated."""
     plan: dict[str, Style] = {}
     for block in _moe_blocks(model):
         module = model.get_submodule(block)
         hf_moe.check_supported(module, block)
+        if expert_parallel_output is not None:
+            experts = expert_parallel_plan(len(module.experts), hf_moe.expert_layers(module), expert_parallel_output)
+            plan |= {f"{block}.{name}": style for name, style in experts.items()}
+            continue
         gate, up, down = hf_moe.expert_layers(module)
         experts = [f"{block}.experts.*"] + ([f"{block}.shared_expert"] if hasattr(module, "shared_expert") else [])
         for expert in experts:

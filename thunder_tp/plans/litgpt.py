@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Layout, Shard
+from thunder_tp.models.expert_parallel import expert_parallel_plan
 from thunder_tp.models.litgpt import LoRAPairParallel
 from thunder_tp.styles import (
     ColwiseParallel,
@@ -28,15 +29,19 @@ SEQUENCE_DIM = 1
 def _moe_plan(config) -> dict[str, str]:
     """LLaMAMoE: every expert (and the shared experts) sharded like a dense MLP; router replicated. All of them
     are consumed by one `moe_layer` op, whose rule reduces the layer's output once."""
+    _check_unbiased(config)
+    plan = {f"experts.*.{name}": kind for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
+    if config.n_shared_expert:
+        plan |= {f"shared_experts.{name}": kind for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
+    return plan
+
+
+def _check_unbiased(config) -> None:
     if config.bias:
         raise NotImplementedError(
             f"thunder_tp.plans.litgpt: LLaMAMoE experts with biases (config.bias=True) would add each proj bias once "
             f"per rank; no litgpt config has them. Use bias=False for {config.name or 'this config'}"
         )
-    plan = {f"experts.*.{name}": kind for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
-    if config.n_shared_expert:
-        plan |= {f"shared_experts.{name}": kind for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
-    return plan
 
 
 class GPTWithLoss(nn.Module):
@@ -64,13 +69,17 @@ def _gpt_prefix(model: nn.Module) -> str:
     raise TypeError(f"thunder_tp.plans.litgpt needs a litgpt.GPT (or a module containing one), got {type(model).__name__}")
 
 
-def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Style]:
+def litgpt(
+    model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False, expert_parallel: bool = False
+) -> dict[str, Style]:
     """Plan for a litgpt GPT, or a module containing one (keys then carry its prefix); globs cover every block.
 
     sequence_parallel: norms and the residual stream sharded on the sequence dim (all_gather into each TP
     region, reduce_scatter out of it; a parallel-residual stream stays Partial, reduce-scattered where a norm
     reads it). loss_parallel: lm_head's output stays vocab-sharded, for a
-    cross-entropy inside the jitted program. With fewer K/V groups than ranks, each K/V head is
+    cross-entropy inside the jitted program. expert_parallel: each rank holds n_expert / TP experts of every MoE
+    layer whole, its tokens sent to them by all_to_all (thunder_tp.models.expert_parallel; router and shared experts
+    replicated); otherwise every expert is split like a dense MLP. With fewer K/V groups than ranks, each K/V head is
     replicated on the ranks whose query heads use it (see `tp_sizes` for the sizes that work).
     A KV cache (`set_kv_cache` called before the plan is made) is split like the K/V heads it caches.
     """
@@ -90,8 +99,13 @@ def litgpt(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         f"{block}attn.proj": RowwiseParallel(output_layout=block_output),
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
     }
-    mlp_plan = _moe_plan(config) if config.mlp_class_name == "LLaMAMoE" else _MLP_PLANS[config.mlp_class_name]
-    plan |= {f"{block}mlp.{name}": _mlp_style(kind, block_output) for name, kind in mlp_plan.items()}
+    if config.mlp_class_name == "LLaMAMoE" and expert_parallel:
+        _check_unbiased(config)
+        moe = expert_parallel_plan(config.n_expert, ("fc_1", "fc_2", "proj"), reduced)
+        plan |= {f"{block}mlp.{name}": style for name, style in moe.items()}
+    else:
+        mlp_plan = _moe_plan(config) if config.mlp_class_name == "LLaMAMoE" else _MLP_PLANS[config.mlp_class_name]
+        plan |= {f"{block}mlp.{name}": _mlp_style(kind, block_output) for name, kind in mlp_plan.items()}
     for i in range(config.first_k_dense_replace or 0):  # MoE models whose first blocks have a dense LLaMAMLP
         plan |= {f"transformer.h.{i}.mlp.{name}": _mlp_style(kind, reduced) for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them

@@ -30,7 +30,8 @@ class Strategy:
 
     `local` computes the op on local pieces, called like the op (tensors replaced by local ones);
     None means the op itself does. `whole_grads`: its Replicate inputs get whole grads on every rank.
-    `issues`: (kind, bytes of the full result) of each collective `local` issues itself (priced by plans.auto).
+    `issues`: (kind, bytes of the full result) of each collective `local` issues itself (priced by plans.auto);
+    `backward_issues`: the same for its backward (an opaque op whose grad is its own, e.g. expert parallelism's).
     """
 
     inputs: tuple[Layout, ...]
@@ -38,6 +39,7 @@ class Strategy:
     local: LocalFn | None = None
     whole_grads: bool = False
     issues: tuple[tuple[str, int], ...] = ()
+    backward_issues: tuple[tuple[str, int], ...] = ()
 
     @property
     def enters_tp_region(self) -> bool:

@@ -36,13 +36,14 @@ def unpacked_tensor_names(prologue: TraceCtx) -> dict[str, str]:
     }
 
 
-def localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[str, Layout], size: int) -> None:
-    """Sharded inputs arrive as local pieces: give their proxies local shapes and check those."""
+def localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[str, Layout], size: int,
+                      rank: int) -> None:
+    """Sharded inputs arrive as local pieces: give their proxies this rank's local shapes and check those."""
     proxies = {id(p): p for p in (*prologue.output[0], *flat_args(computation)) if isinstance(p, TensorProxy)}
     for proxy in proxies.values():
         if proxy.name in sharded:
-            set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size))
+            set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size, rank))
     for i, b in enumerate(prologue.bound_symbols):
         if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
             t, shape, *rest = b.args
-            prologue.bound_symbols[i] = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size), *rest))
+            prologue.bound_symbols[i] = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size, rank), *rest))

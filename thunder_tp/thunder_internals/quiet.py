@@ -8,17 +8,33 @@ Each filter matches one message from one place, so a user's own warnings and log
 * ``No CUDA runtime is found, using CUDA_HOME=...``: torch's C++-extension module logs it when Inductor, thunder_tp's
   fusion executor on CPU, first compiles on a machine with a CUDA directory and no GPU.
 
+While thunder_tp.checkpoint saves (``quiet_checkpoint_save``), three UserWarnings of torch.distributed.checkpoint
+about how it writes, none about the user's checkpoint:
+
+* ``TypedStorage is deprecated``: DCP's file writer calls ``Tensor.storage()`` itself (torch 2.10).
+* ``Detected an existing checkpoint in ..., overwriting``: saving over a checkpoint directory, which fabric.save
+  (as Lightning's strategies) does on purpose; DCP warns even when told to overwrite.
+* ``torch.distributed is disabled, unavailable or uninitialized``: a save in a process without a process group,
+  which thunder_tp.checkpoint supports on purpose.
+
 What is printed by C++ and cannot be filtered here is listed in docs/run_output.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import warnings
+from collections.abc import Iterator
 
 TRANSFORMER_ENGINE_WARNING = "transformer_engine module not found!"
 NO_CUDA_RUNTIME_LOG = "No CUDA runtime is found"
+CHECKPOINT_SAVE_WARNINGS = (
+    "TypedStorage is deprecated",
+    "Detected an existing checkpoint in",
+    "torch.distributed is disabled, unavailable or uninitialized",
+)
 
 
 class _DropMessage(logging.Filter):
@@ -39,6 +55,16 @@ def install() -> None:
     logger = logging.getLogger("torch.utils.cpp_extension")
     if not any(isinstance(f, _DropMessage) and f.prefix == NO_CUDA_RUNTIME_LOG for f in logger.filters):
         logger.addFilter(_DropMessage(NO_CUDA_RUNTIME_LOG))
+
+
+@contextlib.contextmanager
+def quiet_checkpoint_save() -> Iterator[None]:
+    """Meanwhile, drop torch.distributed.checkpoint's CHECKPOINT_SAVE_WARNINGS (issued from its own modules)."""
+    with warnings.catch_warnings():
+        for message in CHECKPOINT_SAVE_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning,
+                                    module=r"torch\.distributed\.checkpoint\.")
+        yield
 
 
 install()
