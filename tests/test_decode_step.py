@@ -2,7 +2,7 @@
 call and one device, on real gloo ranks in float64: the same greedy tokens, the same logits (the bound computation:
 exactly; the whole step compiled as one program: to 1e-6, litgpt's RMSNorm being float32), the KV cache written in
 place, each step at Megatron's
-decode minimum of collectives; the host's work per call the same at 2 and 8 layers; bad calls as clear errors. The
+decode minimum of collectives; the host's work per call the same at 2 and 4 layers; bad calls as clear errors. The
 CUDA-graph strategy is tested in tests/test_cuda.py."""
 
 from __future__ import annotations
@@ -157,13 +157,13 @@ def _host_work(depth: int) -> dict:
 
 
 def test_host_work_per_call_does_not_grow_with_depth():
-    """Outside the computation a decode step runs the same Python at 2 and 6 layers, and no prologue check; the
+    """Outside the computation a decode step runs the same Python at 2 and 4 layers, and no prologue check; the
     module's own call checks every parameter and buffer (the measure sees growth where there is some)."""
-    shallow, deep = _host_work(2), _host_work(6)
+    shallow, deep = _host_work(2), _host_work(4)
     assert shallow["bound_checks"] == deep["bound_checks"] == 0, (shallow["bound_checks"], deep["bound_checks"])
     assert shallow["bound"] == deep["bound"], set(shallow["bound"].items()) ^ set(deep["bound"].items())
-    # 4 more blocks, each with 7 weights and 2 caches
-    assert deep["module_checks"] >= shallow["module_checks"] + 4 * 9, (shallow["module_checks"], deep["module_checks"])
+    # 2 more blocks, each with 7 weights and 2 caches
+    assert deep["module_checks"] >= shallow["module_checks"] + 2 * 9, (shallow["module_checks"], deep["module_checks"])
 
 
 # --- the compute between collectives, split as for CUDA graphs over gloo ---------------------------------------
