@@ -118,6 +118,7 @@ def _functional_collective(issue: BoundSymbol, output: TensorProxy) -> BoundSymb
 
 def compiled_whole(trace: TraceCtx) -> Callable[..., Any]:
     """The whole program of ``trace`` compiled by torch.compile (one graph: ``fullgraph=True``), run without autograd;
-    it compiles on its first call."""
+    it compiles on its first call. Inductor's checks of each input's sizes and strides are left out: dynamo's guards
+    check the same before every call."""
     program = whole_program(trace).python_callable(include_decorators=False)
-    return torch.no_grad()(torch.compile(program, fullgraph=True))
+    return torch.no_grad()(torch.compile(program, fullgraph=True, options={"size_asserts": False}))
