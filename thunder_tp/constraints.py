@@ -1,4 +1,5 @@
-"""Styles as layout constraints: `annotate` calls around each op that consumes a styled weight.
+"""Styles as layout constraints: `annotate` calls around each op that consumes a styled weight, and around the
+calls of each module styled `ModuleLayouts` (forward hooks, which run inside the traced program).
 
 A row-parallel linear's bias is split off and added after the output constraint, so it is added
 once to the reduced result rather than once per rank.
@@ -6,16 +7,24 @@ once to the reduced result rather than once per rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from numbers import Number
+from typing import Any
 
 import thunder.torch as ltorch
+import torch
+import torch.nn as nn
 from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_tp.annotate import tp_annotate
+from thunder_tp.annotate import annotate, tp_annotate
+from thunder_tp.layouts import Layout
 from thunder_tp.rewrite import recompute_in_backward
-from thunder_tp.styles import RowwiseParallel, Style
+from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
+
+#: the module attribute holding the hooks `constrain_module_boundaries` registered on it
+_HOOKS = "_thunder_tp_module_layouts"
 
 
 def _styled_weight(bsym, styles: Mapping[str, Style]) -> Style | None:
@@ -63,3 +72,58 @@ def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceC
                 recompute_in_backward(new.bound_symbols[emitted_from:])
     new.set_provenance(TraceProvenance("thunder_tp: style constraints"))
     return new
+
+
+def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -> None:
+    """Hooks annotating the inputs and outputs of each module styled `ModuleLayouts` (module name -> style) where it
+    is called; those of an earlier plan are removed."""
+    for module in model.modules():
+        for hook in module.__dict__.pop(_HOOKS, ()):
+            hook.remove()
+    for name, style in styles.items():
+        if not isinstance(style, ModuleLayouts):
+            continue
+        module, hooks = model.get_submodule(name), []
+        if style.inputs is not None or style.kwarg_inputs:
+            hooks.append(module.register_forward_pre_hook(functools.partial(_constrain_inputs, name, style),
+                                                          with_kwargs=True))
+        if style.outputs is not None:
+            hooks.append(module.register_forward_hook(functools.partial(_constrain_outputs, name, style)))
+        module.__dict__[_HOOKS] = hooks
+
+
+def _constrain_inputs(name: str, style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    if style.inputs is not None:
+        _check_count(name, "positional inputs", len(args), style.inputs)
+        args = tuple(_annotated(name, f"input {i}", a, layout) for i, (a, layout) in enumerate(zip(args, style.inputs)))
+    layouts = dict(style.kwarg_inputs)
+    return args, {k: _annotated(name, f"input {k!r}", v, layouts.get(k)) for k, v in kwargs.items()}
+
+
+def _constrain_outputs(name: str, style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
+    outputs = output if isinstance(output, tuple) else (output,)
+    _check_count(name, "outputs", len(outputs), style.outputs)
+    constrained = tuple(_annotated(name, f"output {i}", o, layout) for i, (o, layout) in enumerate(zip(outputs, style.outputs)))
+    return constrained if isinstance(output, tuple) else constrained[0]
+
+
+def _check_count(name: str, what: str, count: int, layouts: tuple) -> None:
+    if count != len(layouts):
+        raise ValueError(
+            f"thunder_tp.TensorParallel: module {name!r} has {count} {what} but its ModuleLayouts (DTensor's "
+            f"PrepareModuleInput / PrepareModuleOutput) gives {len(layouts)} layouts {layouts}; give one per value, "
+            "None for those left as they come"
+        )
+
+
+def _annotated(name: str, what: str, value: Any, layout: Layout | None) -> Any:
+    """`value` annotated with `layout`; a layout for something that is not a tensor is an error."""
+    if layout is None:
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"thunder_tp.TensorParallel: module {name!r}: {what} is a {type(value).__name__}, not a tensor, but its "
+            f"ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput) gives it the layout {layout}; give "
+            "it None"
+        )
+    return annotate(value, layout)

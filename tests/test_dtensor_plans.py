@@ -1,0 +1,257 @@
+"""Plans written for DTensor (torch.distributed.tensor.parallel's styles and placements) run under TensorParallel:
+the same loss and grads as one device (float64) and the same collectives as the equivalent thunder_tp plan; DTensor's
+keyword names on thunder_tp's styles; plan keys matched segment by segment, as DTensor matches them."""
+
+from fnmatch import fnmatchcase
+
+import pytest
+import thunder
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Partial as DPartial
+from torch.distributed.tensor import Replicate as DReplicate
+from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor import parallel as dtensor
+
+import thunder_tp
+from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard, TensorParallel
+from thunder_tp.debug import collective_calls
+from thunder_tp.dtensor_styles import read_plan
+from thunder_tp.styles import ModuleLayouts, match_plan
+from tests.dist import benchmark_module, run_ranks
+from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
+from tests.tp_checks import compare_with_single_device
+
+TOLERANCE = 1e-10  # float64 through Thunder's torch executor: ~1e-16 apart
+#: litgpt's RMSNorm computes in float32 even on float64 inputs (gaps up to ~5e-7 of a grad's largest entry)
+LITGPT_TOLERANCE = 1e-5
+
+
+# --- DTensor's names and placements on thunder_tp's styles -------------------------------------------------------
+
+
+def test_thunder_tp_styles_take_dtensor_keyword_names_and_placements():
+    assert ColwiseParallel(input_layouts=DShard(1), output_layouts=DReplicate(), use_local_output=False) == \
+        ColwiseParallel(output_layout=Replicate())
+    assert ColwiseParallel(output_layouts=DShard(-1)) == ColwiseParallel()  # DTensor's default: the split's own
+    assert RowwiseParallel(input_layouts=DReplicate(), output_layouts=DShard(1)) == RowwiseParallel(output_layout=Shard(1))
+    assert RowwiseParallel(output_layouts=DPartial()) == RowwiseParallel(output_layout=None)
+    assert RowwiseParallel(output_layout=DShard(1)).output_layout == Shard(1)  # a placement under thunder_tp's name
+    assert SequenceParallel(sequence_dim=2, use_local_output=True) == SequenceParallel(2)
+    assert SequenceParallel(sequence_dim=1).input_layout == Shard(1)
+
+
+def test_two_names_for_one_layout_are_refused():
+    with pytest.raises(ValueError, match="output_layout or DTensor's output_layouts, not both"):
+        ColwiseParallel(output_layout=Replicate(), output_layouts=DReplicate())
+    with pytest.raises(ValueError, match="seq_dim or DTensor's sequence_dim, not both"):
+        SequenceParallel(2, sequence_dim=0)
+
+
+def test_dtensor_styles_read_as_thunder_tp_styles():
+    plan = read_plan({
+        "emb": dtensor.RowwiseParallel(input_layouts=DReplicate(), output_layouts=DShard(1)),
+        "head": dtensor.ColwiseParallel(input_layouts=DShard(1), output_layouts=DShard(-1), use_local_output=False),
+        "norm": dtensor.SequenceParallel(),
+        "attn": dtensor.PrepareModuleInput(input_layouts=(DShard(1), None), desired_input_layouts=(DReplicate(), None)),
+        "mlp": dtensor.PrepareModuleInputOutput(
+            input_layouts=(DShard(1),), desired_input_layouts=(None,), input_kwarg_layouts={"mask": DReplicate()},
+            desired_input_kwarg_layouts={"mask": DShard(0)}, output_layouts=DPartial(), desired_output_layouts=DShard(1)),
+        "out": dtensor.PrepareModuleOutput(output_layouts=(DReplicate(), None), desired_output_layouts=(DShard(0), None)),
+        "blocks.*": {"fc": dtensor.ColwiseParallel(), "": dtensor.PrepareModuleOutput(
+            output_layouts=DShard(1), desired_output_layouts=DReplicate())},
+    })
+    assert plan == {
+        "emb": RowwiseParallel(output_layout=Shard(1)),
+        "head": ColwiseParallel(),
+        "norm": SequenceParallel(1),
+        "attn": ModuleLayouts(inputs=(Replicate(), None)),
+        "mlp": ModuleLayouts(inputs=(Shard(1),), kwarg_inputs={"mask": Shard(0)}, outputs=(Shard(1),)),
+        "out": ModuleLayouts(outputs=(Shard(0), None)),
+        "blocks.*.fc": ColwiseParallel(),
+        "blocks.*": ModuleLayouts(outputs=(Replicate(),)),
+    }, plan
+
+
+def test_dtensor_loss_parallel_head_merged_into_a_ready_made_plan_is_its_loss_parallel():
+    """plans.litgpt's SP plan with torchtitan's loss-parallel head is plans.litgpt's SP + loss-parallel plan."""
+    with torch.device("meta"):
+        model = GPTWithLoss(make_config("llama"))
+    head = dtensor.ColwiseParallel(input_layouts=DShard(1), output_layouts=DShard(-1), use_local_output=False)
+    merged = thunder_tp.plans.litgpt(model, sequence_parallel=True) | {"gpt.lm_head": head}
+    assert read_plan(merged) == thunder_tp.plans.litgpt(model, sequence_parallel=True, loss_parallel=True)
+
+
+class _Custom(dtensor.ParallelStyle):
+    def _apply(self, module, device_mesh):
+        return module
+
+
+class _Float8Like(dtensor.ColwiseParallel):
+    """A subclass, as torchao's Float8ColwiseParallel: it does more than ColwiseParallel, which thunder_tp can't read."""
+
+
+@pytest.mark.parametrize("style, match", [
+    (_Custom(), "'blocks.0.fc' has .*_Custom.* neither a thunder_tp style nor one of DTensor's"),
+    (_Float8Like(), "'blocks.0.fc' has _Float8Like.* a subclass of DTensor's ColwiseParallel"),
+    ("colwise", "'blocks.0.fc' has 'colwise', neither"),
+    (dtensor.RowwiseParallel(output_layouts=DPartial("max")), "'blocks.0.fc', RowwiseParallel.*only Partial\\('sum'\\)"),
+])
+def test_an_unsupported_style_is_an_error_naming_its_key(style, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        TensorParallel({"blocks.0.fc": style})
+
+
+def test_a_placement_thunder_tp_cannot_split_by_is_an_error_naming_its_key():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    with pytest.raises(TypeError, match="'head'.*_StridedShard.* is not a layout thunder_tp supports"):
+        TensorParallel({"head": dtensor.ColwiseParallel(output_layouts=_StridedShard(0, split_factor=2))})
+
+
+# --- plan keys: one name segment per glob segment, as DTensor's parallelize_module ------------------------------
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc_1, self.fc_2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = _MLP()
+        self.blocks = nn.ModuleList([_MLP(), _MLP()])
+
+
+def test_glob_keys_match_one_name_segment_per_segment():
+    """`*.fc_1` is `mlp.fc_1` only (DTensor walks one child per segment), where a glob over the whole dotted name
+    would also take `blocks.0.fc_1` and `blocks.1.fc_1`."""
+    model = _Model()
+    names = [n for n, _ in model.named_modules()]
+    assert [n for n in names if fnmatchcase(n, "*.fc_1")] == ["mlp.fc_1", "blocks.0.fc_1", "blocks.1.fc_1"]
+    assert list(match_plan(model, {"*.fc_1": ColwiseParallel()})) == ["mlp.fc_1"]
+    assert list(match_plan(model, {"blocks.*.fc_?": ColwiseParallel()})) == [
+        "blocks.0.fc_1", "blocks.0.fc_2", "blocks.1.fc_1", "blocks.1.fc_2"]
+    assert list(match_plan(model, read_plan({"blocks.*": {"fc_1": ColwiseParallel()}}))) == [
+        "blocks.0.fc_1", "blocks.1.fc_1"]
+    assert list(match_plan(model, {"": ModuleLayouts(inputs=(Replicate(),))})) == [""]  # "": the model itself
+    with pytest.raises(ValueError, match="'blocks.fc_1' matches no module"):
+        match_plan(model, {"blocks.fc_1": ColwiseParallel()})
+
+
+# --- DTensor plans run: the benchmark Llama (compare_modes.dtensor_plan) and a litgpt llama ------------------------
+
+
+def _collectives(jm) -> dict:
+    """Every collective of the last forward and backward, in order: (kind, bytes)."""
+    return {name: [(c["kind"], c["bytes"]) for c in collective_calls(trace)]
+            for name, trace in (("forward", thunder.last_traces(jm)[-1]), ("backward", thunder.last_backward_traces(jm)[-1]))}
+
+
+def _run_both(make_model, make_inputs, dtensor_plan, thunder_tp_plan, tolerance: float = TOLERANCE) -> dict:
+    """Each plan against one device (loss, every grad, float64); each plan's collectives and parameter layouts."""
+    runs = {}
+    for name, plan in (("dtensor", dtensor_plan), ("thunder_tp", thunder_tp_plan)):
+        transform = TensorParallel(plan)
+        info = compare_with_single_device(make_model, make_inputs, transform, rtol=tolerance, atol=tolerance,
+                                          inspect=_collectives)
+        runs[name] = {"collectives": info["inspected"], "layouts": transform.parameter_layouts}
+    return runs
+
+
+def _benchmark_llama(kind: str, loss_parallel: bool) -> dict:
+    llama, compare_modes = benchmark_module("llama"), benchmark_module("compare_modes")
+    cfg = llama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab=64, ffn_hidden=64, max_seq=SEQ)
+
+    def make_model():
+        return llama.WithLoss(llama.Llama(cfg)).double()
+
+    def make_inputs():
+        torch.manual_seed(5)
+        return torch.randint(0, cfg.vocab, (2, SEQ)), torch.randint(0, cfg.vocab, (2, SEQ))
+
+    # compare.py parallelizes the Llama (WithLoss's `model`) with this plan; thunder_tp jits it with its loss
+    plan = {"model": compare_modes.dtensor_plan(kind, loss_parallel)}
+    return _run_both(make_model, make_inputs, plan, llama.thunder_tp_plan(kind == "sp", loss_parallel))
+
+
+@pytest.mark.parametrize("kind, loss_parallel", [
+    pytest.param("sp", True, id="torchtitan-sp-lp"),
+    pytest.param("sp", False, id="torchtitan-sp", marks=pytest.mark.slow(reason="sp-lp runs the same SP plan")),
+    pytest.param("default", False, id="tp", marks=pytest.mark.slow(reason="sp-lp runs the same styles")),
+    pytest.param("best", True, id="tp-prepare-input-lp", marks=pytest.mark.slow(reason="sp-lp has the same styles")),
+])
+def test_benchmark_llama_dtensor_plan_as_thunder_tp_plan(kind, loss_parallel):
+    """compare_modes.dtensor_plan (torchtitan's plan for `sp`), DTensor's styles only, gives one device's loss and grads
+    and the collectives and parameter splits of thunder_tp's own plan for the Llama (llama.thunder_tp_plan)."""
+    runs = run_ranks(_benchmark_llama, 2, kind, loss_parallel)[0]
+    assert runs["dtensor"] == runs["thunder_tp"], runs
+
+
+def _litgpt_dtensor_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """A plan for GPTWithLoss in DTensor's styles, torchtitan's per-block plan applied to every block."""
+    act = DShard(1) if sequence_parallel else DReplicate()
+    block = {
+        "attn.qkv": dtensor.ColwiseParallel(),  # DTensor has no fused-block split: q|k|v split as one dim
+        "attn.proj": dtensor.RowwiseParallel(output_layouts=act),
+        "mlp.fc_1": dtensor.ColwiseParallel(),
+        "mlp.fc_2": dtensor.ColwiseParallel(),
+        "mlp.proj": dtensor.RowwiseParallel(output_layouts=act),
+    }
+    plan = {
+        "transformer.wte": dtensor.RowwiseParallel(input_layouts=DReplicate(), output_layouts=act),
+        "transformer.h.*": block,
+        "lm_head": dtensor.ColwiseParallel(input_layouts=act, output_layouts=DShard(-1) if loss_parallel else DReplicate(),
+                                           use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        block |= {
+            "norm_1": dtensor.SequenceParallel(), "norm_2": dtensor.SequenceParallel(),
+            # CausalSelfAttention(x, cos, sin, mask, input_pos, input_pos_maxp1)
+            "attn": dtensor.PrepareModuleInput(input_layouts=(DShard(1),) + (None,) * 5,
+                                               desired_input_layouts=(DReplicate(),) + (None,) * 5),
+            "mlp": dtensor.PrepareModuleInput(input_layouts=(DShard(1),), desired_input_layouts=(DReplicate(),)),
+        }
+        plan["transformer.ln_f"] = dtensor.SequenceParallel()
+    return {"gpt": plan}
+
+
+def _litgpt_thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """The same plan in thunder_tp's styles (no PrepareModuleInput: each linear gathers its input itself)."""
+    act = Shard(1) if sequence_parallel else Replicate()
+    block = "gpt.transformer.h.*."
+    plan = {
+        "gpt.transformer.wte": RowwiseParallel(output_layout=act),
+        **{f"{block}{name}": ColwiseParallel() for name in ("attn.qkv", "mlp.fc_1", "mlp.fc_2")},
+        **{f"{block}{name}": RowwiseParallel(output_layout=act) for name in ("attn.proj", "mlp.proj")},
+        "gpt.lm_head": ColwiseParallel(output_layout=None if loss_parallel else Replicate()),
+    }
+    if sequence_parallel:
+        plan |= {f"{block}norm_1": SequenceParallel(), f"{block}norm_2": SequenceParallel(),
+                 "gpt.transformer.ln_f": SequenceParallel()}
+    return plan
+
+
+def _litgpt_llama(sequence_parallel: bool, loss_parallel: bool) -> dict:
+    config = make_config("llama")
+
+    def make_model():
+        return GPTWithLoss(config).double()
+
+    return _run_both(make_model, batch, _litgpt_dtensor_plan(sequence_parallel, loss_parallel),
+                     _litgpt_thunder_tp_plan(sequence_parallel, loss_parallel), LITGPT_TOLERANCE)
+
+
+@pytest.mark.parametrize("sequence_parallel, loss_parallel", [
+    pytest.param(True, True, id="sp-lp"),
+    pytest.param(False, False, id="tp", marks=pytest.mark.slow(reason="sp-lp runs the same styles")),
+    pytest.param(True, False, id="sp", marks=pytest.mark.slow(reason="sp-lp runs the same SP plan")),
+    pytest.param(False, True, id="lp", marks=pytest.mark.slow(reason="sp-lp runs the same loss-parallel head")),
+])
+def test_litgpt_dtensor_plan_as_thunder_tp_plan(sequence_parallel, loss_parallel):
+    """A DTensor-styles plan for a litgpt llama, per-block plan nested under `transformer.h.*`, gives one device's loss
+    and grads and the collectives of the same plan in thunder_tp's styles."""
+    runs = run_ranks(_litgpt_llama, 2, sequence_parallel, loss_parallel)[0]
+    assert runs["dtensor"] == runs["thunder_tp"], runs
