@@ -14,13 +14,13 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor import parallel as dtensor
 
 import thunder_tp
+from tests.dist import benchmark_module, run_ranks
+from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
+from tests.tp_checks import compare_with_single_device
 from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard, TensorParallel
 from thunder_tp.debug import collective_calls
 from thunder_tp.dtensor_styles import read_plan
 from thunder_tp.styles import ModuleLayouts, match_plan
-from tests.dist import benchmark_module, run_ranks
-from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
-from tests.tp_checks import compare_with_single_device
 
 TOLERANCE = 1e-10  # float64 through Thunder's torch executor: ~1e-16 apart
 #: litgpt's RMSNorm computes in float32 even on float64 inputs (gaps up to ~5e-7 of a grad's largest entry)
@@ -34,7 +34,8 @@ def test_thunder_tp_styles_take_dtensor_keyword_names_and_placements():
     assert ColwiseParallel(input_layouts=DShard(1), output_layouts=DReplicate(), use_local_output=False) == \
         ColwiseParallel(output_layout=Replicate())
     assert ColwiseParallel(output_layouts=DShard(-1)) == ColwiseParallel()  # DTensor's default: the split's own
-    assert RowwiseParallel(input_layouts=DReplicate(), output_layouts=DShard(1)) == RowwiseParallel(output_layout=Shard(1))
+    assert RowwiseParallel(input_layouts=DReplicate(), output_layouts=DShard(1)) == \
+        RowwiseParallel(output_layout=Shard(1))
     assert RowwiseParallel(output_layouts=DPartial()) == RowwiseParallel(output_layout=None)
     assert RowwiseParallel(output_layout=DShard(1)).output_layout == Shard(1)  # a placement under thunder_tp's name
     assert SequenceParallel(sequence_dim=2, use_local_output=True) == SequenceParallel(2)
@@ -56,8 +57,10 @@ def test_dtensor_styles_read_as_thunder_tp_styles():
         "attn": dtensor.PrepareModuleInput(input_layouts=(DShard(1), None), desired_input_layouts=(DReplicate(), None)),
         "mlp": dtensor.PrepareModuleInputOutput(
             input_layouts=(DShard(1),), desired_input_layouts=(None,), input_kwarg_layouts={"mask": DReplicate()},
-            desired_input_kwarg_layouts={"mask": DShard(0)}, output_layouts=DPartial(), desired_output_layouts=DShard(1)),
-        "out": dtensor.PrepareModuleOutput(output_layouts=(DReplicate(), None), desired_output_layouts=(DShard(0), None)),
+            desired_input_kwarg_layouts={"mask": DShard(0)}, output_layouts=DPartial(),
+            desired_output_layouts=DShard(1)),
+        "out": dtensor.PrepareModuleOutput(output_layouts=(DReplicate(), None),
+                                           desired_output_layouts=(DShard(0), None)),
         "blocks.*": {"fc": dtensor.ColwiseParallel(), "": dtensor.PrepareModuleOutput(
             output_layouts=DShard(1), desired_output_layouts=DReplicate())},
     })
@@ -88,14 +91,15 @@ class _Custom(dtensor.ParallelStyle):
 
 
 class _Float8Like(dtensor.ColwiseParallel):
-    """A subclass, as torchao's Float8ColwiseParallel: it does more than ColwiseParallel, which thunder_tp can't read."""
+    """A subclass, as torchao's Float8ColwiseParallel, which does more than ColwiseParallel."""
 
 
 @pytest.mark.parametrize("style, match", [
     (_Custom(), "'blocks.0.fc' has .*_Custom.* neither a thunder_tp style nor one of DTensor's"),
     (_Float8Like(), "'blocks.0.fc' has _Float8Like.* a subclass of DTensor's ColwiseParallel"),
     ("colwise", "'blocks.0.fc' has 'colwise', neither"),
-    (dtensor.RowwiseParallel(output_layouts=DPartial("max")), "'blocks.0.fc', RowwiseParallel.*only Partial\\('sum'\\)"),
+    (dtensor.RowwiseParallel(output_layouts=DPartial("max")),
+     "'blocks.0.fc', RowwiseParallel.*only Partial\\('sum'\\)"),
 ])
 def test_an_unsupported_style_is_an_error_naming_its_key(style, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -146,8 +150,8 @@ def test_glob_keys_match_one_name_segment_per_segment():
 
 def _collectives(jm) -> dict:
     """Every collective of the last forward and backward, in order: (kind, bytes)."""
-    return {name: [(c["kind"], c["bytes"]) for c in collective_calls(trace)]
-            for name, trace in (("forward", thunder.last_traces(jm)[-1]), ("backward", thunder.last_backward_traces(jm)[-1]))}
+    traces = {"forward": thunder.last_traces(jm)[-1], "backward": thunder.last_backward_traces(jm)[-1]}
+    return {name: [(c["kind"], c["bytes"]) for c in collective_calls(trace)] for name, trace in traces.items()}
 
 
 def _run_both(make_model, make_inputs, dtensor_plan, thunder_tp_plan, tolerance: float = TOLERANCE) -> dict:
@@ -203,7 +207,8 @@ def _litgpt_dtensor_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     plan = {
         "transformer.wte": dtensor.RowwiseParallel(input_layouts=DReplicate(), output_layouts=act),
         "transformer.h.*": block,
-        "lm_head": dtensor.ColwiseParallel(input_layouts=act, output_layouts=DShard(-1) if loss_parallel else DReplicate(),
+        "lm_head": dtensor.ColwiseParallel(input_layouts=act,
+                                           output_layouts=DShard(-1) if loss_parallel else DReplicate(),
                                            use_local_output=not loss_parallel),
     }
     if sequence_parallel:

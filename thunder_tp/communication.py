@@ -170,7 +170,8 @@ def schedule_collectives(
     `training`) backward; what the program returns is made Replicate (but the inputs it hands back as held)."""
     inputs, returned = flat_args(trace), _returned_outputs(trace)
     input_names = {t.name for t in inputs}
-    schedule = CollectiveSchedule(tp, {t.name for t in inputs if training and t.requires_grad}, [], [], {}, {}, {}, [], [])
+    needs_grad = {t.name for t in inputs if training and t.requires_grad}
+    schedule = CollectiveSchedule(tp, needs_grad, [], [], {}, {}, {}, [], [])
     from_inputs = set(input_names)  # computed from the inputs alone, with no communication on the way
     every: list[Need] = []  # every read, materializations of aliases included
     for step in steps:

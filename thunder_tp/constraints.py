@@ -95,7 +95,8 @@ def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -
 def _constrain_inputs(name: str, style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     if style.inputs is not None:
         _check_count(name, "positional inputs", len(args), style.inputs)
-        args = tuple(_annotated(name, f"input {i}", a, layout) for i, (a, layout) in enumerate(zip(args, style.inputs)))
+        args = tuple(_annotated(name, f"input {i}", a, layout)
+                     for i, (a, layout) in enumerate(zip(args, style.inputs, strict=True)))
     layouts = dict(style.kwarg_inputs)
     return args, {k: _annotated(name, f"input {k!r}", v, layouts.get(k)) for k, v in kwargs.items()}
 
@@ -103,7 +104,8 @@ def _constrain_inputs(name: str, style: ModuleLayouts, module: nn.Module, args: 
 def _constrain_outputs(name: str, style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
     outputs = output if isinstance(output, tuple) else (output,)
     _check_count(name, "outputs", len(outputs), style.outputs)
-    constrained = tuple(_annotated(name, f"output {i}", o, layout) for i, (o, layout) in enumerate(zip(outputs, style.outputs)))
+    constrained = tuple(_annotated(name, f"output {i}", o, layout)
+                        for i, (o, layout) in enumerate(zip(outputs, style.outputs, strict=True)))
     return constrained if isinstance(output, tuple) else constrained[0]
 
 

@@ -74,7 +74,7 @@ def _received(arriving: object, desired: object) -> object:
 def _all_received(arriving: tuple | None, desired: tuple | None) -> tuple | None:
     if arriving is None:
         return None
-    return tuple(_received(a, d) for a, d in zip(arriving, desired or (None,) * len(arriving)))
+    return tuple(_received(a, d) for a, d in zip(arriving, desired or (None,) * len(arriving), strict=True))
 
 
 def _prepare_input(style: dtensor.PrepareModuleInput) -> ModuleLayouts:

@@ -26,9 +26,9 @@ _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 class Style(ABC):
     """What every parallel style implements (a frozen dataclass each, so that plans compare and hash).
 
-    A new style fills in `tensor_layouts`; where it needs them, `input_layout` and `output_layout` (the layouts the
-    input and the output of the op that consumes the module's weight are turned into; None leaves them to
-    propagation) and `check` (what the tensors' layouts cannot say, such as whole heads per rank).
+    A new style fills in `tensor_layouts`, raising a ValueError or TypeError where it cannot split a module (the
+    error gets the module's name), and where it needs them `input_layout` and `output_layout`: the layouts the input
+    and the output of the op that consumes the module's weight are turned into (None leaves them to propagation).
     """
 
     input_layout: Layout | None = None
@@ -36,11 +36,8 @@ class Style(ABC):
 
     @abstractmethod
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
-        """Layout of each of the module's own tensors that the style splits, on `size` ranks."""
-
-    def check(self, module_name: str, size: int) -> None:
-        """Raise a ValueError naming `module_name` where the style cannot split it over `size` ranks for a reason
-        its tensors' layouts do not show (their divisibility `planned_tensors` checks)."""
+        """Layout of each of the module's own tensors that the style splits, on `size` ranks (their divisibility
+        `planned_tensors` checks)."""
 
 
 def _kind(module: nn.Module, style: str) -> str:
@@ -111,22 +108,23 @@ class ColwiseParallel(Style):
         """The TP sizes (at most `up_to`) over which every block splits into whole units."""
         return [s for s in range(1, up_to + 1) if all(_splits(u, s, r) for u, r in self._units())]
 
-    def check(self, module_name: str, size: int) -> None:
+    def _check_units(self, size: int) -> None:
         """Each rank must own whole units (heads) of every block, or one replicated unit of a replicable block."""
         for units, replicable in self._units():
             if not _splits(units, size, replicable):
                 also = " nor a multiple of it (K/V heads are then replicated)" if replicable else ""
                 sizes = ", ".join(map(str, self.tp_sizes(max(u for u, _ in self._units()))))
                 raise ValueError(
-                    f"{module_name}: a block of {units} units of {self.unit} features (e.g. attention heads or K/V "
-                    f"query groups) cannot be split over {size} ranks: {size} is not a divisor of {units}{also}; "
-                    f"TP sizes that work for this module: {sizes}"
+                    f"a block of {units} units of {self.unit} features (e.g. attention heads or K/V query groups) "
+                    f"cannot be split over {size} ranks: {size} is not a divisor of {units}{also}; TP sizes that "
+                    f"work for this module: {sizes}"
                 )
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layout of each of the module's own parameters on `size` ranks."""
         if _kind(module, "ColwiseParallel") == "embedding":
             return {"weight": Shard(1)}
+        self._check_units(size)
         replicas = tuple(size // u if r and u < size else 1 for u, r in self._units())
         blocks = self.blocks if len(self.blocks or ()) > 1 else None  # one block: a plain split (by whole units)
         layout = Shard(0, blocks, replicas if any(r > 1 for r in replicas) else None)
@@ -305,13 +303,17 @@ class PlannedTensors:
 
 
 def planned_tensors(module: nn.Module, styles: Mapping[str, Style], size: int) -> PlannedTensors:
-    """The layout of every tensor that `styles` (module name -> style) covers on `size` ranks, each checked: whole
-    units (heads) per rank, divisibility, agreement with a `distparallel_type` already on the parameter."""
+    """The layout of every tensor that `styles` (module name -> style) covers on `size` ranks, each checked: what
+    the style checks (whole heads per rank), divisibility, agreement with a `distparallel_type` already on the
+    parameter."""
     planned = PlannedTensors({}, {}, {})
     for module_name, style in styles.items():
         submodule = module.get_submodule(module_name)
-        style.check(module_name, size)
-        for tname, layout in style.tensor_layouts(submodule, size).items():
+        try:
+            layouts = style.tensor_layouts(submodule, size)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{module_name or type(module).__name__}: {e}") from e
+        for tname, layout in layouts.items():
             name = _qualified(module_name, tname)
             tensor, is_parameter = getattr(submodule, tname), tname in submodule._parameters
             check_distparallel_type(name, tensor, layout)
