@@ -113,6 +113,19 @@ def test_a_placement_thunder_tp_cannot_split_by_is_an_error_naming_its_key():
         TensorParallel({"head": dtensor.ColwiseParallel(output_layouts=_StridedShard(0, split_factor=2))})
 
 
+def test_the_automatic_plan_prices_a_dtensor_plan_as_its_thunder_tp_equivalent():
+    from tests import custom_models
+
+    model = custom_models.MLPStack().double()
+    plan = thunder_tp.plans.auto(model, *custom_models.inputs("mlp"), tp_size=2)
+    dtensor_plan = {"blocks.*": {"0": dtensor.ColwiseParallel(), "2": dtensor.RowwiseParallel()}}
+    own = {"blocks.*.0": ColwiseParallel(), "blocks.*.2": RowwiseParallel()}
+    assert plan.price(dtensor_plan) == plan.price(own)
+    with pytest.raises(ValueError, match=r"\['blocks.0'\] have ModuleLayouts .* leave them out of the plan to price"):
+        plan.price({"blocks.0": dtensor.PrepareModuleInput(input_layouts=DShard(0),
+                                                           desired_input_layouts=DReplicate())})
+
+
 # --- plan keys: one name segment per glob segment, as DTensor's parallelize_module ------------------------------
 
 
@@ -155,10 +168,14 @@ def _collectives(jm) -> dict:
 
 
 def _run_both(make_model, make_inputs, dtensor_plan, thunder_tp_plan, tolerance: float = TOLERANCE) -> dict:
-    """Each plan against one device (loss, every grad, float64); each plan's collectives and parameter layouts."""
+    """Each plan against one device (loss, every grad, float64); each plan's collectives and parameter layouts. The
+    DTensor plan runs on the group of a DeviceMesh, as DTensor's would."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh_group = init_device_mesh("cpu", (torch.distributed.get_world_size(),)).get_group()
     runs = {}
-    for name, plan in (("dtensor", dtensor_plan), ("thunder_tp", thunder_tp_plan)):
-        transform = TensorParallel(plan)
+    for name, plan, group in (("dtensor", dtensor_plan, mesh_group), ("thunder_tp", thunder_tp_plan, None)):
+        transform = TensorParallel(plan, process_group=group)
         info = compare_with_single_device(make_model, make_inputs, transform, rtol=tolerance, atol=tolerance,
                                           inspect=_collectives)
         runs[name] = {"collectives": info["inspected"], "layouts": transform.parameter_layouts}
