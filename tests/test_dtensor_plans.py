@@ -2,6 +2,7 @@
 the same loss and grads as one device (float64) and the same collectives as the equivalent thunder_tp plan; DTensor's
 keyword names on thunder_tp's styles; plan keys matched segment by segment, as DTensor matches them."""
 
+import re
 from fnmatch import fnmatchcase
 
 import pytest
@@ -156,6 +157,66 @@ def test_glob_keys_match_one_name_segment_per_segment():
     assert list(match_plan(model, {"": ModuleLayouts(inputs=(Replicate(),))})) == [""]  # "": the model itself
     with pytest.raises(ValueError, match="'blocks.fc_1' matches no module"):
         match_plan(model, {"blocks.fc_1": ColwiseParallel()})
+
+
+# --- PrepareModuleInput / PrepareModuleOutput: constraints where a module is called ------------------------------
+
+
+class _Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 8, dtype=torch.float64)
+
+    def forward(self, x, *, shift, scale=1.0):
+        return self.down(torch.relu(self.up(x + shift))) * scale
+
+
+class _Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Shifted()
+
+    def forward(self, x, shift):
+        return self.inner(x, shift=shift, scale=2.0)
+
+
+def _module_layouts(boundary) -> dict:
+    """The wrapper with `boundary` on `inner` against one device; the annotations the trace holds, or the error."""
+    torch.manual_seed(0)
+    reference, model = _Wrapper(), _Wrapper()
+    model.load_state_dict(reference.state_dict())
+    x, shift = torch.randn(4, 8, dtype=torch.float64, requires_grad=True), torch.randn(4, 8, dtype=torch.float64)
+    plan = {"inner.up": dtensor.ColwiseParallel(), "inner.down": dtensor.RowwiseParallel(), "inner": boundary}
+    jm = thunder.jit(model, transforms=[TensorParallel(plan)])
+    try:
+        out = jm(x, shift)
+    except (TypeError, ValueError) as e:
+        return {"error": str(e)}
+    torch.testing.assert_close(out, reference(x, shift), rtol=TOLERANCE, atol=TOLERANCE)
+    layouts = [b.args[1] for b in thunder.last_traces(jm)[0].bound_symbols if b.sym.name == "tp_annotate"]
+    return {"annotations": layouts}
+
+
+def test_module_inputs_kwargs_and_outputs_are_constrained_where_the_module_is_called():
+    """Positional and keyword inputs and the output each get their layout (annotations in the traced program, besides
+    the linears' own), and the result is one device's."""
+    boundary = dtensor.PrepareModuleInputOutput(
+        input_layouts=(DReplicate(),), desired_input_layouts=(DShard(0),), input_kwarg_layouts={"shift": DReplicate()},
+        desired_input_kwarg_layouts={"shift": DShard(1)}, output_layouts=DShard(0), desired_output_layouts=DShard(1))
+    out = run_ranks(_module_layouts, 2, boundary)[0]
+    assert out["annotations"][:2] == [Shard(0), Shard(1)] and Shard(1) in out["annotations"][2:], out
+
+
+@pytest.mark.parametrize("boundary, match", [
+    (dtensor.PrepareModuleInput(input_layouts=(DShard(0), None), desired_input_layouts=(DReplicate(), None)),
+     r"module 'inner' has 1 positional inputs but its ModuleLayouts .* gives 2 layouts"),
+    (dtensor.PrepareModuleInput(input_kwarg_layouts={"scale": DReplicate()},
+                                desired_input_kwarg_layouts={"scale": None}),
+     r"module 'inner': input 'scale' is a float, not a tensor, but its ModuleLayouts .* layout Replicate\(\)"),
+], ids=["count", "not-a-tensor"])
+def test_module_layouts_that_do_not_fit_the_call_are_an_error_on_every_rank(boundary, match):
+    errors = [out["error"] for out in run_ranks(_module_layouts, 2, boundary)]
+    assert len(errors) == 2 and all(re.search(match, e) for e in errors), errors
 
 
 # --- DTensor plans run: the benchmark Llama (compare_modes.dtensor_plan) and a litgpt llama ------------------------

@@ -84,47 +84,50 @@ def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -
         if not isinstance(style, ModuleLayouts):
             continue
         module, hooks = model.get_submodule(name), []
+        label = f"module {name!r}" if name else f"the model ({type(model).__name__})"
         if style.inputs is not None or style.kwarg_inputs:
-            hooks.append(module.register_forward_pre_hook(functools.partial(_constrain_inputs, name, style),
+            hooks.append(module.register_forward_pre_hook(functools.partial(_constrain_inputs, label, style),
                                                           with_kwargs=True))
         if style.outputs is not None:
-            hooks.append(module.register_forward_hook(functools.partial(_constrain_outputs, name, style)))
+            hooks.append(module.register_forward_hook(functools.partial(_constrain_outputs, label, style)))
         module.__dict__[_HOOKS] = hooks
 
 
-def _constrain_inputs(name: str, style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+def _constrain_inputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """A forward pre-hook: the module's inputs annotated with their layouts."""
     if style.inputs is not None:
-        _check_count(name, "positional inputs", len(args), style.inputs)
-        args = tuple(_annotated(name, f"input {i}", a, layout)
+        _check_count(label, "positional inputs", len(args), style.inputs)
+        args = tuple(_annotated(label, f"input {i}", a, layout)
                      for i, (a, layout) in enumerate(zip(args, style.inputs, strict=True)))
     layouts = dict(style.kwarg_inputs)
-    return args, {k: _annotated(name, f"input {k!r}", v, layouts.get(k)) for k, v in kwargs.items()}
+    return args, {k: _annotated(label, f"input {k!r}", v, layouts.get(k)) for k, v in kwargs.items()}
 
 
-def _constrain_outputs(name: str, style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
+def _constrain_outputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook: the module's outputs annotated with their layouts."""
     outputs = output if isinstance(output, tuple) else (output,)
-    _check_count(name, "outputs", len(outputs), style.outputs)
-    constrained = tuple(_annotated(name, f"output {i}", o, layout)
+    _check_count(label, "outputs", len(outputs), style.outputs)
+    constrained = tuple(_annotated(label, f"output {i}", o, layout)
                         for i, (o, layout) in enumerate(zip(outputs, style.outputs, strict=True)))
     return constrained if isinstance(output, tuple) else constrained[0]
 
 
-def _check_count(name: str, what: str, count: int, layouts: tuple) -> None:
+def _check_count(label: str, what: str, count: int, layouts: tuple) -> None:
     if count != len(layouts):
         raise ValueError(
-            f"thunder_tp.TensorParallel: module {name!r} has {count} {what} but its ModuleLayouts (DTensor's "
+            f"thunder_tp.TensorParallel: {label} has {count} {what} but its ModuleLayouts (DTensor's "
             f"PrepareModuleInput / PrepareModuleOutput) gives {len(layouts)} layouts {layouts}; give one per value, "
             "None for those left as they come"
         )
 
 
-def _annotated(name: str, what: str, value: Any, layout: Layout | None) -> Any:
+def _annotated(label: str, what: str, value: Any, layout: Layout | None) -> Any:
     """`value` annotated with `layout`; a layout for something that is not a tensor is an error."""
     if layout is None:
         return value
     if not isinstance(value, torch.Tensor):
         raise TypeError(
-            f"thunder_tp.TensorParallel: module {name!r}: {what} is a {type(value).__name__}, not a tensor, but its "
+            f"thunder_tp.TensorParallel: {label}: {what} is a {type(value).__name__}, not a tensor, but its "
             f"ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput) gives it the layout {layout}; give "
             "it None"
         )
