@@ -212,7 +212,7 @@ def test_module_inputs_kwargs_and_outputs_are_constrained_where_the_module_is_ca
      r"module 'inner' has 1 positional inputs but its ModuleLayouts .* gives 2 layouts"),
     (dtensor.PrepareModuleInput(input_kwarg_layouts={"scale": DReplicate()},
                                 desired_input_kwarg_layouts={"scale": None}),
-     r"module 'inner': input 'scale' is a float, not a tensor, but its ModuleLayouts .* layout Replicate\(\)"),
+     r"module 'inner': keyword input 'scale' is a float, not a tensor, but its ModuleLayouts .* layout Replicate\(\)"),
 ], ids=["count", "not-a-tensor"])
 def test_module_layouts_that_do_not_fit_the_call_are_an_error_on_every_rank(boundary, match):
     errors = [out["error"] for out in run_ranks(_module_layouts, 2, boundary)]

@@ -15,11 +15,12 @@ from typing import Any
 import thunder.torch as ltorch
 import torch
 import torch.nn as nn
+from thunder.core.interpreter import interpreter_needs_wrap
+from thunder.core.jit_ext import ensure_recursive_proxies, register_general_jit_lookaside
 from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_tp.annotate import annotate, tp_annotate
-from thunder_tp.layouts import Layout
 from thunder_tp.rewrite import recompute_in_backward
 from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
 
@@ -96,39 +97,44 @@ def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -
 def _constrain_inputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """A forward pre-hook: the module's inputs annotated with their layouts."""
     if style.inputs is not None:
-        _check_count(label, "positional inputs", len(args), style.inputs)
-        args = tuple(_annotated(label, f"input {i}", a, layout)
-                     for i, (a, layout) in enumerate(zip(args, style.inputs, strict=True)))
-    layouts = dict(style.kwarg_inputs)
-    return args, {k: _annotated(label, f"input {k!r}", v, layouts.get(k)) for k, v in kwargs.items()}
+        args = _constrained(label, "positional input", tuple(range(len(args))), args, style.inputs)
+    if style.kwarg_inputs:
+        layouts, names = dict(style.kwarg_inputs), tuple(kwargs)
+        values = _constrained(label, "keyword input", names, tuple(kwargs.values()), tuple(map(layouts.get, names)))
+        kwargs = dict(zip(names, values, strict=True))
+    return args, kwargs
 
 
 def _constrain_outputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
     """A forward hook: the module's outputs annotated with their layouts."""
     outputs = output if isinstance(output, tuple) else (output,)
-    _check_count(label, "outputs", len(outputs), style.outputs)
-    constrained = tuple(_annotated(label, f"output {i}", o, layout)
-                        for i, (o, layout) in enumerate(zip(outputs, style.outputs, strict=True)))
-    return constrained if isinstance(output, tuple) else constrained[0]
+    constrained_outputs = _constrained(label, "output", tuple(range(len(outputs))), outputs, style.outputs)
+    return constrained_outputs if isinstance(output, tuple) else constrained_outputs[0]
 
 
-def _check_count(label: str, what: str, count: int, layouts: tuple) -> None:
-    if count != len(layouts):
+def _constrained(label: str, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
+    """`values` (their positions or names: `keys`) each annotated with its layout (None: as it comes); a count of
+    layouts other than of values, or a layout for a value that is not a tensor, is an error naming `label`."""
+    if len(values) != len(layouts):
         raise ValueError(
-            f"thunder_tp.TensorParallel: {label} has {count} {what} but its ModuleLayouts (DTensor's "
+            f"thunder_tp.TensorParallel: {label} has {len(values)} {what}s but its ModuleLayouts (DTensor's "
             f"PrepareModuleInput / PrepareModuleOutput) gives {len(layouts)} layouts {layouts}; give one per value, "
             "None for those left as they come"
         )
+    for key, value, layout in zip(keys, values, layouts, strict=True):
+        if layout is not None and not isinstance(value, (torch.Tensor, TensorProxy)):
+            raise TypeError(
+                f"thunder_tp.TensorParallel: {label}: {what} {key!r} is a {type(value).__name__}, not a tensor, but "
+                f"its ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput) gives it the layout "
+                f"{layout}; give it None"
+            )
+    return tuple(v if layout is None else annotate(v, layout) for v, layout in zip(values, layouts, strict=True))
 
 
-def _annotated(label: str, what: str, value: Any, layout: Layout | None) -> Any:
-    """`value` annotated with `layout`; a layout for something that is not a tensor is an error."""
-    if layout is None:
-        return value
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"thunder_tp.TensorParallel: {label}: {what} is a {type(value).__name__}, not a tensor, but its "
-            f"ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput) gives it the layout {layout}; give "
-            "it None"
-        )
-    return annotate(value, layout)
+@register_general_jit_lookaside(_constrained)
+@ensure_recursive_proxies
+@interpreter_needs_wrap
+def _constrained_lookaside(label: str, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
+    """thunder.jit runs `_constrained` as it is, on proxies, rather than interpreting it (hooks run on every call of
+    every constrained module while a program is traced)."""
+    return _constrained(label, what, keys, values, layouts)
