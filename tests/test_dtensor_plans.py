@@ -43,6 +43,21 @@ def test_thunder_tp_styles_take_dtensor_keyword_names_and_placements():
     assert SequenceParallel(sequence_dim=1).input_layout == Shard(1)
 
 
+def _annotated_with_placements() -> dict:
+    from thunder_tp import annotate
+
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 16, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)
+    jf = thunder.jit(lambda a, b: annotate(a, DShard(1)) @ annotate(b, DShard(0)), transforms=[TensorParallel()])
+    torch.testing.assert_close(jf(a, b), a @ b, rtol=TOLERANCE, atol=TOLERANCE)
+    return _collectives_of(thunder.last_traces(jf)[-1])
+
+
+def test_annotate_takes_dtensor_placements():
+    """Each rank multiplies its slices (a's columns, b's rows), one all_reduce sums them."""
+    assert run_ranks(_annotated_with_placements, 2)[0] == [("all_reduce", 8 * 4 * 8)]
+
+
 def test_two_names_for_one_layout_are_refused():
     with pytest.raises(ValueError, match="output_layout or DTensor's output_layouts, not both"):
         ColwiseParallel(output_layout=Replicate(), output_layouts=DReplicate())
@@ -222,10 +237,15 @@ def test_module_layouts_that_do_not_fit_the_call_are_an_error_on_every_rank(boun
 # --- DTensor plans run: the benchmark Llama (compare_modes.dtensor_plan) and a litgpt llama ------------------------
 
 
+def _collectives_of(trace) -> list[tuple[str, int]]:
+    """Every collective of a trace, in order: (kind, bytes)."""
+    return [(c["kind"], c["bytes"]) for c in collective_calls(trace)]
+
+
 def _collectives(jm) -> dict:
-    """Every collective of the last forward and backward, in order: (kind, bytes)."""
+    """Every collective of the last forward and backward."""
     traces = {"forward": thunder.last_traces(jm)[-1], "backward": thunder.last_backward_traces(jm)[-1]}
-    return {name: [(c["kind"], c["bytes"]) for c in collective_calls(trace)] for name, trace in traces.items()}
+    return {name: _collectives_of(trace) for name, trace in traces.items()}
 
 
 def _run_both(make_model, make_inputs, dtensor_plan, thunder_tp_plan, tolerance: float = TOLERANCE) -> dict:
