@@ -170,6 +170,8 @@ def test_glob_keys_match_one_name_segment_per_segment():
     assert list(match_plan(model, read_plan({"blocks.*": {"fc_1": ColwiseParallel()}}))) == [
         "blocks.0.fc_1", "blocks.1.fc_1"]
     assert list(match_plan(model, {"": ModuleLayouts(inputs=(Replicate(),))})) == [""]  # "": the model itself
+    with pytest.raises(ValueError, match="gives key 'blocks.0.fc_1' two styles"):
+        read_plan({"blocks.0.fc_1": ColwiseParallel(), "blocks.0": {"fc_1": RowwiseParallel()}})
     with pytest.raises(ValueError, match="'blocks.fc_1' matches no module"):
         match_plan(model, {"blocks.fc_1": ColwiseParallel()})
 

@@ -23,9 +23,13 @@ def read_plan(plan: Mapping[str, object]) -> dict[str, Style]:
     read: dict[str, Style] = {}
     for key, value in plan.items():
         if isinstance(value, Mapping):
-            read |= {_joined(key, k): v for k, v in read_plan(value).items()}
+            entries = {_joined(key, k): v for k, v in read_plan(value).items()}
         else:
-            read[key] = as_style(key, value)
+            entries = {key: as_style(key, value)}
+        for name, style in entries.items():
+            if read.setdefault(name, style) != style:
+                raise ValueError(f"thunder_tp.TensorParallel: the plan gives key {name!r} two styles, {read[name]} "
+                                 f"and {style} (a nested plan's keys are prefixed with its own); keep one")
     return read
 
 
