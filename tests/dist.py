@@ -224,6 +224,18 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(3)
 
 
+@contextlib.contextmanager
+def _process_defaults_restored(torch):
+    """A task leaves the pool's process as it found it: the default dtype and grad mode a task sets (as a test
+    body does with ``torch.set_default_dtype``) do not leak into the next test's task on the same rank."""
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+
+
 def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, stack_file: str, repo_root: str) -> None:
     # Must happen before torch is imported in this process.
     os.environ.update(_WORKER_ENV)
@@ -277,7 +289,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, s
         elif kind == "run":
             try:
                 fn, args, kwargs = pickle.loads(msg[2])
-                result = fn(*args, **kwargs)
+                with _process_defaults_restored(torch):
+                    result = fn(*args, **kwargs)
                 try:
                     payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
                     reply = ("run", task_id, True, payload)

@@ -39,7 +39,6 @@ import litgpt, litgpt.generate.base, thunder, torch
 import thunder_tp
 from litgpt import GPT, Config
 from thunder_tp import TensorParallel
-from thunder_tp.plans.litgpt import GPTWithLoss
 torch.manual_seed(0)
 config = Config(name="doc-llama", block_size=256, vocab_size=128, padded_vocab_size=128, n_layer=2, n_head=8,
                 n_query_groups=8, n_embd=64, intermediate_size=128, bias=False, parallel_residual=False,

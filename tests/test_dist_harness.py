@@ -56,6 +56,16 @@ def _sleep(seconds):
     time.sleep(seconds)
 
 
+def _set_float64_and_no_grad():
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    return os.getpid()
+
+
+def _defaults():
+    return os.getpid(), torch.get_default_dtype(), torch.is_grad_enabled()
+
+
 def _assert_close_on_rank():
     import torch.distributed as tdist
 
@@ -135,6 +145,13 @@ def test_timeout_kills_and_recreates_pool():
     assert "_sleep" in excinfo.value.errors[0]
     out = run_ranks(_whoami, 2, "")
     assert set(o["pid"] for o in out).isdisjoint(pids_before)
+
+
+def test_a_task_does_not_leak_its_defaults_into_the_next():
+    """A test body's torch.set_default_dtype on a rank ends with its task (litgpt's default init draws other
+    numbers in float64: the next test on the same rank would build another model)."""
+    pids = run_ranks(_set_float64_and_no_grad, 2)
+    assert run_ranks(_defaults, 2) == [(pid, torch.float32, True) for pid in pids]  # the same processes, reset
 
 
 def test_assert_close_names_tensor_and_rank():

@@ -1,16 +1,20 @@
-"""Every Python block of the README and docs runs as written (tests/doc_blocks.py says how), or says why not."""
+"""Every Python block of the README and docs runs as written (tests/doc_blocks.py says how), or says why not; every
+dotted `thunder_tp.` name they write resolves."""
 
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 from tests.dist import REPO_ROOT, run_ranks
-from tests.doc_blocks import Block, _block, blocks, run_on_rank
+from tests.doc_blocks import DOCUMENTS, REPO, Block, _block, blocks, run_on_rank
 
 _ALL = blocks()
+_DOTTED = re.compile(r"\bthunder_tp(?:\.\w+)+")
 
 
 def test_a_skipped_block_says_why():
@@ -39,3 +43,27 @@ def _plain_env() -> dict:
 
     path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+def test_every_dotted_name_in_the_docs_resolves():
+    """`thunder_tp.plans.litgpt.GPTWithLoss` and the like, in prose and code, name what they say (attribute by
+    attribute, as a reader's code reaches them; a submodule its package does not import is imported)."""
+    written = {(m[0], f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}")
+               for path in DOCUMENTS for text in [path.read_text()] for m in _DOTTED.finditer(text)}
+    assert len({name for name, _ in written}) > 20, sorted(written)  # the pattern finds the docs' names
+    unresolved = sorted((where, name) for name, where in written if not _resolves(name))
+    assert not unresolved, unresolved
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    value = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            try:
+                value = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                return False
+    return True

@@ -10,7 +10,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import register_grad
 
 from thunder_tp.collectives import comm_executor
-from thunder_tp.layouts import Layout
+from thunder_tp.layouts import Layout, as_layout
 
 tp_annotate = comm_executor.register_operator(
     "tp_annotate", meta=lambda t, layout: TensorProxy(like=t), fn=lambda t, layout: t
@@ -28,9 +28,10 @@ register_grad(tp_annotate, _annotate_grad)
 
 
 def annotate(t: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Constrain `t` to `layout` on the TP group (identity outside a TensorParallel program)."""
+    """Constrain `t` to `layout` (or a torch.distributed.tensor placement) on the TP group (identity outside a
+    TensorParallel program)."""
     if isinstance(t, TensorProxy):
-        return tp_annotate(t, layout)
+        return tp_annotate(t, as_layout(layout))
     return t
 
 
@@ -38,4 +39,4 @@ def annotate(t: torch.Tensor, layout: Layout) -> torch.Tensor:
 @ensure_recursive_proxies
 @interpreter_needs_wrap
 def _annotate_lookaside(t: TensorProxy, layout: Layout) -> TensorProxy:
-    return tp_annotate(t, layout)
+    return tp_annotate(t, as_layout(layout))

@@ -110,7 +110,7 @@ class Communication:
 
 
 @dataclass
-class CommunicationPlan:
+class CollectiveSchedule:
     """What a propagated program communicates: per step the value each tensor argument is read as, the
     redistributions and grad sums those reads imply, the replicated chunks of inputs whose grads are summed, and
     the returned values. An annotation emits nothing: its output is an alias, its input in the annotated layout."""
@@ -163,40 +163,41 @@ class CommunicationPlan:
         return comm
 
 
-def plan_communication(
+def schedule_collectives(
     trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: TPGroup, *, training: bool
-) -> CommunicationPlan:
+) -> CollectiveSchedule:
     """The communication of `trace`'s `steps` (propagated: `layouts` holds every value's layout), forward and (when
     `training`) backward; what the program returns is made Replicate (but the inputs it hands back as held)."""
     inputs, returned = flat_args(trace), _returned_outputs(trace)
     input_names = {t.name for t in inputs}
-    plan = CommunicationPlan(tp, {t.name for t in inputs if training and t.requires_grad}, [], [], {}, {}, {}, [], [])
+    needs_grad = {t.name for t in inputs if training and t.requires_grad}
+    schedule = CollectiveSchedule(tp, needs_grad, [], [], {}, {}, {}, [], [])
     from_inputs = set(input_names)  # computed from the inputs alone, with no communication on the way
     every: list[Need] = []  # every read, materializations of aliases included
     for step in steps:
-        reads = _step_reads(step, plan)
-        plan.needs.append([r[-1] for r in reads])
+        reads = _step_reads(step, schedule)
+        schedule.needs.append([r[-1] for r in reads])
         every.extend(n for r in reads for n in r)
         tensors, outputs = _tensors(step.bsym.args, step.bsym.kwargs), _tensors(step.bsym.output)
-        if any(t.name in plan.needs_grad for t in _differentiable(step.bsym, tensors)) and outputs:
-            plan.needs_grad.update(o.name for o in outputs if dtypes.is_inexact_dtype(o.dtype))
+        if any(t.name in schedule.needs_grad for t in _differentiable(step.bsym, tensors)) and outputs:
+            schedule.needs_grad.update(o.name for o in outputs if dtypes.is_inexact_dtype(o.dtype))
         if reads and not step.strategy.issues and all(
                 r[-1].value.name in from_inputs and layouts[r[-1].value.name] == r[-1].layout for r in reads):
             from_inputs.update(o.name for o in outputs)
-    returned_reads = [plan.resolved(t, REPLICATE) for t in _tensors(returned) if t.name not in input_names]
-    plan.returned = [r[-1] for r in returned_reads]
+    returned_reads = [schedule.resolved(t, REPLICATE) for t in _tensors(returned) if t.name not in input_names]
+    schedule.returned = [r[-1] for r in returned_reads]
     every.extend(n for r in returned_reads for n in r)
-    plan.replica_sums = [t for t in inputs if t.name in plan.needs_grad and _replicated_chunks(layouts[t.name])]
-    plan.redistributions = _redistributions(every, layouts, plan.needs_grad)
-    plan.grad_sums = _grad_sums(every, layouts, from_inputs)
-    plan.grad_sums |= {t.name: GradSum(t, coalesced=True) for t in plan.replica_sums}
-    plan.issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
-    with_grads = [step for step in steps if any(o.name in plan.needs_grad for o in _tensors(step.bsym.output))]
-    plan.issued_backward = [issue for step in with_grads for issue in step.strategy.backward_issues]
-    return plan
+    schedule.replica_sums = [t for t in inputs if t.name in schedule.needs_grad and _replicated_chunks(layouts[t.name])]
+    schedule.redistributions = _redistributions(every, layouts, schedule.needs_grad)
+    schedule.grad_sums = _grad_sums(every, layouts, from_inputs)
+    schedule.grad_sums |= {t.name: GradSum(t, coalesced=True) for t in schedule.replica_sums}
+    schedule.issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
+    with_grads = [step for step in steps if any(o.name in schedule.needs_grad for o in _tensors(step.bsym.output))]
+    schedule.issued_backward = [issue for step in with_grads for issue in step.strategy.backward_issues]
+    return schedule
 
 
-def _step_reads(step: Step, plan: CommunicationPlan) -> list[list[Need]]:
+def _step_reads(step: Step, schedule: CollectiveSchedule) -> list[list[Need]]:
     """For each tensor argument of `step`, the needs its read resolves to (the last one: what the op receives); an
     annotation reads nothing and makes its output an alias (a metadata query reads nothing either)."""
     tensors, outputs = _tensors(step.bsym.args, step.bsym.kwargs), _tensors(step.bsym.output)
@@ -204,10 +205,10 @@ def _step_reads(step: Step, plan: CommunicationPlan) -> list[list[Need]]:
         return []
     required = [normalize(r, t.ndim) for t, r in zip(tensors, step.strategy.inputs)]
     if step.bsym.sym.id == tp_annotate.id:
-        plan.aliases[outputs[0].name] = Need(tensors[0], required[0])
+        schedule.aliases[outputs[0].name] = Need(tensors[0], required[0])
         return []
     enters = step.strategy.enters_tp_region
-    return [plan.resolved(t, r, enters and isinstance(r, Replicate) and t.name in plan.needs_grad)
+    return [schedule.resolved(t, r, enters and isinstance(r, Replicate) and t.name in schedule.needs_grad)
             for t, r in zip(tensors, required)]
 
 

@@ -1,4 +1,5 @@
-"""Styles as layout constraints: `annotate` calls around each op that consumes a styled weight.
+"""Styles as layout constraints: `annotate` calls around each op that consumes a styled weight, and around the
+calls of each module styled `ModuleLayouts` (forward hooks, which run inside the traced program).
 
 A row-parallel linear's bias is split off and added after the output constraint, so it is added
 once to the reduced result rather than once per rank.
@@ -6,16 +7,25 @@ once to the reduced result rather than once per rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from numbers import Number
+from typing import Any
 
 import thunder.torch as ltorch
+import torch
+import torch.nn as nn
+from thunder.core.interpreter import interpreter_needs_wrap
+from thunder.core.jit_ext import ensure_recursive_proxies, register_general_jit_lookaside
 from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_tp.annotate import tp_annotate
+from thunder_tp.annotate import annotate, tp_annotate
 from thunder_tp.rewrite import recompute_in_backward
-from thunder_tp.styles import RowwiseParallel, Style
+from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
+
+#: the module attribute holding the hooks `constrain_module_boundaries` registered on it
+_HOOKS = "_thunder_tp_module_layouts"
 
 
 def _styled_weight(bsym, styles: Mapping[str, Style]) -> Style | None:
@@ -63,3 +73,68 @@ def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceC
                 recompute_in_backward(new.bound_symbols[emitted_from:])
     new.set_provenance(TraceProvenance("thunder_tp: style constraints"))
     return new
+
+
+def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -> None:
+    """Hooks annotating the inputs and outputs of each module styled `ModuleLayouts` (module name -> style) where it
+    is called; those of an earlier plan are removed."""
+    for module in model.modules():
+        for hook in module.__dict__.pop(_HOOKS, ()):
+            hook.remove()
+    for name, style in styles.items():
+        if not isinstance(style, ModuleLayouts):
+            continue
+        module, hooks = model.get_submodule(name), []
+        label = f"module {name!r}" if name else f"the model ({type(model).__name__})"
+        if style.inputs is not None or style.kwarg_inputs:
+            hooks.append(module.register_forward_pre_hook(functools.partial(_constrain_inputs, label, style),
+                                                          with_kwargs=True))
+        if style.outputs is not None:
+            hooks.append(module.register_forward_hook(functools.partial(_constrain_outputs, label, style)))
+        module.__dict__[_HOOKS] = hooks
+
+
+def _constrain_inputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """A forward pre-hook: the module's inputs annotated with their layouts."""
+    if style.inputs is not None:
+        args = _constrained(label, "positional input", tuple(range(len(args))), args, style.inputs)
+    if style.kwarg_inputs:
+        layouts, names = dict(style.kwarg_inputs), tuple(kwargs)
+        values = _constrained(label, "keyword input", names, tuple(kwargs.values()), tuple(map(layouts.get, names)))
+        kwargs = dict(zip(names, values, strict=True))
+    return args, kwargs
+
+
+def _constrain_outputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook: the module's outputs annotated with their layouts."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    constrained_outputs = _constrained(label, "output", tuple(range(len(outputs))), outputs, style.outputs)
+    return constrained_outputs if isinstance(output, tuple) else constrained_outputs[0]
+
+
+def _constrained(label: str, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
+    """`values` (their positions or names: `keys`) each annotated with its layout (None: as it comes); a count of
+    layouts other than of values, or a layout for a value that is not a tensor, is an error naming `label`."""
+    if len(values) != len(layouts):
+        raise ValueError(
+            f"thunder_tp.TensorParallel: {label} has {len(values)} {what}s but its ModuleLayouts (DTensor's "
+            f"PrepareModuleInput / PrepareModuleOutput) gives {len(layouts)} layouts {layouts}; give one per value, "
+            "None for those left as they come"
+        )
+    for key, value, layout in zip(keys, values, layouts, strict=True):
+        if layout is not None and not isinstance(value, (torch.Tensor, TensorProxy)):
+            raise TypeError(
+                f"thunder_tp.TensorParallel: {label}: {what} {key!r} is a {type(value).__name__}, not a tensor, but "
+                f"its ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput) gives it the layout "
+                f"{layout}; give it None"
+            )
+    return tuple(v if layout is None else annotate(v, layout) for v, layout in zip(values, layouts, strict=True))
+
+
+@register_general_jit_lookaside(_constrained)
+@ensure_recursive_proxies
+@interpreter_needs_wrap
+def _constrained_lookaside(label: str, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
+    """thunder.jit runs `_constrained` as it is, on proxies, rather than interpreting it (hooks run on every call of
+    every constrained module while a program is traced)."""
+    return _constrained(label, what, keys, values, layouts)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import placement_types
 
 from thunder_tp.one_rank import fake_group_device
 
@@ -87,6 +88,25 @@ class StackShard:
 Layout = Replicate | Shard | Partial | StackShard
 REPLICATE = Replicate()
 PARTIAL = Partial()
+
+
+def as_layout(layout: object) -> Layout | None:
+    """A thunder_tp layout, given one or a torch.distributed.tensor placement (Shard(dim), Replicate(), Partial());
+    None stays None."""
+    if layout is None or isinstance(layout, (Replicate, Shard, Partial)):
+        return layout
+    kind = type(layout)  # exact types: a subclass (DTensor's _StridedShard, MaskPartial) splits differently
+    if kind is placement_types.Shard:
+        return Shard(layout.dim)
+    if kind is placement_types.Replicate:
+        return REPLICATE
+    if kind is placement_types.Partial:
+        return Partial(layout.reduce_op)
+    raise TypeError(
+        f"{layout!r} is not a layout thunder_tp supports: use Shard(dim), Replicate() or Partial() (thunder_tp's or "
+        "torch.distributed.tensor's)"
+    )
+
 
 def normalize(layout: Layout, ndim: int) -> Layout:
     """Shard with a non-negative dim; other layouts unchanged."""

@@ -13,7 +13,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
-from thunder_tp.communication import CommunicationPlan, Need, plan_communication
+from thunder_tp.communication import CollectiveSchedule, Need, schedule_collectives
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, full_length, held_chunks, piece_parts
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import gather_into_tp_region, redistribute
@@ -26,7 +26,7 @@ class LocalValues:
 
     tp: TPGroup
     layouts: dict[str, Layout]
-    plan: CommunicationPlan
+    schedule: CollectiveSchedule
     values: dict[str, Any] = field(default_factory=dict)
     #: names of the tp_copy_to_tp outputs whose grads are summed with the others of their dtype (GradSum.coalesced)
     coalesced: set[str] = field(default_factory=set)
@@ -40,16 +40,16 @@ class LocalValues:
 
     def value_of(self, t: TensorProxy) -> TensorProxy:
         """The local value of logical `t` in its own layout (an annotation's: its input's, made that layout)."""
-        alias = self.plan.aliases.get(t.name)
+        alias = self.schedule.aliases.get(t.name)
         if alias is None:
             return self.values[t.name]
-        return self.get(self.plan.resolved(alias.value, alias.layout)[-1])
+        return self.get(self.schedule.resolved(alias.value, alias.layout)[-1])
 
     def _make(self, need: Need) -> TensorProxy:
         t, group = need.value, self.tp.group
         if not need.into_tp_region:
             return redistribute(self.value_of(t), self.layouts[t.name], need.layout, group)
-        summed = self.plan.grad_sums[t.name]
+        summed = self.schedule.grad_sums[t.name]
         if summed.gathered:
             return gather_into_tp_region(self.value_of(t), self.layouts[t.name], group)
         copy = C.tp_copy_to_tp(self.get(Need(t, need.layout)), group)
@@ -102,12 +102,12 @@ def _tensors(bsym) -> list[TensorProxy]:
 
 
 def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: TPGroup) -> TraceCtx:
-    """The local program of `trace`: each step re-run on local pieces, with the communication `plan_communication`
+    """The local program of `trace`: each step re-run on local pieces, with the communication `schedule_collectives`
     derives; outputs returned Replicate."""
     ret = trace.bound_symbols[-1]
     assert ret.sym.id == prims.PrimIDs.RETURN, "a computation trace ends with its return"
-    plan = plan_communication(trace, steps, layouts, tp, training=True)
-    local = LocalValues(tp, layouts, plan)
+    schedule = schedule_collectives(trace, steps, layouts, tp, training=True)
+    local = LocalValues(tp, layouts, schedule)
     new = from_trace(trace)
     with tracectx(new):
         for bsym in trace.bound_symbols:
@@ -115,10 +115,10 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
                 new.bound_symbols.append(bsym.from_bsym())
                 local.values[bsym.output.name] = bsym.output
         unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
-        for t in plan.replica_sums:  # in the inputs' order: the same on every rank
+        for t in schedule.replica_sums:  # in the inputs' order: the same on every rank
             local.values[t.name], copy = replica_grads_summed(local.values[t.name], layouts[t.name], tp)
             local.coalesced.add(copy.name)
-        for step, needs in zip(steps, plan.needs):
+        for step, needs in zip(steps, schedule.needs):
             _emit(step, needs, local)
         prims.python_return(*_returned_values(ret.args, local, unpacked))
     new.bound_symbols = coalesce_replicated_copies(new.bound_symbols, local.coalesced, tp)
@@ -191,7 +191,7 @@ def _returned_values(args: tuple, local: LocalValues, unpacked: dict[str, Any]) 
 
 def _returned(x: Any, local: LocalValues, unpacked: dict[str, Any]) -> Any:
     if isinstance(x, TensorProxy):
-        return unpacked[x.name] if x.name in unpacked else local.get(local.plan.resolved(x, REPLICATE)[-1])
+        return unpacked[x.name] if x.name in unpacked else local.get(local.schedule.resolved(x, REPLICATE)[-1])
     if isinstance(x, Proxy):
         return local.values.get(x.name, x)
     return x
@@ -203,7 +203,7 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     if not any(isinstance(o, TensorProxy) for o in outputs):
         _emit_metadata_query(bsym, local)
         return
-    if outputs[0].name in local.plan.aliases:  # an annotation: its output is read through the plan's alias
+    if outputs[0].name in local.schedule.aliases:  # an annotation: its output is read through the schedule's alias
         return
     checkpointed = any(ProxyTag.RECOMPUTE_IN_BACKWARD in o.tags for o in outputs if isinstance(o, Proxy))
     flat, spec = tree_flatten((bsym.args, bsym.kwargs))

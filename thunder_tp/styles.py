@@ -1,23 +1,43 @@
-"""Parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel) and plan matching.
+"""Parallel styles and plan matching.
 
 A style says how a module's own tensors (parameters, and a cache's buffers) are split (`tensor_layouts`) and
 which layouts the input and output of the op that consumes its weight are constrained to (`input_layout`,
-`output_layout`), as DTensor's styles do at module boundaries.
+`output_layout`), as DTensor's styles do at module boundaries. Every style implements `Style`. The styles accept
+DTensor's keyword names (`input_layouts`, `output_layouts`, `use_local_output`, `sequence_dim`) and
+torch.distributed.tensor placements beside their own; plan keys match module names as DTensor's do.
 """
 
 from __future__ import annotations
 
 import difflib
-import fnmatch
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, fields
+from fnmatch import fnmatchcase
 
 import torch.nn as nn
 from thunder.core.proxies import DistParallelType
 
-from thunder_tp.layouts import REPLICATE, Layout, Shard, check_shardable
+from thunder_tp.layouts import PARTIAL, REPLICATE, Layout, Shard, as_layout, check_shardable
 
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+
+
+class Style(ABC):
+    """What every parallel style implements (a frozen dataclass each, so that plans compare and hash).
+
+    A new style fills in `tensor_layouts`, raising a ValueError or TypeError where it cannot split a module (the
+    error gets the module's name), and where it needs them `input_layout` and `output_layout`: the layouts the input
+    and the output of the op that consumes the module's weight are turned into (None leaves them to propagation).
+    """
+
+    input_layout: Layout | None = None
+    output_layout: Layout | None = None
+
+    @abstractmethod
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+        """Layout of each of the module's own tensors that the style splits, on `size` ranks (their divisibility
+        `planned_tensors` checks)."""
 
 
 def _kind(module: nn.Module, style: str) -> str:
@@ -31,8 +51,30 @@ def _kind(module: nn.Module, style: str) -> str:
     )
 
 
+def _read_layouts(style: Style, input_layouts: object, output_layouts: object, natural_output: Layout) -> None:
+    """Set a style's layouts from its own keyword names or DTensor's, torch placements read as layouts.
+
+    DTensor's `input_layouts` says how a plain tensor input arrives; a traced program knows that of every value, so
+    it is only checked to be a layout. `output_layouts` is `output_layout`, where the split's own output layout
+    (`natural_output`, DTensor's default) leaves the output to propagation.
+    """
+    as_layout(input_layouts)
+    name = type(style).__name__
+    if output_layouts is not None:
+        if style.output_layout != _default(style, "output_layout"):
+            raise ValueError(f"{name}: give output_layout or DTensor's output_layouts, not both")
+        output = as_layout(output_layouts)
+        object.__setattr__(style, "output_layout", None if output == natural_output else output)
+    object.__setattr__(style, "input_layout", as_layout(style.input_layout))
+    object.__setattr__(style, "output_layout", as_layout(style.output_layout))
+
+
+def _default(style: Style, name: str) -> object:
+    return next(f.default for f in fields(style) if f.name == name)
+
+
 @dataclass(frozen=True)
-class ColwiseParallel:
+class ColwiseParallel(Style):
     """nn.Linear: weight and bias split on dim 0 (output features); nn.Embedding: embedding dim.
 
     `blocks`: the output features are fused blocks (e.g. q|k|v) each split separately.
@@ -41,6 +83,8 @@ class ColwiseParallel:
     `unit`: features come in indivisible groups of this size (e.g. one attention head).
     `replicable`: per block, whether it may have fewer units than ranks (K/V heads of grouped-query
     attention): each unit is then held by size/units consecutive ranks, and its grads summed over them.
+    DTensor's names: `output_layouts` (its default Shard(-1) is output_layout=None), `input_layouts` and
+    `use_local_output` (accepted; a traced program knows each input's layout, and its values are local pieces).
     """
 
     input_layout: Layout | None = REPLICATE
@@ -48,6 +92,13 @@ class ColwiseParallel:
     blocks: tuple[int, ...] | None = None
     unit: int = 1
     replicable: tuple[bool, ...] | None = None
+    _: KW_ONLY
+    input_layouts: InitVar[object] = None
+    output_layouts: InitVar[object] = None
+    use_local_output: InitVar[bool] = True
+
+    def __post_init__(self, input_layouts: object, output_layouts: object, use_local_output: bool) -> None:
+        _read_layouts(self, input_layouts, output_layouts, natural_output=Shard(-1))
 
     def _units(self) -> list[tuple[int, bool]]:
         blocks = self.blocks or ()
@@ -57,22 +108,23 @@ class ColwiseParallel:
         """The TP sizes (at most `up_to`) over which every block splits into whole units."""
         return [s for s in range(1, up_to + 1) if all(_splits(u, s, r) for u, r in self._units())]
 
-    def check(self, module_name: str, size: int) -> None:
+    def _check_units(self, size: int) -> None:
         """Each rank must own whole units (heads) of every block, or one replicated unit of a replicable block."""
         for units, replicable in self._units():
             if not _splits(units, size, replicable):
                 also = " nor a multiple of it (K/V heads are then replicated)" if replicable else ""
                 sizes = ", ".join(map(str, self.tp_sizes(max(u for u, _ in self._units()))))
                 raise ValueError(
-                    f"{module_name}: a block of {units} units of {self.unit} features (e.g. attention heads or K/V "
-                    f"query groups) cannot be split over {size} ranks: {size} is not a divisor of {units}{also}; "
-                    f"TP sizes that work for this module: {sizes}"
+                    f"a block of {units} units of {self.unit} features (e.g. attention heads or K/V query groups) "
+                    f"cannot be split over {size} ranks: {size} is not a divisor of {units}{also}; TP sizes that "
+                    f"work for this module: {sizes}"
                 )
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layout of each of the module's own parameters on `size` ranks."""
         if _kind(module, "ColwiseParallel") == "embedding":
             return {"weight": Shard(1)}
+        self._check_units(size)
         replicas = tuple(size // u if r and u < size else 1 for u, r in self._units())
         blocks = self.blocks if len(self.blocks or ()) > 1 else None  # one block: a plain split (by whole units)
         layout = Shard(0, blocks, replicas if any(r > 1 for r in replicas) else None)
@@ -88,18 +140,24 @@ def _splits(units: int, size: int, replicable: bool) -> bool:
 
 
 @dataclass(frozen=True)
-class RowwiseParallel:
+class RowwiseParallel(Style):
     """nn.Linear: weight split on dim 1 (input features), bias replicated and added once after the reduction;
     nn.Embedding: vocabulary split (weight dim 0).
 
-    `output_layout`: where the partial sums are reduced to (Replicate: all_reduce; Shard(1): reduce_scatter).
+    `output_layout`: where the partial sums are reduced to (Replicate: all_reduce; Shard(1): reduce_scatter; None
+    leaves them Partial). DTensor's names: `output_layouts` (Partial() is output_layout=None), `input_layouts` and
+    `use_local_output` (accepted, as for ColwiseParallel).
     """
 
     input_layout: Layout | None = None
     output_layout: Layout | None = REPLICATE
+    _: KW_ONLY
+    input_layouts: InitVar[object] = None
+    output_layouts: InitVar[object] = None
+    use_local_output: InitVar[bool] = True
 
-    def check(self, module_name: str, size: int) -> None:
-        """Nothing beyond divisibility of the weight."""
+    def __post_init__(self, input_layouts: object, output_layouts: object, use_local_output: bool) -> None:
+        _read_layouts(self, input_layouts, output_layouts, natural_output=PARTIAL)
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layout of each of the module's own parameters."""
@@ -112,11 +170,21 @@ class RowwiseParallel:
 
 
 @dataclass(frozen=True)
-class SequenceParallel:
+class SequenceParallel(Style):
     """A norm computed on sequence-sharded activations: parameters replicated, input and output sharded on `seq_dim`
-    (an input still Partial is reduce-scattered into it)."""
+    (an input still Partial is reduce-scattered into it). DTensor's names: `sequence_dim` (`seq_dim`),
+    `use_local_output` (accepted)."""
 
     seq_dim: int = 1
+    _: KW_ONLY
+    sequence_dim: InitVar[int | None] = None
+    use_local_output: InitVar[bool] = False
+
+    def __post_init__(self, sequence_dim: int | None, use_local_output: bool) -> None:
+        if sequence_dim is not None:
+            if self.seq_dim != _default(self, "seq_dim"):
+                raise ValueError("SequenceParallel: give seq_dim or DTensor's sequence_dim, not both")
+            object.__setattr__(self, "seq_dim", sequence_dim)
 
     @property
     def input_layout(self) -> Layout:
@@ -125,9 +193,6 @@ class SequenceParallel:
     @property
     def output_layout(self) -> Layout:
         return Shard(self.seq_dim)
-
-    def check(self, module_name: str, size: int) -> None:
-        """Nothing to check: parameters are replicated."""
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Every parameter replicated."""
@@ -138,25 +203,19 @@ class SequenceParallel:
 
 
 @dataclass(frozen=True)
-class FeatureShardedNorm:
+class FeatureShardedNorm(Style):
     """A norm over a feature dim that arrives sharded (OLMo-2's q/k norm over all heads of a column-parallel
     projection): weight and bias split like the features, so each rank normalizes its own features and only
     the statistics (b*s numbers) are all_reduced; the activations are never gathered.
     """
 
-    input_layout = None
-    output_layout = None
-
-    def check(self, module_name: str, size: int) -> None:
-        """Nothing beyond divisibility of the parameters (whole heads are checked on the projection)."""
-
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
-        """Every parameter split on its (only) dim."""
+        """Every parameter split on its (only) dim (whole heads are checked on the projection)."""
         return {name: Shard(0) for name, _ in module.named_parameters(recurse=False)}
 
 
 @dataclass(frozen=True)
-class KVCacheParallel:
+class KVCacheParallel(Style):
     """A KV cache (litgpt's `KVCache`: buffers `k`, `v` of shape (batch, heads, max_seq_length, head_size)) split
     by heads like the K/V heads of the attention that fills it, so writing new keys and values is local.
 
@@ -167,11 +226,6 @@ class KVCacheParallel:
     """
 
     head_dim: int = 1
-    input_layout = None
-    output_layout = None
-
-    def check(self, module_name: str, size: int) -> None:
-        """Whole heads per rank, checked against the buffers in `tensor_layouts`."""
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Every buffer split on `head_dim`, each head replicated where there are fewer heads than ranks."""
@@ -185,12 +239,36 @@ class KVCacheParallel:
         return layouts
 
 
-Style = ColwiseParallel | RowwiseParallel | SequenceParallel | FeatureShardedNorm | KVCacheParallel
+@dataclass(frozen=True)
+class ModuleLayouts(Style):
+    """The inputs and outputs of a module turned into layouts where it is called, as DTensor's PrepareModuleInput and
+    PrepareModuleOutput do: `inputs` one layout per positional input, `kwarg_inputs` (name, layout) pairs,
+    `outputs` one per output (several for a module returning a tuple); None leaves a value as it comes. The
+    module's own tensors are left to the styles of its submodules."""
+
+    inputs: tuple[Layout | None, ...] | None = None
+    kwarg_inputs: tuple[tuple[str, Layout], ...] = ()
+    outputs: tuple[Layout | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        kwargs = self.kwarg_inputs.items() if isinstance(self.kwarg_inputs, Mapping) else self.kwarg_inputs
+        object.__setattr__(self, "inputs", _as_layouts(self.inputs))
+        object.__setattr__(self, "outputs", _as_layouts(self.outputs))
+        object.__setattr__(self, "kwarg_inputs", tuple(sorted((k, as_layout(x)) for k, x in kwargs if x is not None)))
+
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+        """None: the module's own tensors are not split by this style."""
+        return {}
+
+
+def _as_layouts(layouts: tuple | None) -> tuple[Layout | None, ...] | None:
+    return None if layouts is None else tuple(as_layout(x) for x in layouts)
 
 
 def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
-    """Module name -> style for every module a plan key (exact or glob) matches; unmatched keys raise."""
-    names = [name for name, _ in model.named_modules() if name]
+    """Module name -> style for every module a plan key (a name, a glob or "": the model) matches; unmatched keys
+    raise."""
+    names = [name for name, _ in model.named_modules()]
     matched: dict[str, Style] = {}
     for pattern, style in plan.items():
         hits = plan_key_matches(pattern, names)
@@ -225,25 +303,41 @@ class PlannedTensors:
 
 
 def planned_tensors(module: nn.Module, styles: Mapping[str, Style], size: int) -> PlannedTensors:
-    """The layout of every tensor that `styles` (module name -> style) covers on `size` ranks, each checked: whole
-    units (heads) per rank, divisibility, agreement with a `distparallel_type` already on the parameter."""
+    """The layout of every tensor that `styles` (module name -> style) covers on `size` ranks, each checked: what
+    the style checks (whole heads per rank), divisibility, agreement with a `distparallel_type` already on the
+    parameter."""
     planned = PlannedTensors({}, {}, {})
     for module_name, style in styles.items():
         submodule = module.get_submodule(module_name)
-        style.check(module_name, size)
-        for tname, layout in style.tensor_layouts(submodule, size).items():
-            name = f"{module_name}.{tname}"
+        try:
+            layouts = style.tensor_layouts(submodule, size)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{module_name or type(module).__name__}: {e}") from e
+        for tname, layout in layouts.items():
+            name = _qualified(module_name, tname)
             tensor, is_parameter = getattr(submodule, tname), tname in submodule._parameters
             check_distparallel_type(name, tensor, layout)
             check_shardable(tensor.shape, layout, size, f"{'parameter' if is_parameter else 'buffer'} {name!r}")
             (planned.parameters if is_parameter else planned.buffers)[name] = layout
-        planned.weight_styles[f"{module_name}.weight"] = style
+        planned.weight_styles[_qualified(module_name, "weight")] = style
     return planned
 
 
+def _qualified(module_name: str, tensor_name: str) -> str:
+    """A tensor's name in the model ("" is the model itself)."""
+    return f"{module_name}.{tensor_name}" if module_name else tensor_name
+
+
 def plan_key_matches(pattern: str, names: list[str]) -> list[str]:
-    """The module names a plan key (a name or a glob) matches."""
-    return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    """The module names a plan key matches, as DTensor's parallelize_module matches them: segment by segment between
+    the dots, each a glob of one name segment (`layers.*.mlp` matches `layers.0.mlp`, not `layers.0.moe.mlp`); ""
+    matches the model itself."""
+    parts = pattern.split(".")
+    return [n for n in names if (n == "") == (pattern == "") and _segments_match(parts, n.split("."))]
+
+
+def _segments_match(patterns: list[str], segments: list[str]) -> bool:
+    return len(patterns) == len(segments) and all(fnmatchcase(s, p) for s, p in zip(segments, patterns))
 
 
 def styles_from_distparallel_type(model: nn.Module) -> dict[str, Style]:

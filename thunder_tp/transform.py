@@ -14,7 +14,8 @@ from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
-from thunder_tp.constraints import constrain_styled_ops
+from thunder_tp.constraints import constrain_module_boundaries, constrain_styled_ops
+from thunder_tp.dtensor_styles import read_plan
 from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import (
     REPLICATE,
@@ -56,6 +57,9 @@ _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHAR
 class TensorParallel(Transform):
     """Tensor parallelism from a plan of styles, `distparallel_type` on parameters and `annotate` calls.
 
+    `plan`: module name (or glob, matched as DTensor matches it) -> a thunder_tp style or one of DTensor's
+    (torch.distributed.tensor.parallel), or a nested plan for a submodule (thunder_tp.dtensor_styles).
+
     `plan="auto"`: the plan `thunder_tp.plans.auto` searches for on a trace of the model made from
     `example_inputs` (args, kwargs), at jit, on every rank alike (the TP size is the process group's).
     `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs (one small all_gather) and all
@@ -65,7 +69,7 @@ class TensorParallel(Transform):
 
     def __init__(
         self,
-        plan: Mapping[str, Style] | str | None = None,
+        plan: Mapping[str, object] | str | None = None,
         process_group: dist.ProcessGroup | None = None,
         *,
         example_inputs: tuple[tuple, dict] | None = None,
@@ -108,6 +112,7 @@ class TensorParallel(Transform):
         planned = planned_tensors(module, styles, self.tp.size)
         self.parameter_layouts, self.buffer_layouts = planned.parameters, planned.buffers
         self.weight_styles = planned.weight_styles
+        constrain_module_boundaries(module, styles)
         tied = tied_parameters(module)
         check_tied_layouts(tied, self.parameter_layouts)
         local = self._local_layouts(model)
@@ -242,11 +247,11 @@ class TensorParallel(Transform):
 
 
 def _checked_plan(plan, example_inputs) -> dict[str, Style] | str:
-    """A plan mapping, or "auto" with its example inputs."""
+    """A plan mapping (DTensor's styles read as thunder_tp's), or "auto" with its example inputs."""
     if not isinstance(plan, str):
         if example_inputs is not None:
             raise ValueError("thunder_tp.TensorParallel: example_inputs= is for plan=\"auto\"; a given plan needs none")
-        return dict(plan or {})
+        return read_plan(plan or {})
     if plan != "auto":
         raise ValueError(f"thunder_tp.TensorParallel: plan must be a mapping of module names to styles or \"auto\", got {plan!r}")
     if not (isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict)):

@@ -65,6 +65,7 @@ from thunder_tp.models.moe import (
     weighted_sum,
 )
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.styles import Style
 
 __all__ = ["ExpertParallel", "RouterParallel", "expert_parallel_moe", "expert_parallel_plan"]
 
@@ -74,41 +75,33 @@ _EXPERT_ARGUMENTS = ("fc_1", "fc_2", "proj", "fc_1_bias", "fc_2_bias", "proj_bia
 
 
 @dataclass(frozen=True)
-class ExpertParallel:
+class ExpertParallel(Style):
     """One expert's linear layer (expert `index` of `n_expert`) held whole by one rank: each rank holds
     n_expert / size experts (StackShard)."""
 
     index: int
     n_expert: int
-    input_layout = None
-    output_layout = None
 
-    def check(self, module_name: str, size: int) -> None:
-        """The ranks must share the experts evenly."""
+    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
+        """Every parameter whole on the expert's rank; the ranks must share the experts evenly."""
         if self.n_expert % size:
             sizes = ", ".join(str(s) for s in range(1, self.n_expert + 1) if self.n_expert % s == 0)
             raise ValueError(
-                f"{module_name}: expert parallelism holds each of the {self.n_expert} experts whole on one rank, and "
-                f"{size} ranks cannot share {self.n_expert} experts evenly; use a TP size that divides "
-                f"{self.n_expert} ({sizes}), or split the experts like dense MLPs (expert_parallel=False)"
+                f"expert parallelism holds each of the {self.n_expert} experts whole on one rank, and {size} ranks "
+                f"cannot share {self.n_expert} experts evenly; use a TP size that divides {self.n_expert} ({sizes}), "
+                "or split the experts like dense MLPs (expert_parallel=False)"
             )
-
-    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
-        """Every parameter whole on the expert's rank."""
         return {name: StackShard(self.index, self.n_expert) for name, _ in module.named_parameters(recurse=False)}
 
 
 @dataclass(frozen=True)
-class RouterParallel:
+class RouterParallel(Style):
     """The router of an expert-parallel MoE layer: its parameters replicated, the layer's tokens split over the ranks
     (`input_layout`: the sequence dim; a sequence the ranks cannot split stays whole, each rank then dispatching its
     share of the rows) and its output made `output_layout`."""
 
     input_layout: Layout | None = Shard(1)
     output_layout: Layout | None = REPLICATE
-
-    def check(self, module_name: str, size: int) -> None:
-        """Nothing to check: parameters are replicated."""
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Every parameter replicated."""

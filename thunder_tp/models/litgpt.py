@@ -30,7 +30,7 @@ import torch.nn as nn
 from thunder_tp.families import Wrapper, register_wrapper_rule
 from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
-from thunder_tp.styles import ColwiseParallel, RowwiseParallel
+from thunder_tp.styles import ColwiseParallel, RowwiseParallel, Style
 
 __all__ = ["LoRAPairParallel", "kv_cache_forward", "llama_moe_forward"]
 
@@ -80,18 +80,14 @@ def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class LoRAPairParallel:
+class LoRAPairParallel(Style):
     """The LoRA pair of a litgpt LoRALinear (`lora_A` r x in, `lora_B` out x r) split like its base layer: under a
     column-parallel base (outputs split) `lora_B`'s rows are split like the base's outputs (its q|k|v blocks: those
     LoRA is enabled for) and `lora_A` is whole; under a row-parallel base (inputs split) `lora_A`'s columns are split
-    like the base's inputs and `lora_B` is whole. The LoRA path's ops are laid out by propagation."""
+    like the base's inputs and `lora_B` is whole. The LoRA path's ops are laid out by propagation; whole heads per rank
+    are checked on the base layer."""
 
     base: ColwiseParallel | RowwiseParallel
-    input_layout = None
-    output_layout = None
-
-    def check(self, module_name: str, size: int) -> None:
-        """Whole heads per rank: checked on the base layer."""
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layouts of `lora_A` and `lora_B`."""

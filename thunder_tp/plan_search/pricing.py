@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from thunder_tp.communication import Communication, plan_communication
+from thunder_tp.communication import Communication, schedule_collectives
 from thunder_tp.constraints import constrain_styled_ops
+from thunder_tp.dtensor_styles import read_plan
 from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
 from thunder_tp.plan_search.decisions import Decision
 from thunder_tp.plan_search.tracing import Traced
 from thunder_tp.propagation import Propagation
-from thunder_tp.styles import Style, check_tied_layouts, match_plan, planned_tensors, tied_parameters
+from thunder_tp.styles import ModuleLayouts, Style, check_tied_layouts, match_plan, planned_tensors, tied_parameters
 from thunder_tp.thunder_internals.prologue import flat_args, trace_body
 
 #: the default budget's slack over "every weight matrix sharded": room to keep a small matrix whole (a router)
@@ -53,9 +54,18 @@ class Pricing:
         except (ValueError, TypeError):
             return None
 
-    def price_plan(self, plan: dict[str, Style]) -> tuple[Communication, int]:
-        """A plan's price; a ValueError if it cannot run on this model at this TP size."""
-        priced = self._price(match_plan(self.module, plan))
+    def price_plan(self, plan: dict[str, object]) -> tuple[Communication, int]:
+        """A plan's price (DTensor's styles read as thunder_tp's); a ValueError if it cannot run on this model at this
+        TP size."""
+        styles = match_plan(self.module, read_plan(plan))
+        boundaries = [name for name, style in styles.items() if isinstance(style, ModuleLayouts)]
+        if boundaries:
+            raise ValueError(
+                f"thunder_tp.plans.auto prices a plan on the trace it searched, made without constraints at module "
+                f"boundaries; {boundaries} have ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput): "
+                "leave them out of the plan to price"
+            )
+        priced = self._price(styles)
         if priced is None:
             raise ValueError(f"thunder_tp.plans.auto: the plan does not run on this model over {self.tp.size} ranks")
         return priced
@@ -82,7 +92,7 @@ class Pricing:
             steps = propagation.run(trace_body(logical))
         except NotImplementedError:
             return None
-        return plan_communication(logical, steps, propagation.layouts, self.tp, training=self.training).price()
+        return schedule_collectives(logical, steps, propagation.layouts, self.tp, training=self.training).price()
 
     def memory(self, layouts: dict[str, Layout], only: str | None = None) -> int:
         """Parameter bytes per rank (of parameter `only`, if given)."""
