@@ -1,0 +1,149 @@
+"""thunder_tp's import graph keeps its layers (docs/design.md "The folders"): no circle among the imports a module runs
+when it is imported, and no module imports a layer above its own. Read from the source with ast; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "thunder_tp"
+
+# The layers, bottom to top: a module may import its own layer and the ones below it. A module belongs to the layer
+# of the longest prefix listed here; every other module is the core.
+LAYERS: dict[str, int] = {
+    "thunder_tp": 0,  # the core (layouts, styles, propagation, rewrite, transform, executor, collectives, ...)
+    "thunder_tp.models": 1,  # the model families, which register themselves into the core
+    "thunder_tp.plans": 2,  # the public plans (plans.litgpt, plans.hf, plans.auto) built on the families
+    "thunder_tp.__init__": 3,  # the public API: the package itself, above everything it gathers
+    "thunder_tp.generate": 4,  # the generation CLI, a user of the public API
+    "thunder_tp.fabric": 4,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
+}
+LAYER_NAMES = {0: "core", 1: "models", 2: "plans", 3: "the package __init__", 4: "generate / fabric"}
+
+
+def module_name(path: Path) -> str:
+    """``thunder_tp/a/b.py`` -> ``thunder_tp.a.b``; a package's ``__init__.py`` -> the package."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_package(name: str) -> bool:
+    """Whether ``name`` is a package (a folder with ``__init__.py``) of thunder_tp."""
+    return (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()
+
+
+def known_module(name: str) -> bool:
+    """Whether ``name`` is a module or package of thunder_tp."""
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def layer_of(name: str) -> int:
+    """The layer of module ``name`` (the package itself is its ``__init__``)."""
+    if name == "thunder_tp":
+        return LAYERS["thunder_tp.__init__"]
+    prefix = max((p for p in LAYERS if name == p or name.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom, importer: str) -> list[str]:
+    """The thunder_tp modules an import statement in module ``importer`` runs."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name.split(".")[0] == "thunder_tp"]
+    if node.level:  # relative: resolved against the importer's package
+        package = importer if is_package(importer) else importer.rpartition(".")[0]
+        base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([node.module] if node.module
+                                                                                          else []))
+    else:
+        base = node.module or ""
+    if base.split(".")[0] != "thunder_tp":
+        return []
+    # `from pkg import sub` runs the submodule; `from pkg import name` runs pkg's __init__
+    names = [f"{base}.{alias.name}" for alias in node.names]
+    return [name if known_module(name) else base for name in names]
+
+
+def module_level(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports that run when the module is imported: everywhere but inside functions."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Per module: the modules it imports at module level, and the ones it imports anywhere (functions included)."""
+    eager, every = {}, {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imports = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+        every[name] = {m for node in imports for m in imported_modules(node, name)} - {name}
+        eager[name] = {m for node in module_level(tree) for m in imported_modules(node, name)} - {name}
+    return eager, every
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` as a list of modules (its first repeated at the end), or None."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                return stack[stack.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[module] = "done"
+        stack.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above the importer's, as ``importer (layer) -> imported (layer)``."""
+    return [f"{importer} ({LAYER_NAMES[layer_of(importer)]}) -> {target} ({LAYER_NAMES[layer_of(target)]})"
+            for importer, targets in sorted(graph.items()) for target in sorted(targets)
+            if layer_of(target) > layer_of(importer)]
+
+
+def test_no_circle_at_module_level():
+    eager, _ = import_graph()
+    cycle = find_cycle(eager)
+    assert cycle is None, "modules import each other in a circle: " + " -> ".join(cycle)
+
+
+def test_nothing_imports_upwards():
+    _, every = import_graph()
+    assert not upward_imports(every), "imports of a layer above the importer's:\n" + "\n".join(upward_imports(every))
+
+
+@pytest.mark.parametrize("importer, target", [("thunder_tp.layouts", "thunder_tp.models.litgpt"),
+                                              ("thunder_tp.models.moe", "thunder_tp.plans.hf"),
+                                              ("thunder_tp.plans.litgpt", "thunder_tp.fabric.strategy"),
+                                              ("thunder_tp.styles", "thunder_tp"),
+                                              ("thunder_tp", "thunder_tp.generate")])
+def test_a_planted_upward_import_is_found(importer, target):
+    _, every = import_graph()
+    assert upward_imports({**every, importer: every[importer] | {target}}) == [
+        f"{importer} ({LAYER_NAMES[layer_of(importer)]}) -> {target} ({LAYER_NAMES[layer_of(target)]})"]
+
+
+def test_a_planted_circle_is_found():
+    eager, _ = import_graph()
+    planted = {**eager, "thunder_tp.layouts": eager["thunder_tp.layouts"] | {"thunder_tp.transform"}}
+    cycle = find_cycle(planted)
+    assert cycle is not None and "thunder_tp.layouts" in cycle and "thunder_tp.transform" in cycle
