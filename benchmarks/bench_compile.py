@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import EXECUTORS, init_distributed, log, pin_to_core, random_batch, slowest_rank, write_json
+from benchmarks.lib.harness import EXECUTORS, init_distributed, log, pin_to_core, random_batch, slowest_rank, write_json
 
 #: TensorParallel's entry points whose time is thunder_tp's own passes
 PASSES = ("transform_module", "transform_traces_pre_prologue")

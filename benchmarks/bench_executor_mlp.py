@@ -19,7 +19,7 @@ import torch.distributed as dist
 import thunder
 
 import thunder_tp
-from harness import exit_without_teardown
+from benchmarks.lib.harness import exit_without_teardown
 
 
 class MLP(torch.nn.Module):

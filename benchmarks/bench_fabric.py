@@ -39,8 +39,7 @@ from litgpt import pretrain as litgpt_pretrain
 from litgpt.args import EvalArgs, TrainArgs
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama import LlamaConfig, litgpt_config  # noqa: E402  (the benchmark Llama's dims as a litgpt config)
+from benchmarks.lib.llama import LlamaConfig, litgpt_config
 
 
 # --- (b): Lightning's ModelParallelStrategy with the Megatron plan ------------------------------------------------

@@ -62,12 +62,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from harness import (
+from benchmarks.lib.harness import (
     EXECUTORS, Mode, alternating_rounds, collectives_lines, exit_without_teardown, fmt_bytes, init_distributed,
     kv_cache_bytes, log, on_ranks, param_bytes, pin_to_core, random_batch, seeded_model, slowest_rank, tensor_bytes,
     write_json,
 )
-from litgpt_setup import DTYPES
+from benchmarks.lib.litgpt_setup import DTYPES
 
 MODEL_SEED, PROMPT_SEED = 1337, 1234
 #: a mode's token may leave the reference's where their reference logits are this many eps of the dtype (times the

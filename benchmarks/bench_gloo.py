@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import alternating_rounds, set_other_threads_scheduling
+from benchmarks.lib.harness import alternating_rounds, set_other_threads_scheduling
 
 
 def _median_ms(step, repeats: int) -> tuple[float, float]:

@@ -23,8 +23,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from harness import exit_without_teardown, init_distributed, log
-from litgpt_setup import HF_SIZES
+from benchmarks.lib.harness import exit_without_teardown, init_distributed, log
+from benchmarks.lib.litgpt_setup import HF_SIZES
 
 
 def read_bytes() -> int:

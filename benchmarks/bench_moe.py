@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import thunder
 import torch
 import torch.distributed as dist
-from harness import (
+from benchmarks.lib.harness import (
     alternating_rounds,
     collectives_per_iteration,
     exit_without_teardown,

@@ -49,11 +49,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from harness import (
+from benchmarks.lib.harness import (
     EXECUTORS, collectives_lines, collectives_per_iteration, exit_without_teardown, fmt_bytes, init_distributed, log,
     param_bytes, peak_memory_bytes, saved_for_backward, slowest_rank, timed, train_step, write_json,
 )
-from litgpt_setup import (
+from benchmarks.lib.litgpt_setup import (
     DTYPES, FP8_MODES, MODES, Groups, accumulation_steps, make_batch, make_config, make_model, model_info,
     resolve_groups,
 )

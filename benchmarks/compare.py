@@ -59,17 +59,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from breakdown import step_breakdown
-from compare_modes import all_modes, make_model, select_modes
-from compare_report import report, summary_line
-from gate import GradientMismatch, check_gradients, full_grads
-from harness import (
+from benchmarks.lib.breakdown import step_breakdown
+from benchmarks.lib.compare_modes import all_modes, make_model, select_modes
+from benchmarks.lib.compare_report import report, summary_line
+from benchmarks.lib.gate import GradientMismatch, check_gradients, full_grads
+from benchmarks.lib.harness import (
     Mode, add_round, alternating_rounds, exit_without_teardown, init_distributed, on_ranks, param_bytes,
     peak_step_bytes, pin_to_core, random_batch, saved_for_backward, set_other_threads_scheduling, slowest_rank,
     step_context, steps_per_round, sync, tensor_bytes, time_stats, timed, train_step,
 )
-from llama import LlamaConfig, transform_scaling
-from transport import communication_cost, steps_without_transport
+from benchmarks.lib.llama import LlamaConfig, transform_scaling
+from benchmarks.lib.transport import communication_cost, steps_without_transport
 
 # --- collectives and saved tensors seen at runtime (eager and DTensor modes) ----------------------------------
 

@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from compare import comm_mode, hooked_saved_bytes, prioritize_transport_threads, summarize_records
-from gate import check_gradients, full_grads
-from harness import (
+from benchmarks.compare import comm_mode, hooked_saved_bytes, prioritize_transport_threads, summarize_records
+from benchmarks.lib.gate import check_gradients, full_grads
+from benchmarks.lib.harness import (
     EXECUTORS, Mode, add_round, alternating_rounds, collectives_per_iteration, exit_without_teardown,
     init_distributed, log, peak_step_bytes, pin_to_core, random_batch, saved_for_backward, slowest_rank,
     steps_per_round, time_stats, timed, write_json,
 )
-from litgpt_setup import HF_SIZES
+from benchmarks.lib.litgpt_setup import HF_SIZES
 
 LR = 1e-3
 
@@ -160,7 +160,7 @@ def time_rounds(states: dict, idx, targets, args, results: dict) -> None:
     """Every mode's timed steps in alternating rounds (order reversed every other round); a step starts at a barrier
     and lasts until its slowest rank is done. With ``--without_transport 1`` each mode's steps of every round run
     again right after, with collectives that move nothing (``transport.py``)."""
-    from transport import steps_without_transport
+    from benchmarks.lib.transport import steps_without_transport
 
     runs = [(name, transport) for name in states for transport in (True, False)
             if transport or args.without_transport]
@@ -184,7 +184,7 @@ def finish_mode(mode: Mode, state: tuple, idx, targets, args, result: dict) -> N
     result |= time_stats(result["times_s"])
     result["step_ms"] = 1000 * result["median_s"]
     if "without_transport" in result:
-        from transport import communication_cost
+        from benchmarks.lib.transport import communication_cost
 
         without = result.pop("without_transport")
         without["minor_faults"] = [0.0]
@@ -192,7 +192,7 @@ def finish_mode(mode: Mode, state: tuple, idx, targets, args, result: dict) -> N
     if args.profile:
         profile_steps(mode.name, module, optimizer, idx, targets, args.profile if dist.get_rank() == 0 else None)
     if args.breakdown and mode.runtime == "thunder":
-        from breakdown import step_breakdown
+        from benchmarks.lib.breakdown import step_breakdown
 
         result["breakdown"] = step_breakdown(module, lambda: step(module, optimizer, idx, targets), args.breakdown,
                                              distributed=True)

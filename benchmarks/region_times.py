@@ -18,10 +18,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from breakdown import _compiled, _unwrapped
-from compare_hf import build, save_model, step
-from harness import exit_without_teardown, init_distributed, pin_to_core, random_batch
-from litgpt_setup import HF_SIZES
+from benchmarks.lib.breakdown import _compiled, _unwrapped
+from benchmarks.compare_hf import build, save_model, step
+from benchmarks.lib.harness import exit_without_teardown, init_distributed, pin_to_core, random_batch
+from benchmarks.lib.litgpt_setup import HF_SIZES
 
 
 def main() -> int:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import os
 import pickle
 import signal
@@ -59,14 +58,12 @@ __all__ = [
     "run_ranks",
     "free_port",
     "assert_close",
-    "benchmark_module",
     "shutdown_pools",
     "RanksFailed",
     "FAILURE_GRACE_S",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 
 #: After the first rank fails, how long the remaining ranks may still take before
 #: the pool is killed (they are usually stuck in a collective).
@@ -138,13 +135,6 @@ def torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = R
     assert proc.returncode == 0, (f"exit {proc.returncode}: {' '.join(command)}\n{stdout[-3000:]}\n--- first traceback "
                                   f"---\n{stderr[max(first, 0):][:6000]}\n--- end ---\n{stderr[-6000:]}")
     return stdout, stderr
-
-
-def benchmark_module(name: str):
-    """A module of benchmarks/ (which import each other as siblings, as when run as scripts)."""
-    if BENCHMARKS not in sys.path:
-        sys.path.insert(0, BENCHMARKS)
-    return importlib.import_module(name)
 
 
 def _reserve_port() -> tuple[socket.socket, int]:
@@ -236,8 +226,9 @@ def _process_defaults_restored(torch):
         torch.set_grad_enabled(grad)
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, stack_file: str, repo_root: str) -> None:
-    # Must happen before torch is imported in this process.
+def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, stack_file: str) -> None:
+    # Must happen before torch is imported in this process. (The parent's sys.path, the repo root first, comes with
+    # the spawn start method.)
     os.environ.update(_WORKER_ENV)
     for k, v in _WORKER_ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
@@ -249,8 +240,6 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, s
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    if repo_root not in sys.path:
-        sys.path.insert(0, repo_root)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="watch-parent").start()
 
     import faulthandler
@@ -365,7 +354,7 @@ class _Pool:
                     parent_conn, child_conn = ctx.Pipe(duplex=True)
                     p = ctx.Process(
                         target=_worker_main,
-                        args=(rank, self.world_size, port, child_conn, os.getpid(), stack_file, REPO_ROOT),
+                        args=(rank, self.world_size, port, child_conn, os.getpid(), stack_file),
                         name=f"dist-w{self.world_size}-r{rank}",
                         daemon=False,  # daemonic processes may not start children
                     )

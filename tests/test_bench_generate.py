@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import REPO_ROOT, benchmark_module, torchrun
+from benchmarks import bench_generate as bench
+from tests.dist import torchrun
 
-SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_generate.py"
 TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "4", "--n_query_groups", "2", "--intermediate_size", "128",
         "--vocab", "256", "--prompt_len", "8", "--new_tokens", "3", "--rounds", "1", "--compile", "thunder_default"]
 TIMEOUT_S = 300
@@ -48,7 +48,7 @@ def test_torchrun(tmp_path):
     """Batch 1 (litgpt's generate loop), fp32, from the command line: every mode."""
     modes = ["single_eager", "single_thunder", "thunder_tp", "manual_tp", "eager_2threads"]
     json_path = tmp_path / "results.json"
-    stdout, stderr = torchrun([str(SCRIPT), *TINY, "--modes", ",".join(modes), "--json_path", str(json_path)],
+    stdout, stderr = torchrun(["-m", "benchmarks.bench_generate", *TINY, "--modes", ",".join(modes), "--json_path", str(json_path)],
                               timeout=TIMEOUT_S, cwd=str(tmp_path))
     output = stdout + stderr
     _check(json.loads(json_path.read_text()), modes, 1, 4)
@@ -60,7 +60,6 @@ def _run(argv: list[str]) -> tuple[int, dict]:
     import torch
     import torch.distributed as dist
 
-    bench = benchmark_module("bench_generate")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.json") if dist.get_rank() == 0 else ""
         args = bench.parse_args([*TINY, *argv, "--pin_cores", "0", "--json_path", path])
@@ -82,7 +81,6 @@ def test_batched_bf16():
 def test_tokens_must_match_up_to_a_near_tie():
     import torch
 
-    bench = benchmark_module("bench_generate")
     tokens = torch.tensor([[1, 2, 3], [1, 2, 3]])
     logits = torch.zeros(2, 3, 8)
     logits[1, 1, 2], logits[1, 1, 5] = 4.0, 3.9999  # row 1's second token: 2 by a hair over 5

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from tests.dist import BENCHMARKS
+from tests.dist import REPO_ROOT
 
 TINY = ["--model", "tiny", "--tp", "4", "--quick", "--layers", "0,1", "--full_layers", "2", "--peak_at_full",
         "--seq", "32", "--context", "16", "--decode_batches", "1", "--steps", "2", "--warmup", "1", "--project"]
@@ -16,7 +16,8 @@ TINY = ["--model", "tiny", "--tp", "4", "--quick", "--layers", "0,1", "--full_la
 
 def test_tiny_tp4_on_cpu(tmp_path):
     json_path = tmp_path / "rank.json"
-    proc = subprocess.run([sys.executable, "bench_rank.py", *TINY, "--json_path", str(json_path)], cwd=BENCHMARKS,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_rank", *TINY, "--json_path", str(json_path)],
+                          cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=900, env={"OMP_NUM_THREADS": "1", **_env()})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
@@ -56,9 +57,7 @@ def _training_row(mode: str, loss: float) -> dict:
 
 def test_report_fails_where_the_backends_losses_differ():
     """(a) and (b) run the same weights and batch: their losses must agree within bf16's rounding."""
-    from tests.dist import benchmark_module
-
-    report = benchmark_module("rank_report")
+    from benchmarks.lib import rank_report as report
     lines, failed = report._structure_lines([_training_row("a", 11.75), _training_row("b", 11.8125)], "bfloat16")
     assert not failed and "loss 11.7500 vs 11.8125" in lines[0], lines
     lines, failed = report._structure_lines([_training_row("a", 11.75), _training_row("b", 12.5)], "bfloat16")
@@ -68,9 +67,7 @@ def test_report_fails_where_the_backends_losses_differ():
 
 def test_peak_at_full_depth_or_why_not():
     """The peak measured at full depth replaces the extrapolated one; where that run failed, the reason is given."""
-    from tests.dist import benchmark_module
-
-    bench_rank = benchmark_module("bench_rank")
+    from benchmarks import bench_rank
     by_depth = {0: {"peak_bytes": 5}, 1: {"peak_bytes": 3}}
     row = {"peak_bytes": -13}  # extrapolated from 5 and 3 to 10 layers
     assert bench_rank._peak_source(row, by_depth, {"peak_bytes": 40, "traces": {}}, 10) == "measured at 10 layers"

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import REPO_ROOT, benchmark_module, torchrun
+from benchmarks import benchmark_litgpt as bench
+from benchmarks.lib import harness
+from benchmarks.lib import litgpt_setup as setup
+from tests.dist import REPO_ROOT, torchrun
 
-SCRIPT = Path(REPO_ROOT) / "benchmarks" / "benchmark_litgpt.py"
 TINY = ["--model_name", "pythia-14m", "--n_layers", "1", "--block_size", "32", "--micro_batch_size", "1",
         "--max_iters", "3", "--warmup_iters", "1", "--compile", "thunder_default"]
 TIMEOUT_S = 300
@@ -36,7 +38,7 @@ def _env() -> dict[str, str]:
 def _torchrun(tmp_path: Path, *args: str) -> tuple[dict, str]:
     """Run the benchmark on 2 ranks; return its JSON results and its output."""
     json_path = tmp_path / "results.json"
-    stdout, stderr = torchrun([str(SCRIPT), *TINY, "--json_path", str(json_path), *args], timeout=TIMEOUT_S,
+    stdout, stderr = torchrun(["-m", "benchmarks.benchmark_litgpt", *TINY, "--json_path", str(json_path), *args], timeout=TIMEOUT_S,
                               cwd=str(tmp_path))
     return json.loads(json_path.read_text()), stdout + stderr
 
@@ -110,7 +112,6 @@ def _run(argv: list[str], json_path: str) -> str:
     import torch
     import torch.distributed as dist
 
-    bench = benchmark_module("benchmark_litgpt")
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         assert bench.run(bench.parse_args([*TINY, *argv, "--json_path", json_path]), dist.get_rank(),
@@ -170,7 +171,6 @@ def test_plan_auto_prints_the_plan_it_trains_with(tmp_path):
 
 def test_simulate_dry_run(tmp_path, capsys):
     """--simulate 2: the TP plan on 2 ranks simulated in one plain process (here, pytest's: it holds no process group)."""
-    bench = benchmark_module("benchmark_litgpt")
     argv = [*TINY, "--distributed_mode", "tp", "--loss_parallel", "true", "--simulate", "2",
             "--json_path", str(tmp_path / "results.json")]
     assert bench.main(argv) == 0
@@ -199,7 +199,6 @@ def _train(argv: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    bench, harness, setup = (benchmark_module(n) for n in ("benchmark_litgpt", "harness", "litgpt_setup"))
     args = bench.parse_args([*TINY, *argv])
     world = dist.get_world_size()
     groups = setup.make_groups(args.tp_size or world)
@@ -274,7 +273,6 @@ def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
 
 
 def test_options():
-    bench, setup = benchmark_module("benchmark_litgpt"), benchmark_module("litgpt_setup")
     args = bench.parse_args(["--distributed_mode", "tp", "--dump_thunder_traces", "true", "--loss_parallel", "False"])
     assert args.dump_thunder_traces is True and args.loss_parallel is False and args.compile == "thunder"
     assert set(setup.MODES) >= {"none", "tp", "tp_sp"}
@@ -294,10 +292,10 @@ def test_options():
         setup.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
 
 
-@pytest.mark.parametrize("script", ["benchmark_litgpt.py", "compare.py", "bench_generate.py"])
+@pytest.mark.parametrize("script", ["benchmark_litgpt", "compare", "bench_generate"])
 def test_help_exits_zero(script):
     """``--help`` prints the usage and exits 0 (torchrun's ``@record`` returns None for a ``SystemExit(0)``)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT.parent / script), "--help"], env=_env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--help"], env=_env(), cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("usage:") and not proc.stderr.strip()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.dist import benchmark_module
+from benchmarks.lib import breakdown
 
 thunder = pytest.importorskip("thunder")
 
@@ -18,7 +18,6 @@ def test_matmuls_timed_inside_inductor_regions():
     import thunder_tp
     from torch._inductor.select_algorithm import extern_kernels
 
-    breakdown = benchmark_module("breakdown")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.GELU(), nn.Linear(128, 32, bias=False))
     jm = thunder.jit(model, executors=thunder_tp.executors())

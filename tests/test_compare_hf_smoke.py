@@ -3,11 +3,10 @@ under torchrun, each gated against one device (first-step loss and every gradien
 alternating rounds with and without transport."""
 
 import json
-import os
 
 import pytest
 
-from tests.dist import BENCHMARKS, torchrun
+from tests.dist import torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # from_pretrained(tp_plan="auto")
@@ -19,7 +18,7 @@ def test_compare_hf_smoke(tmp_path):
     json_path = tmp_path / "compare_hf.json"
     args = ["--n_layers", "1", "--batch", "1", "--seq", "16", "--steps", "2", "--rounds", "2", "--warmup", "0",
             "--executors", "thunder_default", "--without_transport", "1", "--json_path", str(json_path)]
-    stdout, _ = torchrun([os.path.join(BENCHMARKS, "compare_hf.py"), *args], timeout=TIMEOUT_S)
+    stdout, _ = torchrun(["-m", "benchmarks.compare_hf", *args], timeout=TIMEOUT_S)
     results = json.loads(json_path.read_text())
     assert set(results["modes"]) == {"hf_tp", "thunder_tp", "thunder_tp_lp"}
     for name, mode in results["modes"].items():

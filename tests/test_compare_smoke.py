@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from tests.dist import BENCHMARKS, REPO_ROOT, benchmark_module, run_ranks, torchrun
+from benchmarks import compare
+from benchmarks.lib import compare_modes, compare_report, gate, harness, llama, transport
+from tests.dist import REPO_ROOT, run_ranks, torchrun
 
 DIMS = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab": 64, "ffn_hidden": 64}
 BATCH, SEQ = 2, 8
@@ -35,7 +37,7 @@ pytest.importorskip("litgpt")
 def _compare(tmp_path, *args: str) -> tuple[dict, str]:
     """Run compare.py on 2 ranks under torchrun; its JSON report and stdout."""
     json_path = tmp_path / "compare.json"
-    stdout, _ = torchrun([os.path.join(BENCHMARKS, "compare.py"), *TINY, "--json_path", str(json_path), *args],
+    stdout, _ = torchrun(["-m", "benchmarks.compare", *TINY, "--json_path", str(json_path), *args],
                          timeout=TIMEOUT_S)
     return json.loads(json_path.read_text()), stdout
 
@@ -167,7 +169,6 @@ def test_compare_with_inductor(tmp_path):
 
 def test_gradient_gate_fails_on_one_wrong_entry():
     """One entry of one gradient off by 1e-3 of the largest: the gate names the mode and the parameter."""
-    gate = benchmark_module("gate")
     torch.manual_seed(0)
     reference = {"model.w1.weight": torch.randn(8, 4, dtype=torch.float64), "model.norm.weight": torch.randn(4, dtype=torch.float64)}
     grads = {name: g.float() for name, g in reference.items()}
@@ -190,8 +191,6 @@ def _gate_with_one_wrong_shard(mode_names: list[str]) -> dict:
     is off in one entry (gathered, every rank sees it)."""
     from torch.distributed.tensor import DTensor
 
-    compare, compare_modes, gate, harness, llama = (
-        benchmark_module(n) for n in ("compare", "compare_modes", "gate", "harness", "llama"))
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
     model = compare_modes.make_model("llama", cfg, 0)
@@ -230,8 +229,6 @@ def _steps_without_transport(mode_names: list[str]) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    compare_modes, harness, llama, transport = (
-        benchmark_module(n) for n in ("compare_modes", "harness", "llama", "transport"))
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
     modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
@@ -270,7 +267,7 @@ def test_steps_without_transport_move_nothing():
 def test_targets_pair_the_modes_round_by_round():
     """A slow round (the host busy) slows every mode of it: the paired ratio is the ratio within rounds, whatever the
     drift between them; the ratio of medians over all steps mixes rounds."""
-    report = benchmark_module("compare_report")
+    report = compare_report
     tp = {"median_s": 1.0, "round_medians_s": [0.8, 1.6, 0.8]}  # round 2: the host twice as slow for every mode
     dtensor = {"median_s": 1.0, "round_medians_s": [1.0, 2.0, 1.0]}
     single = {"median_s": 1.6, "round_medians_s": [1.44, 2.88, 1.44]}
@@ -283,7 +280,6 @@ def test_targets_pair_the_modes_round_by_round():
 def test_communication_cost_pairs_by_round():
     """A round where the host is slow slows a mode's steps with and without transport alike: what communication adds
     is the difference within rounds, whatever the drift between them."""
-    transport = benchmark_module("transport")
     timed = {"times_s": [0.8, 0.8, 1.6, 1.6, 0.8, 0.8], "round_medians_s": [0.8, 1.6, 0.8]}
     without = {"times_s": [0.7, 0.7, 1.5, 1.5, 0.7, 0.7], "round_medians_s": [0.7, 1.5, 0.7], "minor_faults": [3] * 6}
     cost = transport.communication_cost(timed, without)
@@ -293,8 +289,7 @@ def test_communication_cost_pairs_by_round():
 
 _PRIORITIZE = """
 import json, os, sys, threading
-sys.path.insert(0, sys.argv[1])
-import compare
+from benchmarks import compare
 ready, stop, tids = threading.Event(), threading.Event(), []
 def idle():
     tids.append(threading.get_native_id())
@@ -303,7 +298,7 @@ def idle():
 thread = threading.Thread(target=idle)
 thread.start()
 ready.wait()
-if sys.argv[2] == "unprivileged":
+if sys.argv[1] == "unprivileged":
     os.setuid(65534)  # nobody: no CAP_SYS_NICE, and RLIMIT_RTPRIO 0
 try:
     count, error = compare.prioritize_transport_threads(compare.torch.device("cpu")), None
@@ -323,7 +318,7 @@ def test_transport_threads_fifo_leaves_the_main_thread_alone(privileges):
     threads keep their policy)."""
     if privileges == "unprivileged" and os.geteuid() != 0:
         pytest.skip("dropping privileges needs root; the run as it is covers an unprivileged process")
-    proc = subprocess.run([sys.executable, "-c", _PRIORITIZE, BENCHMARKS, privileges], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _PRIORITIZE, privileges], capture_output=True, text=True,
                           timeout=300, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -337,7 +332,6 @@ def test_transport_threads_fifo_leaves_the_main_thread_alone(privileges):
 
 def test_transport_threads_fifo_refused_on_cuda():
     """On CUDA the option is refused with the reason, before any thread changes policy."""
-    compare = benchmark_module("compare")
     with pytest.raises(SystemExit, match="for CPU runs"):
         compare.prioritize_transport_threads(torch.device("cuda", 0))
 
@@ -345,7 +339,7 @@ def test_transport_threads_fifo_refused_on_cuda():
 def test_bench_gloo_runs(tmp_path):
     """benchmarks/bench_gloo.py on 2 ranks: every row, and the all_reduce after a matmul at the default scheduling of
     gloo's threads and, where the machine allows it, at SCHED_FIFO."""
-    stdout, _ = torchrun([os.path.join(BENCHMARKS, "bench_gloo.py")], timeout=300)
+    stdout, _ = torchrun(["-m", "benchmarks.bench_gloo"], timeout=300)
     rows = [line for line in stdout.splitlines() if " ms" in line]
     assert sum(line.startswith(("all_reduce", "all_gather")) for line in rows) == 5, stdout
     after = next(line for line in rows if "right after a matmul" in line)

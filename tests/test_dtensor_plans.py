@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor import parallel as dtensor
 
 import thunder_tp
-from tests.dist import benchmark_module, run_ranks
+from tests.dist import run_ranks
 from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
 from tests.tp_checks import compare_with_single_device
 from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard, TensorParallel
@@ -266,7 +266,8 @@ def _run_both(make_model, make_inputs, dtensor_plan, thunder_tp_plan, tolerance:
 
 
 def _benchmark_llama(kind: str, loss_parallel: bool) -> dict:
-    llama, compare_modes = benchmark_module("llama"), benchmark_module("compare_modes")
+    from benchmarks.lib import compare_modes, llama
+
     cfg = llama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab=64, ffn_hidden=64, max_seq=SEQ)
 
     def make_model():

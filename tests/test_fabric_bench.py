@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from tests.dist import BENCHMARKS, REPO_ROOT, torchrun
+from tests.dist import REPO_ROOT, torchrun
 
 
 @pytest.mark.slow  # reason: two litgpt pretrain runs under torchrun, each compiling (minutes on 2 cores)
 def test_bench_fabric_tiny(tmp_path):
     json_path = tmp_path / "fabric.json"
-    stdout, _ = torchrun([os.path.join(BENCHMARKS, "bench_fabric.py"), "--size", "tiny", "--rounds", "1", "--iters", "4",
+    stdout, _ = torchrun(["-m", "benchmarks.bench_fabric", "--size", "tiny", "--rounds", "1", "--iters", "4",
                           "--warmup", "1", "--out_dir", str(tmp_path / "out"), "--json_path", str(json_path)], timeout=1200)
     result = json.loads(json_path.read_text())
     assert set(result["summary"]) == {"thunder_tp", "model_parallel"} and result["ratio"] > 0

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 import thunder_tp
-from tests.dist import REPO_ROOT, benchmark_module, torchrun
+from benchmarks.projection import alpha_beta as projection
+from tests.dist import REPO_ROOT, torchrun
 from tests.tp_checks import FAST_EXECUTORS
 
-projection = benchmark_module("projection")
 
 
 def _link(latency_s: float = 1e-3, bus_bytes_per_s: float = 1e9):
@@ -81,7 +81,7 @@ def test_runtime_records_are_not_overlapped():
 @pytest.mark.slow  # reason: compiles and times compare.py's Llama and bench_generate's decode alone and on 2 gloo ranks (minutes); needs a quiet machine
 def test_calibration_predicts_the_gloo_step(tmp_path):
     json_path = tmp_path / "calibration.json"
-    stdout, stderr = torchrun(["benchmarks/calibrate.py", "--json_path", str(json_path)], timeout=3600,
+    stdout, stderr = torchrun(["-m", "benchmarks.projection.calibrate", "--json_path", str(json_path)], timeout=3600,
                               cwd=REPO_ROOT)
     rows = json.loads(json_path.read_text())["rows"]
     assert set(rows) == {"training", "decode"}, rows

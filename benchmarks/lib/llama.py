@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import seeded_model, thunder_default_executors
+from benchmarks.lib.harness import seeded_model, thunder_default_executors
 
 @dataclass
 class LlamaConfig:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import log, random_batch, seeded_model
+from benchmarks.lib.harness import log, random_batch, seeded_model
 
 #: --dtype -> the parameters' dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

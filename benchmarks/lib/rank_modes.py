@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from bench_generate import shard_by_hand
-from compare_modes import dtensor_plan
-from harness import thunder_default_executors
-from llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
+from benchmarks.bench_generate import shard_by_hand
+from benchmarks.lib.compare_modes import dtensor_plan
+from benchmarks.lib.harness import thunder_default_executors
+from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
 
 
 #: the training plans by name: (sequence parallel, loss parallel)

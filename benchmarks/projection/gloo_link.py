@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from harness import pin_to_core, slowest_rank
-from projection import KINDS, Link
+from benchmarks.lib.harness import pin_to_core, slowest_rank
+from benchmarks.projection.alpha_beta import KINDS, Link
 
 SMALL, LARGE = 8 << 10, 2 << 20  # bytes of the full tensor
 #: idle times of the link before a small collective (seconds); the bandwidth is measured after BANDWIDTH_IDLE_S

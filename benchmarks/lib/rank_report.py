@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from harness import fmt_bytes
+from benchmarks.lib.harness import fmt_bytes
 
 #: torchtitan, Llama-3-8B on H100s (FSDP 8 x TP 8, bf16): tokens/s/GPU (docs/gpu.md)
 TORCHTITAN_8B_TOKENS_PER_GPU = 4378
@@ -184,7 +184,7 @@ def _projection_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 def report(results: dict, args: argparse.Namespace, device: torch.device) -> bool:
     """Print every table; True where a row failed, a loss was not finite or thunder_tp's modes disagreed."""
-    from projection import LINKS
+    from benchmarks.projection.alpha_beta import LINKS
 
     dims = results["dims"]
     depths = " and ".join(map(str, args.depths))

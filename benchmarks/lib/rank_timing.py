@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from harness import peak_step_bytes, step_context, sync
+from benchmarks.lib.harness import peak_step_bytes, step_context, sync
 
 
 def _medians(samples: list[dict]) -> dict:

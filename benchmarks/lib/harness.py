@@ -2,7 +2,7 @@
 that time them, seeded models and batches, the training step, timing, bytes (parameters, saved for backward,
 collectives, memory) and the JSON report.
 
-Imported as a sibling module by every benchmark (run them as scripts); one module, so that a benchmark's imports
+Imported by every benchmark (``from benchmarks.lib.harness import ...``); one module, so that a benchmark's imports
 name one place, which is why it runs past 300 lines.
 """
 

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import EXECUTORS, Mode, seeded_model
-from llama import Llama, LlamaConfig, WithLoss, litgpt_config, thunder_tp_plan
+from benchmarks.lib.harness import EXECUTORS, Mode, seeded_model
+from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, litgpt_config, thunder_tp_plan
 
 
 def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:

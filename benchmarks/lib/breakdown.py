@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import sync
+from benchmarks.lib.harness import sync
 
 KINDS = ("region", "matmul", "issue", "wait")
 MATMUL_KERNELS = ("mm", "addmm", "bmm", "baddbmm")

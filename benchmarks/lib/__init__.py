@@ -1,0 +1,1 @@
+"""What the benchmarks share: setup, models, modes, timing, gates and reports."""
