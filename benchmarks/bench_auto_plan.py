@@ -1,6 +1,6 @@
 """plans.auto's search time beside the first compile of the same model, and its plan against the hand plan.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_auto_plan.py --models Llama-3.2-1B,pythia-160m \\
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_auto_plan --models Llama-3.2-1B,pythia-160m \\
         --n_layers 2 --block_size 128
 
 For each litgpt config (builtin, random weights, float32, wrapped with its loss):

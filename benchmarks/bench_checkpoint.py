@@ -1,6 +1,6 @@
 """thunder_tp.checkpoint: save / load time and peak memory per rank, for a litgpt model of a few hundred MB.
 
-    python benchmarks/bench_checkpoint.py [--n_layer 4 --n_embd 1024 --vocab 16384 --tp 1 2 4]
+    python -m benchmarks.bench_checkpoint [--n_layer 4 --n_embd 1024 --vocab 16384 --tp 1 2 4]
 
 For each TP size: every rank builds the model, shards it (TensorParallel; TP=1 is a plain nn.Module in one
 process), and `ck.save`s it; then a meta-device model at that TP size `ck.load`s the same directory, and

@@ -2,7 +2,7 @@
 thunder_tp at TP = the world size against plain ``thunder.jit`` of the same model on one device, in one run, and the
 share of it that thunder_tp's own passes take.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_compile.py --layers 2 8
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_compile --layers 2 8
 
 For each depth every rank first compiles its own one-device copy (side by side, so that both runs load the machine
 alike), then the TP model over the ranks; both with thunder_tp's executors (``--executors default``: Thunder's),

@@ -1,6 +1,6 @@
 """Step time of a Colwise -> Rowwise MLP block under TP: thunder_tp's fusion executor vs Thunder's defaults.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_executor_mlp.py [--tokens 512 --hidden 512 --steps 30]
+    torchrun --nproc-per-node 2 -m benchmarks.bench_executor_mlp [--tokens 512 --hidden 512 --steps 30]
 
 Runs on CPU (gloo) or, when CUDA is available, on one GPU per rank (NCCL). A step is forward + backward;
 the reported time is the median over ``--steps`` steps after ``--warmup`` warm-up steps (rank 0's clock,

@@ -2,7 +2,7 @@
 ModelParallelStrategy with the Megatron TP plan as its parallelize_fn (DTensor, eager), alternating in one process
 pair, same data, same seed, same initial weights.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_fabric.py --rounds 3 --iters 12 --json_path out.json
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_fabric --rounds 3 --iters 12 --json_path out.json
 
 Each round runs litgpt.pretrain.main (unmodified) once per mode in the same processes (a, b, a, b, ...); a mode's
 step time is the median of `iter_time` that litgpt logs, its first `--warmup` iterations (compilation) left out, and

@@ -1,6 +1,6 @@
 """Decode benchmark: litgpt generation on one device, with thunder_tp TP and with a hand-written TP, side by side.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_generate.py --dtype float32 --batch 1 \\
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_generate --dtype float32 --batch 1 \\
         --json_path generate.json
 
 The model is a litgpt llama (RMSNorm, SwiGLU MLP, RoPE, grouped K/V heads, untied embedding and lm_head, no biases)

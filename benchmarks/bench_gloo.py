@@ -4,7 +4,7 @@ and the CPU time of the whole process (gloo's threads included, which run on the
 all_reduce right after a matmul (as in a TP forward) with gloo's threads at the default scheduling and at SCHED_FIFO 1
 (``compare.py --transport_threads fifo``), alternating; the second where the process may (CAP_SYS_NICE).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_gloo.py          # each rank pinned to its own core
+    torchrun --nproc-per-node 2 -m benchmarks.bench_gloo          # each rank pinned to its own core
 """
 
 from __future__ import annotations

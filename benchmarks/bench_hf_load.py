@@ -1,6 +1,6 @@
 """Bytes each rank reads when `ck.load`ing an HF `save_pretrained` directory into a meta-device TP model.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_hf_load.py [--n_layers 4 --shard_size 50MB]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_hf_load [--n_layers 4 --shard_size 50MB]
 
 Rank 0 writes a seeded HF Llama (the sizes of `compare_hf.py`); every rank copies the directory to its own place
 (so no rank finds the others' pages in the page cache), drops the copy's pages from the cache

@@ -5,7 +5,7 @@ back to back and after the link sat idle for a training step's compute (gloo's t
 steps); the mean over ``--repeats`` calls of each call's slowest rank. On CUDA (NCCL, one GPU per rank) the batch
 is on the GPU and the times include the host syncs the check makes.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_input_check.py
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_input_check
 """
 
 from __future__ import annotations

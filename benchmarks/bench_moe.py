@@ -1,9 +1,9 @@
 """Expert parallelism against experts split like dense MLPs: one MoE layer (litgpt's LLaMAMoE), per-rank step time,
 peak memory and bytes moved per step, side by side in one process group (the two modes alternate round by round).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_moe.py                  # mixtral and fine, TP=2, on the CPU (gloo)
-    torchrun --nproc-per-node 4 benchmarks/bench_moe.py --configs fine   # TP=4
-    python benchmarks/bench_moe.py --one_rank 8 --configs qwen3-30b-a3b --dtype bfloat16   # a GPU: one rank of 8
+    torchrun --nproc-per-node 2 -m benchmarks.bench_moe                  # mixtral and fine, TP=2, on the CPU (gloo)
+    torchrun --nproc-per-node 4 -m benchmarks.bench_moe --configs fine   # TP=4
+    python -m benchmarks.bench_moe --one_rank 8 --configs qwen3-30b-a3b --dtype bfloat16   # a GPU: one rank of 8
     [--tokens N --steps 12 --rounds 4 --warmup 2 --json_path out.json]
 
 Configs (C = the hidden size, w = one expert's width): "mixtral" 8 experts, top-2, w 1024, C 512, 512 tokens;

@@ -1,7 +1,7 @@
 """One rank of a TP group at true shapes, alone on this device: per-rank step time and memory, and a projection to N.
 
-    python benchmarks/bench_rank.py --model Llama-3-8B --tp 1,2,4,8 --project          # a GPU
-    python benchmarks/bench_rank.py --model tiny --tp 4 --quick                          # CI, on the CPU
+    python -m benchmarks.bench_rank --model Llama-3-8B --tp 1,2,4,8 --project          # a GPU
+    python -m benchmarks.bench_rank --model tiny --tp 4 --quick                          # CI, on the CPU
 
 Every run is rank ``--rank`` (default: the last) of a fake TP group of each size (``thunder_tp.one_rank``): the
 rank's own program, its own shards (built on the meta device, random weights), every collective returning at once.

@@ -1,6 +1,6 @@
 """Training benchmark of a litgpt GPT under thunder_tp tensor parallelism (flag names as in Thunder's benchmark_litgpt).
 
-    torchrun --nproc-per-node 2 benchmarks/benchmark_litgpt.py --model_name pythia-14m --n_layers 2 \\
+    torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --model_name pythia-14m --n_layers 2 \\
         --distributed_mode tp --tp_size 2 --max_iters 10 --warmup_iters 2 --dump_thunder_traces true
 
 The model is ``litgpt.GPT(Config.from_name(model_name))`` with random weights (the configs are builtin; nothing is
@@ -20,7 +20,7 @@ function that builds the ``transforms=`` list for ``thunder.jit`` from the model
 groups: ``none``, ``tp``, ``tp_sp`` and the 2-D ``tp_ddp`` / ``tp_fsdp`` (TP over ``--tp_size`` consecutive ranks
 inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parallel groups), e.g.::
 
-    torchrun --nproc-per-node 4 benchmarks/benchmark_litgpt.py --distributed_mode tp_fsdp --tp_size 2 --dp_size 2
+    torchrun --nproc-per-node 4 -m benchmarks.benchmark_litgpt --distributed_mode tp_fsdp --tp_size 2 --dp_size 2
 
 Thunder benchmark_litgpt's ``--global_batch_size`` (gradient accumulation), ``--checkpoint_activations`` and
 ``--low_precision_mode`` (``none``; a bf16 model with ``--dtype bfloat16``) work as there. A 2-D mode is a few

@@ -1,6 +1,6 @@
 """thunder_tp vs PyTorch DTensor TP vs single device, side by side in one run (CPU/gloo or CUDA/NCCL).
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/compare.py --json_path out.json --png_path out.png
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.compare --json_path out.json --png_path out.png
 
 Every mode (``compare_modes.py``) trains the same Llama (``llama.py``: separate q/k/v, RMSNorm, RoPE, SwiGLU, GQA,
 causal SDPA, untied embedding and lm_head) from the same weights on the same batch with the same step (forward,

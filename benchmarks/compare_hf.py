@@ -1,6 +1,6 @@
 """thunder_tp vs HuggingFace's own TP on the same HF Llama (CPU/gloo or CUDA/NCCL), side by side in one run.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/compare_hf.py [--steps 10 --json_path out.json]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.compare_hf [--steps 10 --json_path out.json]
 
 Rank 0 writes a seeded HF Llama (default: dim 512, 4 layers, 8 / 4 heads, FFN 1536, vocab 8192, fp32) with
 ``save_pretrained``; every mode loads that directory and trains it with the same step (forward with ``labels``,

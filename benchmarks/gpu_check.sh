@@ -84,7 +84,7 @@ fi
 left=$((${GPU_CHECK_S:-480} - (SECONDS - T0)))
 if [[ $PARTS == *,bench,* ]] && ((left > 90)); then
     say "benchmark (${left} s left)"
-    timeout "$left" python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29533 benchmarks/compare.py \
+    timeout "$left" python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29533 -m benchmarks.compare \
         --modes "${GPU_MODES:-single_eager,single_thunder,single_thunder_inductor,single_thunder_defaults}" \
         --dim 2048 --n_layers 4 --n_heads 16 --n_kv_heads 8 --ffn_hidden 5632 --vocab 32000 --batch 8 --seq 256 \
         --steps 10 --rounds 2 --warmup 2 --scaling_layers "" --json_path "$OUT_DIR/compare_gpu.json" \
@@ -98,7 +98,7 @@ rank_phase() {  # name, then bench_rank.py's arguments (--layers 0,1 unless they
     if ((left < 60)); then say "rank $name skipped: ${left} s left"; return; fi
     say "rank $name (${left} s left)"
     mkdir -p /tmp/gpu_check_rank
-    timeout "$left" python3 benchmarks/bench_rank.py --layers 0,1 "$@" --project \
+    timeout "$left" python3 -m benchmarks.bench_rank --layers 0,1 "$@" --project \
         --json_path "/tmp/gpu_check_rank/rank_$name.json" > "$OUT_DIR/rank_$name.log" 2>&1
     echo "exit code $?"
     grep -E "^\||^- |^mode|^ERROR|shapes" "$OUT_DIR/rank_$name.log" | head -60
@@ -118,7 +118,7 @@ if [[ $PARTS == *,bf16,* ]]; then
     rm -rf "$work" && mkdir -p "$work"
     jobs_run=()
     for plan in tp_sp_lp tp_lp tp_sp tp; do
-        TORCHINDUCTOR_COMPILE_THREADS=3 timeout "${GPU_BF16_S:-420}" python3 benchmarks/bench_rank.py \
+        TORCHINDUCTOR_COMPILE_THREADS=3 timeout "${GPU_BF16_S:-420}" python3 -m benchmarks.bench_rank \
             --model Llama-3-8B --tp 8,2 --plan "$plan" --train_modes a,b --decode_modes "" --layers 1 --steps 1 \
             --warmup 1 --json_path "$work/bf16_$plan.json" > "$work/steps_$plan.log" 2>&1 &
         jobs_run+=("$!:steps $plan")

@@ -1,7 +1,7 @@
 """Per-region wall time of a thunder_tp HF step (2 ranks): each fusion region, attention kernel and collective wait
 of the final traces wrapped with a timer; rank 0 prints the regions by total time, with what each one computes.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/region_times.py [--loss_parallel 1] [--steps 6]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.region_times [--loss_parallel 1] [--steps 6]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/breakdown.py on one process: regions, and the matmul kernels Inductor's regions call out to."""
+"""benchmarks/lib/breakdown.py on one process: regions, and the matmul kernels Inductor's regions call out to."""
 
 from __future__ import annotations
 

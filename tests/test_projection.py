@@ -1,4 +1,4 @@
-"""benchmarks/projection.py: the alpha-beta formulas, the overlap a trace's schedule allows, and (slow) the
+"""benchmarks/projection/alpha_beta.py: the alpha-beta formulas, the overlap a trace's schedule allows, and (slow) the
 calibration: predicted from gloo's alpha-beta and a rank's compute alone, against the real 2-rank gloo step."""
 
 from __future__ import annotations

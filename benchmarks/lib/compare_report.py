@@ -225,14 +225,14 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
     if broken_down:
         print()
         print(f"Where a step goes (ms per step over {args.breakdown} more steps: step wall and CPU medians, calls "
-              "means; collectives lined up over the ranks; benchmarks/breakdown.py):")
+              "means; collectives lined up over the ranks; benchmarks/lib/breakdown.py):")
         print(BREAKDOWN_HEADER)
         for name, b in broken_down.items():
             print("\n".join(breakdown_rows(name, b)))
     if any("transport" in r for r in results.values()):
         print()
         print("What communication adds to a step (each multi-rank mode's steps of every round run again with "
-              "collectives that move no data, right before or after them; slowest rank; benchmarks/transport.py):")
+              "collectives that move no data, right before or after them; slowest rank; benchmarks/lib/transport.py):")
         print(transport_table(results))
     summary = targets_summary(results, scaling, world)
     print()

@@ -36,7 +36,7 @@ import thunder_tp.thunder_internals.quiet  # noqa: F401  (before Thunder's first
 
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.device]:
     """Join the default process group (NCCL + cuda:LOCAL_RANK on CUDA, gloo on CPU); a single process works too."""
-    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python -m benchmarks.<script>`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             with socket.socket() as s:

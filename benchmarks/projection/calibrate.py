@@ -1,7 +1,7 @@
 """The projection checked where it can run: predicted from gloo's alpha-beta and the compute of a rank alone, against
 the real 2-rank gloo step on this machine.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/calibrate.py --json_path calibration.json
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.projection.calibrate --json_path calibration.json
 
 Workloads: compare.py's Llama training step (llama.py at compare.py's default dims, batch 4 x seq 256, fp32, forward
 + cross-entropy + backward + SGD; thunder_tp's plan ``--plan``: tp, tp_lp or tp_sp) and bench_generate.py's

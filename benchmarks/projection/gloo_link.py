@@ -10,7 +10,7 @@ one's expected time, and gloo's wake-up makes that distribution bimodal (~0.2 ms
 median flips between the modes from run to run (an 8 KiB all_reduce after 1 ms idle: 1.35 ms in one run, 2.51 ms
 in the next), which put the decode step's prediction 28 % over the measured step.
 
-    torchrun --nproc-per-node 2 benchmarks/gloo_link.py      # prints the table
+    torchrun --nproc-per-node 2 -m benchmarks.projection.gloo_link      # prints the table
 """
 
 from __future__ import annotations
