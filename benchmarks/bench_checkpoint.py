@@ -16,32 +16,19 @@ import os
 import shutil
 import sys
 import tempfile
-import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from benchmarks.lib.harness import rss_rise, timed
 
 MB = 2**20
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _measure(fn) -> tuple[float, int]:
+def _measure(fn: Callable[[], Any]) -> tuple[float, int | None]:
     """(seconds, rise of peak RSS above the RSS before) of fn()."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed memory back, so reuse of it cannot hide a rise
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _rss("VmRSS")
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start, _rss("VmHWM") - before
+    (_, seconds), rise = rss_rise(partial(timed, fn))
+    return seconds, rise
 
 
 def _config(n_layer: int, n_embd: int, vocab: int):
@@ -85,12 +72,12 @@ def _rank(config_args: tuple, tp: int, root: str) -> dict:
     path = os.path.join(root, f"tp{tp}")
     model = _build(config, tp, "cpu")
     shards, largest = _local_bytes(model)
-    save_s, save_peak = _measure(lambda: ck.save(path, model))
+    save_s, save_peak = _measure(partial(ck.save, path, model))
     del model
     out = {"shards": shards, "largest": largest, "save_s": save_s, "save_peak": save_peak}
     for name, source in (("load", path), ("reshard", os.path.join(root, "tp2"))):
         meta = _build(config, tp, "meta")
-        out[f"{name}_s"], out[f"{name}_peak"] = _measure(lambda: ck.load(source, meta))
+        out[f"{name}_s"], out[f"{name}_peak"] = _measure(partial(ck.load, source, meta))
         del meta
     return out
 

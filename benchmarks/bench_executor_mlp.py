@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import thunder
 
 import thunder_tp
-from benchmarks.lib.harness import exit_without_teardown
+from benchmarks.lib.harness import exit_without_teardown, time_steps
 
 
 class MLP(torch.nn.Module):
@@ -57,23 +57,6 @@ def step(jm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def time_steps(jm: torch.nn.Module, x: torch.Tensor, steps: int, warmup: int) -> list[float]:
-    """Seconds per step (forward + backward), after warm-up."""
-    for _ in range(warmup):
-        step(jm, x)
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(jm, x)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def count_fusions(jm: torch.nn.Module) -> str:
     traces = (thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1])
     return " / ".join(str(sum(b.sym.is_fusion for b in t.bound_symbols)) for t in traces)
@@ -99,7 +82,9 @@ def main() -> None:
     rows, outputs = [], []
     for name, executors in configs.items():
         jm = build(args.hidden, device, executors)
-        times = time_steps(jm, x, args.steps, args.warmup)
+        for _ in range(args.warmup):
+            step(jm, x)
+        times, _ = time_steps(partial(step, jm, x), args.steps, distributed=True, device=device)
         outputs.append((step(jm, x).detach(), x.grad.clone(), [p.grad.clone() for p in jm.parameters()]))
         rows.append((name, statistics.median(times), min(times), count_fusions(jm)))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)

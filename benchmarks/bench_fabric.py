@@ -39,6 +39,7 @@ from litgpt import pretrain as litgpt_pretrain
 from litgpt.args import EvalArgs, TrainArgs
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks.lib.harness import rss_bytes
 from benchmarks.lib.llama import LlamaConfig, litgpt_config
 
 
@@ -173,14 +174,14 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
         else:
-            self.start = self.peak = _rss()
+            self.start = self.peak = rss_bytes()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
@@ -192,11 +193,6 @@ class PeakMemory:
     @property
     def growth_mib(self) -> float:
         return (self.peak - self.start) / 2**20
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # --- one run of litgpt's pretrain loop ------------------------------------------------------------------------------

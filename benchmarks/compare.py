@@ -44,13 +44,13 @@ import argparse
 import contextlib
 import gc
 import math
-import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +66,7 @@ from benchmarks.lib.gate import GradientMismatch, check_gradients, full_grads
 from benchmarks.lib.harness import (
     Mode, add_round, alternating_rounds, exit_without_teardown, init_distributed, on_ranks, param_bytes,
     peak_step_bytes, pin_to_core, random_batch, saved_for_backward, set_other_threads_scheduling, slowest_rank,
-    step_context, steps_per_round, sync, tensor_bytes, time_stats, timed, train_step,
+    profile_steps, step_context, steps_per_round, sync, tensor_bytes, time_stats, time_steps, train_step,
 )
 from benchmarks.lib.llama import LlamaConfig, transform_scaling
 from benchmarks.lib.transport import communication_cost, steps_without_transport
@@ -210,31 +210,16 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     return result, (jm, opt, list(jm.parameters()))
 
 
-def time_steps(mode: Mode, jm, opt, idx, targets, steps: int,
-               around: contextlib.AbstractContextManager) -> tuple[list[float], list[float]]:
-    """Wall time and minor page faults of ``steps`` training steps run inside ``around``; a distributed step lasts
-    until its slowest rank is done (and counts the faults of the rank that had most)."""
-    times, faults = [], []
-    with around:
-        for _ in range(steps):
-            if mode.ranks != 1:
-                dist.barrier()
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            times.append(timed(lambda: train_step(jm, opt, idx, targets))[1])
-            faults.append(float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
-    return (slowest_rank(times), slowest_rank(faults)) if mode.ranks != 1 else (times, faults)
-
-
 def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps, then the diagnostics asked for (profile, breakdown, communication's cost, traces),
     peak memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
-    step = lambda: train_step(jm, opt, idx, targets)  # noqa: E731
+    step = partial(train_step, jm, opt, idx, targets)
     result.update(time_stats(result["times_s"]))
     result["minor_faults_per_step"] = statistics.median(result["minor_faults"])
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.profile_dir and mode.name in args.profile:  # every rank steps (collectives), rank 0 writes
-        profile_steps(mode.name, jm, opt, idx, targets, args.profile_dir if dist.get_rank() == 0 else None)
+        profile_steps(mode.name, step, args.profile_dir if dist.get_rank() == 0 else None)
     if args.breakdown and mode.runtime == "thunder":
         result["breakdown"] = step_breakdown(jm, step, args.breakdown, distributed=mode.ranks != 1)
     if "without_transport" in result:
@@ -280,21 +265,6 @@ def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) 
     except Exception as e:
         result["comm_note"] = f"runtime comm measurement failed: {type(e).__name__}: {str(e).splitlines()[0]}"
     jm.zero_grad(set_to_none=True)
-
-
-def profile_steps(name: str, jm, opt, idx, targets, directory: str | None) -> None:
-    """torch.profiler over two steps; the table and the Chrome trace written to ``directory`` (None: not written)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            train_step(jm, opt, idx, targets)
-    if directory is None:
-        return
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"{name}.txt"), "w") as f:
-        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
-    prof.export_chrome_trace(os.path.join(directory, f"{name}.json"))
 
 
 # --- main -------------------------------------------------------------------------------------------
@@ -402,7 +372,9 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
         def run(mode=mode, transport=transport, steps=per_round[r]):
             jm, opt, params = states[mode.name]
             around = contextlib.nullcontext() if transport else steps_without_transport(params)
-            times, faults = time_steps(mode, jm, opt, idx, targets, steps, around)
+            with around:
+                times, faults = time_steps(partial(train_step, jm, opt, idx, targets), steps,
+                                           distributed=mode.ranks != 1)
             add_round(results[mode.name], times, transport, faults)
 
         on_ranks(mode.ranks, run)

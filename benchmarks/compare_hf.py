@@ -46,8 +46,7 @@ from benchmarks.compare import comm_mode, hooked_saved_bytes, prioritize_transpo
 from benchmarks.lib.gate import check_gradients, full_grads
 from benchmarks.lib.harness import (
     EXECUTORS, Mode, add_round, alternating_rounds, collectives_per_iteration, exit_without_teardown,
-    init_distributed, log, peak_step_bytes, pin_to_core, random_batch, saved_for_backward, slowest_rank,
-    steps_per_round, time_stats, timed, write_json,
+    init_distributed, log, peak_step_bytes, pin_to_core, random_batch, saved_for_backward, profile_steps, steps_per_round, time_stats, time_steps, write_json,
 )
 from benchmarks.lib.litgpt_setup import HF_SIZES
 
@@ -168,12 +167,9 @@ def time_rounds(states: dict, idx, targets, args, results: dict) -> None:
     for r, (name, transport) in alternating_rounds(runs, len(per_round)):
         module, optimizer = states[name]
         around = contextlib.nullcontext() if transport else steps_without_transport(list(module.parameters()))
-        times = []
         with around:
-            for _ in range(per_round[r]):
-                dist.barrier()
-                times.append(timed(lambda: step(module, optimizer, idx, targets))[1])
-        add_round(results[name], slowest_rank(times), transport)
+            times, _ = time_steps(partial(step, module, optimizer, idx, targets), per_round[r], distributed=True)
+        add_round(results[name], times, transport)
 
 
 def finish_mode(mode: Mode, state: tuple, idx, targets, args, result: dict) -> None:
@@ -190,7 +186,8 @@ def finish_mode(mode: Mode, state: tuple, idx, targets, args, result: dict) -> N
         without["minor_faults"] = [0.0]
         result["transport"] = communication_cost(result, without)
     if args.profile:
-        profile_steps(mode.name, module, optimizer, idx, targets, args.profile if dist.get_rank() == 0 else None)
+        profile_steps(mode.name, partial(step, module, optimizer, idx, targets),
+                      args.profile if dist.get_rank() == 0 else None)
     if args.breakdown and mode.runtime == "thunder":
         from benchmarks.lib.breakdown import step_breakdown
 
@@ -219,19 +216,6 @@ def finish_mode(mode: Mode, state: tuple, idx, targets, args, result: dict) -> N
                    "fusion_regions": [sum(b.sym.is_fusion for b in t.bound_symbols)
                                       for t in (thunder.last_traces(module)[-1],
                                                 thunder.last_backward_traces(module)[-1])]}
-
-
-def profile_steps(mode: str, module, optimizer, idx, targets, directory: str | None) -> None:
-    """torch.profiler over two steps (every rank steps; rank 0 writes the table)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            step(module, optimizer, idx, targets)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, f"{mode}.txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
 
 
 def reference_step(directory: str, idx, targets) -> dict:

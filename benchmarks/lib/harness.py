@@ -253,6 +253,37 @@ def slowest_rank(times: list[float], device: torch.device | None = None) -> list
     return t.tolist()
 
 
+def time_steps(step: Callable[[], Any], steps: int, *, distributed: bool,
+               device: torch.device | None = None) -> tuple[list[float], list[float]]:
+    """Wall seconds and minor page faults of each of ``steps`` calls of ``step()``, the device's work included; a
+    distributed step starts at a barrier and lasts until its slowest rank is done (and counts the faults of the rank
+    that had most)."""
+    times, faults = [], []
+    for _ in range(steps):
+        if distributed:
+            dist.barrier()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        times.append(timed(step, device)[1])
+        faults.append(float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+    return (slowest_rank(times, device), slowest_rank(faults, device)) if distributed else (times, faults)
+
+
+def profile_steps(name: str, step: Callable[[], Any], directory: str | None, steps: int = 2) -> None:
+    """torch.profiler over ``steps`` calls of ``step()``; the table and the Chrome trace written to ``directory`` as
+    ``name``.txt / ``name``.json (None: not written, as on the ranks that step along with the one that writes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    if directory is None:
+        return
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{name}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+    prof.export_chrome_trace(os.path.join(directory, f"{name}.json"))
+
+
 def time_stats(times: list[float]) -> dict[str, float]:
     """Median, min, max and quartiles of step times (seconds)."""
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
@@ -341,14 +372,31 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
 
 
-def _proc_status_kib(field: str) -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set (``VmRSS``) or its peak (``VmHWM``), in bytes, from /proc/self/status."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def rss_rise(fn: Callable[[], T]) -> tuple[T, int | None]:
+    """``fn()`` and how far the resident set peaked above what it was before (bytes), the heap's free pages returned
+    first (malloc_trim) so that reusing them cannot hide a rise; None where /proc cannot reset the peak."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        return fn(), None
+    return fn(), rss_bytes("VmHWM") - before
 
 
 def peak_step_bytes(step: Callable[[], Any]) -> int | None:
-    """Memory ``step()`` needs above what is live before it: CUDA's peak allocated, or on CPU the process's peak
-    resident set (VmHWM, reset through /proc/self/clear_refs) after returning the heap's free pages (malloc_trim)."""
+    """Memory ``step()`` needs above what is live before it: CUDA's peak allocated, or on CPU the rise of the
+    process's peak resident set (``rss_rise``)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -357,17 +405,7 @@ def peak_step_bytes(step: Callable[[], Any]) -> int | None:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        before = _proc_status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-    except OSError:
-        return None
-    step()
-    return (_proc_status_kib("VmHWM") - before) * 1024
+    return rss_rise(step)[1]
 
 
 def fmt_bytes(n: float | None) -> str:
