@@ -14,9 +14,9 @@ import os
 import statistics
 from functools import partial
 
+import thunder
 import torch
 import torch.distributed as dist
-import thunder
 
 import thunder_tp
 from benchmarks.lib.harness import exit_without_teardown, time_steps

@@ -42,7 +42,6 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.lib.harness import rss_bytes
 from benchmarks.lib.llama import LlamaConfig, litgpt_config
 
-
 # --- (b): Lightning's ModelParallelStrategy with the Megatron plan ------------------------------------------------
 
 

@@ -63,8 +63,22 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.lib.harness import (
-    EXECUTORS, Mode, alternating_rounds, collectives_lines, exit_without_teardown, fmt_bytes, init_distributed,
-    kv_cache_bytes, log, on_ranks, param_bytes, pin_to_core, random_batch, seeded_model, slowest_rank, tensor_bytes,
+    EXECUTORS,
+    Mode,
+    alternating_rounds,
+    collectives_lines,
+    exit_without_teardown,
+    fmt_bytes,
+    init_distributed,
+    kv_cache_bytes,
+    log,
+    on_ranks,
+    param_bytes,
+    pin_to_core,
+    random_batch,
+    seeded_model,
+    slowest_rank,
+    tensor_bytes,
     write_json,
 )
 from benchmarks.lib.litgpt_setup import DTYPES
@@ -167,6 +181,7 @@ def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
     """Every mode of the module docstring, built for ``args`` on ``device``: ``mode.build(shared)`` makes its module
     (``shared``: the single-device GPT, on rank 0 only)."""
     import thunder
+
     import thunder_tp
 
     world = dist.get_world_size()
@@ -323,6 +338,7 @@ def timed_generation(mode: Mode, module: nn.Module, prompts: torch.Tensor, args:
 def decode_collectives(module: nn.Module) -> dict | None:
     """The collectives of the module's last forward (a decode step) as ``{kind: {count, bytes}}``; None without."""
     import thunder
+
     from thunder_tp import collectives_table
     from thunder_tp.debug import totals
 

@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rank, world, _ = init_distributed()
     import thunder
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     import thunder_tp
     import thunder_tp.checkpoint as ck
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(**(HF_SIZES | {"num_hidden_layers": args.n_layers}))
     root = [tempfile.mkdtemp(prefix="bench_hf_load_") if rank == 0 else None]

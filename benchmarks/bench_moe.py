@@ -35,6 +35,11 @@ from dataclasses import dataclass
 import thunder
 import torch
 import torch.distributed as dist
+from litgpt import Config
+from litgpt.model import LLaMAMoE
+from thunder.transforms import MaterializationTransform
+
+import thunder_tp
 from benchmarks.lib.harness import (
     alternating_rounds,
     collectives_per_iteration,
@@ -50,11 +55,6 @@ from benchmarks.lib.harness import (
     thunder_default_executors,
     write_json,
 )
-from litgpt import Config
-from litgpt.model import LLaMAMoE
-from thunder.transforms import MaterializationTransform
-
-import thunder_tp
 from thunder_tp.layouts import REPLICATE
 from thunder_tp.models.expert_parallel import expert_parallel_plan
 

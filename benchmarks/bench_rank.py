@@ -38,10 +38,10 @@ import torch.nn as nn
 
 from benchmarks.lib.harness import param_bytes, random_batch, step_context, write_json
 from benchmarks.lib.llama import LlamaConfig
-from benchmarks.projection.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
 from benchmarks.lib.rank_modes import DECODE, PLANS, TRAINING, RankMode
 from benchmarks.lib.rank_report import report
 from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
+from benchmarks.projection.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
 
 #: --model presets: the dims of litgpt's configs of those names (tiny: for the CPU)
 PRESETS = {

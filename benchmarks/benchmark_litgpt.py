@@ -50,11 +50,31 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.lib.harness import (
-    EXECUTORS, collectives_lines, collectives_per_iteration, exit_without_teardown, fmt_bytes, init_distributed, log,
-    param_bytes, peak_memory_bytes, saved_for_backward, slowest_rank, timed, train_step, write_json,
+    EXECUTORS,
+    collectives_lines,
+    collectives_per_iteration,
+    exit_without_teardown,
+    fmt_bytes,
+    init_distributed,
+    log,
+    param_bytes,
+    peak_memory_bytes,
+    saved_for_backward,
+    slowest_rank,
+    timed,
+    train_step,
+    write_json,
 )
 from benchmarks.lib.litgpt_setup import (
-    DTYPES, FP8_MODES, MODES, Groups, accumulation_steps, make_batch, make_config, make_model, model_info,
+    DTYPES,
+    FP8_MODES,
+    MODES,
+    Groups,
+    accumulation_steps,
+    make_batch,
+    make_config,
+    make_model,
+    model_info,
     resolve_groups,
 )
 
@@ -321,6 +341,7 @@ def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
 def simulate_dry_run(args: argparse.Namespace) -> int:
     """One forward + backward of the TP=N program on N simulated ranks; prints per-rank parameter bytes and collectives."""
     import thunder
+
     import thunder_tp
 
     n = args.simulate

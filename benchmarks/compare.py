@@ -50,8 +50,8 @@ import sys
 import tempfile
 import time
 import traceback
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,9 +64,27 @@ from benchmarks.lib.compare_modes import all_modes, make_model, select_modes
 from benchmarks.lib.compare_report import report, summary_line
 from benchmarks.lib.gate import GradientMismatch, check_gradients, full_grads
 from benchmarks.lib.harness import (
-    Mode, add_round, alternating_rounds, exit_without_teardown, init_distributed, on_ranks, param_bytes,
-    peak_step_bytes, pin_to_core, random_batch, saved_for_backward, set_other_threads_scheduling, slowest_rank,
-    profile_steps, step_context, steps_per_round, sync, tensor_bytes, time_stats, time_steps, train_step,
+    Mode,
+    add_round,
+    alternating_rounds,
+    exit_without_teardown,
+    init_distributed,
+    on_ranks,
+    param_bytes,
+    peak_step_bytes,
+    pin_to_core,
+    profile_steps,
+    random_batch,
+    saved_for_backward,
+    set_other_threads_scheduling,
+    slowest_rank,
+    step_context,
+    steps_per_round,
+    sync,
+    tensor_bytes,
+    time_stats,
+    time_steps,
+    train_step,
 )
 from benchmarks.lib.llama import LlamaConfig, transform_scaling
 from benchmarks.lib.transport import communication_cost, steps_without_transport
@@ -243,6 +261,7 @@ def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) 
     result["saved_bytes_hooks"] = saved
     if mode.runtime == "thunder":
         import thunder
+
         from thunder_tp.debug import collective_calls
 
         fwd_t, bwd_t = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]

@@ -45,8 +45,23 @@ import torch.nn as nn
 from benchmarks.compare import comm_mode, hooked_saved_bytes, prioritize_transport_threads, summarize_records
 from benchmarks.lib.gate import check_gradients, full_grads
 from benchmarks.lib.harness import (
-    EXECUTORS, Mode, add_round, alternating_rounds, collectives_per_iteration, exit_without_teardown,
-    init_distributed, log, peak_step_bytes, pin_to_core, random_batch, saved_for_backward, profile_steps, steps_per_round, time_stats, time_steps, write_json,
+    EXECUTORS,
+    Mode,
+    add_round,
+    alternating_rounds,
+    collectives_per_iteration,
+    exit_without_teardown,
+    init_distributed,
+    log,
+    peak_step_bytes,
+    pin_to_core,
+    profile_steps,
+    random_batch,
+    saved_for_backward,
+    steps_per_round,
+    time_stats,
+    time_steps,
+    write_json,
 )
 from benchmarks.lib.litgpt_setup import HF_SIZES
 
@@ -64,9 +79,9 @@ def _hf_tp(directory: str, executors: str) -> nn.Module:
 
 def _thunder_tp(directory: str, executors: str, loss_parallel: bool = False) -> nn.Module:
     """thunder.jit of the saved Llama with its loss, TensorParallel(plans.hf), ``--executors``."""
+    import thunder
     from transformers import AutoModelForCausalLM
 
-    import thunder
     import thunder_tp
     from thunder_tp.plans.hf import CausalLMLoss
 

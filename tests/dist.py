@@ -48,8 +48,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable
+from typing import Any
 
 # NOTE: no module-level torch import. Workers import this module before their
 # entry point runs, and OMP_NUM_THREADS must be set before torch is loaded.
@@ -111,8 +112,9 @@ def torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = R
     checkout's thunder_tp first on the path and one thread per rank; its (stdout, stderr). The launch runs in its own
     session, so a timeout (a test failure) or an interrupt kills the ranks too, not only torchrun; a rank's failure
     fails the test with the first traceback and torchrun's summary."""
-    import pytest
     import subprocess
+
+    import pytest
 
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]

@@ -16,13 +16,19 @@ import thunder
 import torch
 
 import thunder_tp
-from thunder_tp import TensorParallel
-from thunder_tp.plans.litgpt import GPTWithLoss
 from tests import custom_models
 from tests.dist import run_ranks
 from tests.litgpt_models import batch, lora_config, zoo_config
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
+from tests.tp_checks import (
+    FAST_EXECUTORS,
+    assert_close_scaled,
+    assert_grads_are_shards,
+    collective_counts,
+    rank_and_size,
+)
 from tests.zoo_checks import simulated_at_tp8
+from thunder_tp import TensorParallel
+from thunder_tp.plans.litgpt import GPTWithLoss
 
 
 @dataclass
@@ -227,8 +233,8 @@ def test_hf_auto_plan_prices_no_worse_than_plans_hf(name, world):
 
 
 def _zoo_sizes() -> list[tuple[str, int]]:
-    from thunder_tp.plans.litgpt import tp_sizes
     from tests.litgpt_models import zoo
+    from thunder_tp.plans.litgpt import tp_sizes
 
     return [(n, w) for n in zoo() for w in (2, 4, 8) if w in tp_sizes(zoo_config(n))]
 

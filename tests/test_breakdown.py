@@ -15,8 +15,9 @@ def test_matmuls_timed_inside_inductor_regions():
     """Two bias-free linears under thunder_tp's executors (Inductor regions): 2 matmuls in the forward's regions and
     3 in the backward's (two weight grads, one input grad), within their regions' time; a matmul outside a region
     is not counted, and the kernels are put back afterwards."""
-    import thunder_tp
     from torch._inductor.select_algorithm import extern_kernels
+
+    import thunder_tp
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.GELU(), nn.Linear(128, 32, bias=False))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import thunder_tp
+from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
 from thunder_tp.layouts import TPGroup
 from thunder_tp.plan_search.pricing import Pricing
 from thunder_tp.plan_search.tracing import traced
-from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -7,10 +7,10 @@ import torch.nn as nn
 from thunder.core.proxies import DistParallelType
 
 import thunder_tp
-from thunder_tp import ColwiseParallel, RowwiseParallel, Shard, TensorParallel, annotate
 from tests.dist import run_ranks
 from tests.parallel_mlp import HIDDEN, MLP, PLAN, mlp_input
 from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device, rank_and_size
+from thunder_tp import ColwiseParallel, RowwiseParallel, Shard, TensorParallel, annotate
 
 
 def _linear(style_name, bias):

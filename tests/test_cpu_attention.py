@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import thunder
 import torch
 import torch.nn.functional as F
-import thunder
 
 from tests.dist import assert_close
 from thunder_tp.executor import executors

@@ -18,14 +18,14 @@ import torch
 from thunder.executors import nvfuserex
 
 import thunder_tp
+from tests.dist import run_ranks
+from tests.generation import MAX_SEQ, NEW_TOKENS, PROMPT, gen_config, greedy, local_cache_shapes, models_with_cache
+from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
+from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 from thunder_tp import TensorParallel
 from thunder_tp.execution.fallback import RegionFallbackWarning
 from thunder_tp.executor import fusion_executor, is_communication
 from thunder_tp.generate import Decoder
-from tests.dist import run_ranks
-from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
-from tests.generation import MAX_SEQ, NEW_TOKENS, PROMPT, gen_config, greedy, local_cache_shapes, models_with_cache
-from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 
 pytestmark = pytest.mark.cuda
 

@@ -7,15 +7,14 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
-import torch.nn.functional as F
 import thunder
 import thunder.distributed.prims as dist_prims
 import thunder.torch as ltorch
+import torch
+import torch.nn.functional as F
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
-from thunder.executors import nvfuserex
-from thunder.executors import torchex
+from thunder.executors import nvfuserex, torchex
 from thunder.executors.torch_compile import torch_compile_xentropy_ex
 
 from tests.dist import REPO_ROOT, assert_close, run_ranks
@@ -23,7 +22,13 @@ from thunder_tp.collectives import comm_executor
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
 from thunder_tp.executor import (
-    FUSION_EXECUTOR_NAME, NVFUSER_WHEEL, TPFusionExecutor, _kept_default, executors, fusion_executor, is_communication,
+    FUSION_EXECUTOR_NAME,
+    NVFUSER_WHEEL,
+    TPFusionExecutor,
+    _kept_default,
+    executors,
+    fusion_executor,
+    is_communication,
 )
 
 TORCHEX_COMM_IMPLS = (

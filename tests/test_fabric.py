@@ -9,14 +9,14 @@ import functools
 import pytest
 import torch
 
-from tests.dist import run_ranks
 from tests import fabric_loops
+from tests.dist import run_ranks
 
 RTOL = 1e-6  # float64 through Inductor and a reordered clipping norm: ~1e-9 in practice
 TIMEOUT_S = 900
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _one_device(iters: int, accumulate: int, config: str, tmp: str, micro_batch_size: int = 2) -> tuple[float, ...]:
     """The same loop with Fabric on one device (this process)."""
     config = getattr(fabric_loops, f"{config}_config")()
@@ -43,8 +43,9 @@ def _pretrain_saving(directory: str, iters: int) -> list[float]:
 
 
 def _pretrain_resuming(directory: str, checkpoint: str, iters: int) -> list[float]:
-    import torch.distributed as dist
     from pathlib import Path
+
+    import torch.distributed as dist
 
     return fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", {}, iters=iters, config=fabric_loops.gqa_config(),
                                  resume=Path(checkpoint))

@@ -23,7 +23,7 @@ def _config(kind: str):
     return lora_config("qv") if kind == "lora" else fabric_loops.gqa_config()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _one_device(kind: str, root: str) -> tuple[float, ...]:
     directory = fabric_loops.write_checkpoint_dir(f"{root}/checkpoint", _config(kind), lora=kind == "lora")
     cli = LORA_CLI if kind == "lora" else ()

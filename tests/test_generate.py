@@ -18,7 +18,14 @@ from litgpt.generate.base import batched_generate_fn, generate
 import thunder_tp
 from tests.dist import run_ranks
 from tests.generation import (
-    ARCHITECTURES, MAX_SEQ, NEW_TOKENS, PROMPT, gen_config, greedy, local_cache_shapes, models_with_cache,
+    ARCHITECTURES,
+    MAX_SEQ,
+    NEW_TOKENS,
+    PROMPT,
+    gen_config,
+    greedy,
+    local_cache_shapes,
+    models_with_cache,
 )
 from tests.litgpt_models import VOCAB, expected_counts
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size

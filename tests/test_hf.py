@@ -6,11 +6,18 @@ import thunder
 import torch
 
 import thunder_tp
+from tests.dist import run_ranks
+from tests.hf_models import DENSE, MODES, SEQ, batch, expected_counts, make_model, tp_sizes
+from tests.hf_models import MOE as MOE_NAMES
+from tests.tp_checks import (
+    FAST_EXECUTORS,
+    assert_close_scaled,
+    assert_grads_are_shards,
+    collective_counts,
+    rank_and_size,
+)
 from thunder_tp import TensorParallel
 from thunder_tp.thunder_internals.overlapping_inputs import separate_overlapping_views
-from tests.dist import run_ranks
-from tests.hf_models import DENSE, MODES, MOE as MOE_NAMES, SEQ, batch, expected_counts, make_model, tp_sizes
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 
 # HF computes its loss (and most norms) in float32 even for float64 models
 LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5

@@ -9,12 +9,12 @@ import torch
 
 import thunder_tp
 import thunder_tp.checkpoint as ck
-from thunder_tp import TensorParallel
-from thunder_tp.checkpoint import safetensors_dir
-from thunder_tp.checkpoint.tensors import model_tensors
 from tests.dist import run_ranks
 from tests.hf_models import batch, make_config, make_model
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, rank_and_size
+from thunder_tp import TensorParallel
+from thunder_tp.checkpoint import safetensors_dir
+from thunder_tp.checkpoint.tensors import model_tensors
 
 pytest.importorskip("transformers")
 

@@ -1,14 +1,20 @@
 """Single-process unit tests: layouts, blocked shards, view grouping, basic-indexing maps, redistribution costs."""
 
 import pytest
+import thunder.core.devices as devices
+import thunder.core.dtypes as dtypes
 import torch
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
-import thunder.core.dtypes as dtypes
-import thunder.core.devices as devices
 
 from thunder_tp.layouts import (
-    Partial, Replicate, Shard, check_shardable, local_shape, shard_tensor, unshard_tensor,
+    Partial,
+    Replicate,
+    Shard,
+    check_shardable,
+    local_shape,
+    shard_tensor,
+    unshard_tensor,
 )
 from thunder_tp.propagation.views import _getitem_map, view_groups
 from thunder_tp.reshard import redistribute_cost

@@ -7,12 +7,17 @@ from litgpt import GPT
 from litgpt.model import CausalSelfAttention
 
 import thunder_tp
-from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
 from tests.dist import run_ranks
 from tests.litgpt_models import MODES, SEQ, GPTWithLoss, batch, expected_counts, make_config
 from tests.tp_checks import (
-    FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, compare_with_single_device, rank_and_size,
+    FAST_EXECUTORS,
+    assert_close_scaled,
+    assert_grads_are_shards,
+    collective_counts,
+    compare_with_single_device,
+    rank_and_size,
 )
+from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
 
 STEPS, LR, RTOL, ATOL = 3, 0.5, 1e-5, 1e-5
 

@@ -12,13 +12,19 @@ import thunder
 import torch
 
 import thunder_tp
+from tests.dist import run_ranks
+from tests.litgpt_models import MODES, batch, expected_counts, zoo, zoo_config
+from tests.tp_checks import (
+    FAST_EXECUTORS,
+    assert_close_scaled,
+    assert_grads_are_shards,
+    collective_counts,
+    rank_and_size,
+)
+from tests.zoo_checks import reference_and_copy, simulated_at_tp8, tolerance
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import shard_tensor
 from thunder_tp.plans.litgpt import GPTWithLoss, tp_sizes
-from tests.dist import run_ranks
-from tests.litgpt_models import MODES, batch, expected_counts, zoo, zoo_config
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
-from tests.zoo_checks import reference_and_copy, simulated_at_tp8, tolerance
 
 #: a handful of architectures that cover the features beyond plain GQA/MHA, for the default test run
 FAST = [

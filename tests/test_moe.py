@@ -6,10 +6,16 @@ import torch
 from litgpt import Config
 
 import thunder_tp
-from thunder_tp import TensorParallel
 from tests.dist import run_ranks
 from tests.litgpt_models import MOE_BASE, MOE_CONFIGS, SEQ, VOCAB, GPTWithLoss, batch, make_moe_model
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
+from tests.tp_checks import (
+    FAST_EXECUTORS,
+    assert_close_scaled,
+    assert_grads_are_shards,
+    collective_counts,
+    rank_and_size,
+)
+from thunder_tp import TensorParallel
 
 # litgpt's RMSNorm (and the grouped router) compute in float32 even for float64 models
 RTOL, ATOL = 1e-5, 1e-5

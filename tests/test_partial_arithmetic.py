@@ -8,9 +8,9 @@ Forward and every input grad vs single device, float64 (exact to ~1e-12).
 import thunder
 import torch
 
-from thunder_tp import Shard, TensorParallel, annotate
 from tests.dist import run_ranks
 from tests.tp_checks import FAST_EXECUTORS, collective_counts
+from thunder_tp import Shard, TensorParallel, annotate
 
 
 def _product(a, b):

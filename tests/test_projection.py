@@ -16,7 +16,6 @@ from tests.dist import REPO_ROOT, torchrun
 from tests.tp_checks import FAST_EXECUTORS
 
 
-
 def _link(latency_s: float = 1e-3, bus_bytes_per_s: float = 1e9):
     kinds = projection.KINDS
     return projection.Link("test", dict.fromkeys(kinds, latency_s), dict.fromkeys(kinds, bus_bytes_per_s))

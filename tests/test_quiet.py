@@ -7,9 +7,8 @@ import subprocess
 import sys
 import warnings
 
-from tests.dist import REPO_ROOT
-
 import thunder_tp.thunder_internals.quiet  # noqa: F401
+from tests.dist import REPO_ROOT
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

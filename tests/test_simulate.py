@@ -15,10 +15,10 @@ from litgpt import Config
 from torch.distributed._local_tensor import local_tensor_mode
 
 import thunder_tp
-from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
 from tests.dist import free_port
 from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch, expected_counts, make_config
 from tests.tp_checks import assert_close_scaled, assert_simulated_grads_are_shards, collective_counts
+from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
 
 #: float64; litgpt's RMSNorm still runs in float32 (~5e-7 of a grad's largest entry)
 RTOL = ATOL = 1e-6

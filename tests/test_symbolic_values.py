@@ -6,8 +6,8 @@ import thunder
 import torch
 
 import thunder_tp
-from thunder_tp import Shard, TensorParallel, annotate
 from tests.dist import run_ranks
+from thunder_tp import Shard, TensorParallel, annotate
 
 
 def _matmul(a, b):

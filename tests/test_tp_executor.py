@@ -9,9 +9,9 @@ from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 
 import thunder_tp
-from thunder_tp.executor import is_communication
 from tests.dist import run_ranks
 from tests.parallel_mlp import MLP, PLAN, mlp_input
+from thunder_tp.executor import is_communication
 
 _COLLECTIVE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
 _NAME_WORK = "tp_name_work"  # wraps its work handle so that a failed wait names the collective
@@ -115,6 +115,7 @@ def _in_place_with_another_reader():
     more reader of the reduced value inserted after the all_reduce."""
     from thunder.core import prims
     from thunder.core.trace import from_trace, tracectx
+
     from thunder_tp.collectives.lowering import reduce_in_place
 
     torch.manual_seed(0)

@@ -2,8 +2,8 @@
 natively: Thunder's interpreter never iterates dynamo's registry of every module in the process (a rank-local
 "dictionary changed size during iteration" when the garbage collector frees a module during that loop)."""
 
-import torch
 import thunder
+import torch
 from torch._dynamo import mutation_guard
 from torch._dynamo.utils import ExactWeakKeyDictionary
 

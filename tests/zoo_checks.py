@@ -11,10 +11,10 @@ import torch
 from litgpt import Config
 
 import thunder_tp
-from thunder_tp import TensorParallel
-from thunder_tp.plans.litgpt import GPTWithLoss
 from tests.litgpt_models import batch, zoo_config
 from tests.tp_checks import assert_close_scaled, assert_simulated_grads_are_shards, collective_counts
+from thunder_tp import TensorParallel
+from thunder_tp.plans.litgpt import GPTWithLoss
 
 #: litgpt's RMSNorm computes in float32 even for float64 inputs; everything else is exact to ~1e-12
 TOLERANCE = {"RMSNorm": 2e-6, "LayerNorm": 1e-9}

@@ -34,6 +34,7 @@ from thunder_tp.execution.decode_step import STRATEGIES, DecodeStep, Strategy
 from thunder_tp.execution.divergence import check_same_tensors, checksum
 from thunder_tp.one_rank import has_peers
 
+
 class GenerateError(ValueError):
     """A request the CLI refuses on purpose (printed as one line by ``cli``, without a traceback)."""
 

@@ -14,8 +14,12 @@ from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
+from thunder_tp.composition import check_composition
 from thunder_tp.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.dtensor_styles import read_plan
+from thunder_tp.execution.agreement import CompileAgreement
+from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
+from thunder_tp.execution.saved_values import recompute_matmul_inputs
 from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import (
     REPLICATE,
@@ -27,20 +31,20 @@ from thunder_tp.layouts import (
     group_device,
     local_shape,
 )
-from thunder_tp.execution.agreement import CompileAgreement
-from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
-from thunder_tp.composition import check_composition
 from thunder_tp.one_rank import has_peers
-from thunder_tp.simulate import check_transforms, is_simulating, local_piece
-from thunder_tp.propagation import Propagation
-from thunder_tp.thunder_internals.overlapping_inputs import separating_overlapping_views
 from thunder_tp.plan_search import AutoPlan, auto
+from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
-from thunder_tp.execution.saved_values import recompute_matmul_inputs
-from thunder_tp.thunder_internals.prologue import flat_args, localize_prologue, trace_body, unpacked_tensor_names
+from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.styles import (
-    Style, check_tied_layouts, match_plan, planned_tensors, styles_from_distparallel_type, tied_parameters,
+    Style,
+    check_tied_layouts,
+    match_plan,
+    planned_tensors,
+    styles_from_distparallel_type,
+    tied_parameters,
 )
+from thunder_tp.thunder_internals.overlapping_inputs import separating_overlapping_views
 from thunder_tp.thunder_internals.private import (
     original_module,
     reuse_interpretation,
@@ -50,6 +54,7 @@ from thunder_tp.thunder_internals.private import (
     trace_device,
     wrap_module_call,
 )
+from thunder_tp.thunder_internals.prologue import flat_args, localize_prologue, trace_body, unpacked_tensor_names
 
 _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
 

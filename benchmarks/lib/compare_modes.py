@@ -16,7 +16,10 @@ def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
     loss_parallel leaves the logits a vocab-sharded DTensor (for ``torch.distributed.tensor.parallel.loss_parallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
     )
 
     sp = kind == "sp"
@@ -61,6 +64,7 @@ def _thunder_single(executors_fn):
 def _thunder_tp(plan_fn, executors_fn):
     def build(model):
         import thunder
+
         import thunder_tp
 
         return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan_fn(model))], executors=executors_fn())
@@ -103,6 +107,7 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
     """Every mode; ``executors`` (a key of ``harness.EXECUTORS``) is what the thunder modes (but
     single_thunder_defaults) run with."""
     import thunder
+
     import thunder_tp
 
     chosen = EXECUTORS[executors]

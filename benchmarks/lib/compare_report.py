@@ -12,6 +12,7 @@ import torch
 from benchmarks.lib.breakdown import BREAKDOWN_HEADER, breakdown_rows
 from benchmarks.lib.harness import write_json
 
+
 def _mb(b) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 

@@ -114,6 +114,7 @@ def thunder_tp_executors() -> list:
 def thunder_default_executors() -> list:
     """Thunder's default executors behind thunder_tp's comm executor (no fusion executor of thunder_tp's)."""
     import thunder
+
     from thunder_tp.collectives import comm_executor
 
     return [comm_executor, *thunder.get_default_executors()]
@@ -341,6 +342,7 @@ def collectives_per_iteration(jm: nn.Module) -> dict:
     """The collectives of the last forward and backward traces: ``tables`` (``thunder_tp.collectives_table``) and
     ``per_iteration`` (count, bytes and ``by_kind`` per pass)."""
     import thunder
+
     import thunder_tp
     from thunder_tp.debug import totals
 

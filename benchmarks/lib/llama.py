@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from benchmarks.lib.harness import seeded_model, thunder_default_executors
 
+
 @dataclass
 class LlamaConfig:
     dim: int = 512
@@ -176,6 +177,7 @@ def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dic
 def transform_scaling(cfg: LlamaConfig, depths: list[int], repeats: int) -> dict:
     """Time of TensorParallel.transform_traces_pre_prologue (the TP pass) for Llamas of each depth."""
     import thunder
+
     import thunder_tp
 
     timings: list[float] = []

@@ -31,7 +31,6 @@ from benchmarks.lib.compare_modes import dtensor_plan
 from benchmarks.lib.harness import thunder_default_executors
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
 
-
 #: the training plans by name: (sequence parallel, loss parallel)
 PLANS = {"tp": (False, False), "tp_sp": (True, False), "tp_lp": (False, True), "tp_sp_lp": (True, True)}
 
@@ -94,6 +93,7 @@ def _thunder_training(backend: str | None) -> Callable[..., nn.Module]:
     def build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool, plan: str = "tp_sp_lp"
               ) -> nn.Module:
         import thunder
+
         import thunder_tp
 
         executors = thunder_default_executors() if quick else thunder_tp.executors(backend)
@@ -165,8 +165,9 @@ def _thunder_decode(strategy: str | None) -> Callable[..., nn.Module]:
     def build(config, context: int, batch: int, device: torch.device, dtype: torch.dtype,
               quick: bool) -> nn.Module | SteppedDecode:
         import thunder
-        import thunder_tp
         from litgpt.model import build_mask_cache
+
+        import thunder_tp
 
         model = gpt_on_meta(config, context, dtype)
         model.set_kv_cache(batch_size=batch, device=torch.device("meta"), dtype=dtype)

@@ -97,6 +97,7 @@ def thunder_structure(jm: nn.Module) -> dict:
     """The final traces (the last with collectives, so a CUDA-graph trace reads the trace before it) and their
     collectives as ``[kind, group size, bytes]`` per pass."""
     import thunder
+
     from thunder_tp.debug import collective_calls
 
     def last_with_collectives(traces):

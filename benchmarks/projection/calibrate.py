@@ -31,13 +31,21 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import bench_generate
-from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
-from benchmarks.projection.gloo_link import measure_link
-from benchmarks.lib.harness import EXECUTORS, exit_without_teardown, init_distributed, pin_to_core, random_batch, seeded_model, \
-    slowest_rank, write_json
+from benchmarks.lib.harness import (
+    EXECUTORS,
+    exit_without_teardown,
+    init_distributed,
+    pin_to_core,
+    random_batch,
+    seeded_model,
+    slowest_rank,
+    write_json,
+)
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
-from benchmarks.projection.alpha_beta import Link, project_step
 from benchmarks.lib.rank_modes import DECODE, llama_on_meta, random_weights
+from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
+from benchmarks.projection.alpha_beta import Link, project_step
+from benchmarks.projection.gloo_link import measure_link
 
 PLANS = {"tp": (False, False), "tp_lp": (False, True), "tp_sp": (True, False)}
 

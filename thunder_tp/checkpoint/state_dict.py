@@ -11,7 +11,6 @@ import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from thunder_tp.checkpoint.safetensors_dir import save_config
-from thunder_tp.execution.divergence import check_replicas
 from thunder_tp.checkpoint.tensors import (
     HeldTensor,
     model_tensor,
@@ -20,6 +19,7 @@ from thunder_tp.checkpoint.tensors import (
     sharded_tensor_without_deprecation_warnings,
     state_like,
 )
+from thunder_tp.execution.divergence import check_replicas
 from thunder_tp.thunder_internals.private import original_module
 from thunder_tp.thunder_internals.quiet import quiet_checkpoint_save
 

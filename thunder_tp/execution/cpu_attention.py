@@ -9,8 +9,8 @@ a mask that needs a grad or is not a 2-D / 4-D mask of the query's dtype, heads 
 
 from __future__ import annotations
 
-import torch
 import thunder.torch as ltorch
+import torch
 from thunder.core import dtypes
 from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy

@@ -11,8 +11,8 @@ batch's size, or none).
 
 from __future__ import annotations
 
-import torch
 import thunder.torch as ltorch
+import torch
 from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor, register_executor
 

@@ -24,8 +24,8 @@ from lightning.fabric.utilities.types import _Stateful
 from thunder.core.module import ThunderModule
 
 import thunder_tp.checkpoint as ck
-from thunder_tp.thunder_internals.private import applied_transforms
 from thunder_tp.fabric.model import load_raw
+from thunder_tp.thunder_internals.private import applied_transforms
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 

@@ -16,10 +16,11 @@ group (`distributed_sampler_kwargs`, litdata's streaming datasets through `proce
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist

@@ -18,14 +18,13 @@ So a plain `thunder.jit` of such models traces once thunder_tp is imported.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn as nn
 from thunder.core.dtypes import to_torch_dtype
 from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
-
-from dataclasses import dataclass
-
-import torch.nn as nn
 
 from thunder_tp.families import Wrapper, register_wrapper_rule
 from thunder_tp.layouts import REPLICATE, Layout, Shard

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass
 from itertools import product
 
-import torch.nn as nn
 import thunder.torch as ltorch
+import torch.nn as nn
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 

@@ -11,6 +11,7 @@ from thunder_tp.plan_search.decisions import Decision
 from thunder_tp.plan_search.pricing import Pricing, split_alone
 from thunder_tp.styles import FeatureShardedNorm, KVCacheParallel, Style, planned_tensors
 
+
 def search(decisions: list[Decision], pricing: Pricing, budget: int) -> tuple[tuple[int, ...], tuple]:
     """Coordinate descent (`_descended`: the cheapest single move first) from two starts, the better end winning (ties:
     the first): from the most sharded plan in trace order, and from a greedy pass (`_built`) with the weight matrices

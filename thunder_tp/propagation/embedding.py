@@ -7,8 +7,8 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_tp.collectives import rank_offset
 from thunder_tp.layouts import PARTIAL, REPLICATE, Shard, TPGroup
-from thunder_tp.simulate import is_simulating
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.simulate import is_simulating
 
 
 def _vocab_parallel_lookup(tp: TPGroup, padding_idx: int | None):

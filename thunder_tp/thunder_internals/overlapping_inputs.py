@@ -19,7 +19,8 @@ Thunder's substitution would have computed it from the wrong values anyway.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from thunder.core.pytree import tree_flatten, tree_unflatten
