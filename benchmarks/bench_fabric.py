@@ -52,7 +52,7 @@ class SplitQKV(nn.Module):
         super().__init__()
         sizes = (config.n_head * config.head_size, config.n_query_groups * config.head_size,
                  config.n_query_groups * config.head_size)
-        parts = zip(("q", "k", "v"), fused.weight.split(sizes), fused.bias.split(sizes) if fused.bias is not None else (None,) * 3)
+        parts = zip(("q", "k", "v"), fused.weight.split(sizes), fused.bias.split(sizes) if fused.bias is not None else (None,) * 3, strict=True)
         for name, weight, bias in parts:
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
             with torch.no_grad():

@@ -56,6 +56,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -389,7 +390,7 @@ def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device,
         log(rank, f"[bench_generate] {mode.name}: {mode.description}")
         result = results[mode.name] = {"description": mode.description, "ranks": mode.ranks, "threads": mode.threads,
                                        "ttft_s": [], "decode_tokens_per_s": []}
-        module = on_ranks(mode.ranks, lambda: prepare(mode, shared, prompts, args, ref, cores, result))
+        module = on_ranks(mode.ranks, partial(prepare, mode, shared, prompts, args, ref, cores, result))
         if agreed(module is not None or rank != 0 and mode.ranks == 1):
             modules[mode.name] = module
     ready = [m for m in modes if m.name in modules]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -190,8 +191,9 @@ def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn
     losses, times = [], []
     for it in range(args.max_iters):
         idx, targets = make_batch(args, vocab, groups.dp_rank, it, device, rows=steps * args.micro_batch_size)
-        # gradients accumulate over the micro-batches; .item() waits for the step
-        loss_value, dt = timed(lambda: train_step(jm, optimizer, idx, targets, args.micro_batch_size).item(), device)
+        # gradients accumulate over the micro-batches; timed waits for the device's work
+        loss, dt = timed(partial(train_step, jm, optimizer, idx, targets, args.micro_batch_size), device)
+        loss_value = loss.item()
         losses.append(loss_value)
         times.append(dt)
         tag = " (warm-up)" if it < args.warmup_iters else ""

@@ -375,7 +375,7 @@ def prepare_all(modes: list[Mode], cfg: LlamaConfig, idx, targets, args, results
         if dist.get_rank() == 0:
             print(f"[compare] {mode.name}: {mode.description}", file=sys.stderr, flush=True)
         results[mode.name] = {"description": mode.description}
-        on_ranks(mode.ranks, lambda: prepare(mode))
+        on_ranks(mode.ranks, partial(prepare, mode))
     return states
 
 
@@ -383,7 +383,7 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
     """The timed steps of every ready mode in alternating rounds; the modes timed."""
     ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
     dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
-    timed_modes = [m for m, ok in zip(modes, ready.tolist()) if ok]
+    timed_modes = [m for m, ok in zip(modes, ready.tolist(), strict=True) if ok]
     runs = [(m, transport) for m in timed_modes for transport in (True, False)
             if transport or (args.without_transport and measures_transport(m))]
     per_round = steps_per_round(args.steps, args.rounds)
@@ -436,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[compare] --transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)",
                   file=sys.stderr, flush=True)
     for mode in time_rounds(modes, states, idx, targets, args, results):
-        on_ranks(mode.ranks, lambda: finish_mode(mode, states.pop(mode.name), idx, targets, args, results[mode.name]))
+        def finish(mode: Mode = mode) -> None:
+            finish_mode(mode, states.pop(mode.name), idx, targets, args, results[mode.name])
+
+        on_ranks(mode.ranks, finish)
         if rank == 0:
             print(f"[compare] {mode.name}: {summary_line(results[mode.name])}", file=sys.stderr, flush=True)
         gc.collect()

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     base = results["modes"].get("hf_tp")
     for mode, r in results["modes"].items():
         r["vs_hf_tp"] = r["median_s"] / base["median_s"] if base else None
-        r["vs_hf_tp_per_round"] = ([a / b for a, b in zip(r["round_medians_s"], base["round_medians_s"])]
+        r["vs_hf_tp_per_round"] = ([a / b for a, b in zip(r["round_medians_s"], base["round_medians_s"], strict=True)]
                                    if base else None)
         per_round = statistics.median(r["vs_hf_tp_per_round"]) if base else 0
         log(rank, f"{mode}: {r['step_ms']:.1f} ms (q1 {1000 * r['q1_s']:.0f}, q3 {1000 * r['q3_s']:.0f}; "

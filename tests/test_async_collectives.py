@@ -30,7 +30,7 @@ def _collectives(cases):
 
     def program(*tensors):
         outs = []
-        for (shard, summand), (_, dim, blocks) in zip(zip(tensors[::2], tensors[1::2]), cases):
+        for (shard, summand), (_, dim, blocks) in zip(zip(tensors[::2], tensors[1::2], strict=True), cases, strict=True):
             outs += [tp_gather(shard, dim, blocks, group), tp_reduce_scatter(summand, dim, blocks, group),
                      tp_reduce_from_tp(summand, group)]
         return outs
@@ -45,7 +45,7 @@ def _collectives(cases):
         inputs += [shard_tensor(full, layout, rank, size), summands[rank]]
         expected += [full, shard_tensor(total, layout, rank, size), total]
     jitted = thunder.jit(program, executors=thunder_tp.executors())
-    for got, want in zip(jitted(*inputs), expected):
+    for got, want in zip(jitted(*inputs), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     names = [b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols]
     issues = [i for i, n in enumerate(names) if n.startswith("torch_") and n.endswith("_prim_impl") and "wait" not in n]

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -237,7 +238,7 @@ def _steps_without_transport(mode_names: list[str]) -> dict:
     for name in mode_names:
         jm = modes[name].build(compare_modes.make_model("llama", cfg, 0))
         opt = torch.optim.SGD(jm.parameters(), lr=1e-2)
-        step = lambda: harness.train_step(jm, opt, idx, targets)  # noqa: E731
+        step = partial(harness.train_step, jm, opt, idx, targets)
         step()  # compiled before anything is counted
         counts = []
         for context in (contextlib.nullcontext, transport.without_transport):
@@ -247,9 +248,9 @@ def _steps_without_transport(mode_names: list[str]) -> dict:
         before = [local(p) for p in jm.parameters()]
         with transport.steps_without_transport(list(jm.parameters())):
             step()
-            moved = any(not torch.equal(a, local(p)) for a, p in zip(before, jm.parameters()))
+            moved = any(not torch.equal(a, local(p)) for a, p in zip(before, jm.parameters(), strict=True))
         out[name] = {"counts": counts, "moved": moved, "transport_back": torch.distributed.all_reduce is all_reduce,
-                     "restored": all(torch.equal(a, local(p)) for a, p in zip(before, jm.parameters()))}
+                     "restored": all(torch.equal(a, local(p)) for a, p in zip(before, jm.parameters(), strict=True))}
     return out
 
 

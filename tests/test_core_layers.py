@@ -256,7 +256,7 @@ def _state_dicts():
     local = jm.state_dict()
     assert local["fc1.weight"].shape[0] == full["fc1.weight"].shape[0] // rank_and_size()[1]
     for k, v in jm.original_state_dict().items():
-        torch.testing.assert_close(v, full[k], msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(v, full[k], msg=lambda m, k=k: f"{k}: {m}")
     fresh = MLP(bias=True)
     jm2 = thunder.jit(fresh, transforms=[TensorParallel(PLAN)], executors=FAST_EXECUTORS)
     jm2.load_original_state_dict(full)

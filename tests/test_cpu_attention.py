@@ -40,7 +40,7 @@ def _check_against_eager(fn, *args) -> list[str]:
     expected_grads = torch.autograd.grad(expected, args, torch.ones_like(expected))
     out, grads, names, _ = _run(fn, *args)
     assert_close(out, expected, rtol=1e-12, atol=1e-12, name="output")
-    for i, (grad, want) in enumerate(zip(grads, expected_grads)):
+    for i, (grad, want) in enumerate(zip(grads, expected_grads, strict=True)):
         assert_close(grad, want, rtol=1e-12, atol=1e-12, name=f"grad of argument {i}")
     return names
 

@@ -309,7 +309,7 @@ def test_output_computed_from_inputs_alone_trains(fn):
     expected = torch.autograd.grad(expected_out, (x, w), torch.ones_like(expected_out))
     out = thunder.jit(fn, executors=executors())(x, w)
     assert_close(out, expected_out, name="output")
-    for name, grad, want in zip("xw", torch.autograd.grad(out, (x, w), torch.ones_like(out)), expected):
+    for name, grad, want in zip("xw", torch.autograd.grad(out, (x, w), torch.ones_like(out)), expected, strict=True):
         assert_close(grad, want, name=f"grad of {name}")
 
 

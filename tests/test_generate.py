@@ -48,7 +48,7 @@ def _generate_and_compare(arch: str, batch: int) -> dict:
     on_decode = lambda _: decode_counts.append(collective_counts(thunder.last_traces(jm)[-1]))  # noqa: E731
     tokens, logits = greedy(jm, prompt, NEW_TOKENS, on_decode)
     assert torch.equal(tokens, expected_tokens), (tokens, expected_tokens)
-    for step, (got, want) in enumerate(zip(logits, expected_logits)):
+    for step, (got, want) in enumerate(zip(logits, expected_logits, strict=True)):
         assert_close_scaled(got, want, rtol=1e-6, atol=1e-6, what=f"logits of step {step}")
     minimum = expected_counts(config, "tp", size)[0]
     assert all(counts == minimum for counts in decode_counts), (decode_counts, minimum)
@@ -102,7 +102,7 @@ def _litgpt_loops(temperature: float) -> dict:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results["tp"])
     for other in gathered[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(other, gathered[0])), "ranks sampled different tokens"
+        assert all(torch.equal(a, b) for a, b in zip(other, gathered[0], strict=True)), "ranks sampled different tokens"
     return results
 
 
@@ -183,7 +183,7 @@ def test_simulated_prefill_and_decode():
                          executors=thunder_tp.executors())
         with torch.no_grad():  # LocalTensor cannot run under inference_mode
             got = [jm(prompt, torch.arange(PROMPT)), jm(prompt[:, :1], torch.tensor([PROMPT]))]
-        for step, (g, w) in enumerate(zip(got, want)):
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
             for rank, value in thunder_tp.per_rank(g).items():
                 assert_close_scaled(value, w, rtol=1e-6, atol=1e-6, what=f"rank {rank}'s logits of step {step}")
 

@@ -61,7 +61,7 @@ def _symbolic_calls(name: str) -> dict[str, int]:
         cotangent = torch.randn_like(expected)
         (out * cotangent).sum().backward()
         (expected * cotangent).sum().backward()
-        for a, r in zip(args, reference):
+        for a, r in zip(args, reference, strict=True):
             if isinstance(a, torch.Tensor):
                 torch.testing.assert_close(a.grad, r.grad, rtol=1e-12, atol=1e-12)
     traces = (thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1])

@@ -74,7 +74,7 @@ def compare_with_single_device(
     (expected * cotangent).sum().backward()
     (actual * cotangent).sum().backward()
     info["backward"] = collective_counts(thunder.last_backward_traces(jm)[-1])
-    for x, r in zip(inputs, ref_inputs):
+    for x, r in zip(inputs, ref_inputs, strict=True):
         if isinstance(x, torch.Tensor) and x.requires_grad:
             assert_close_scaled(x.grad, r.grad, rtol=rtol, atol=atol, what="input grad")
     assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=rtol, atol=atol)

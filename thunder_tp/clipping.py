@@ -152,7 +152,7 @@ def _segments(layout: Layout, grad: torch.Tensor, held: int, groups: _Groups) ->
     local_n = held if dim == 0 else grad.shape[dim]
     full = full_length(layout, local_n, groups.tp_size)
     segments, offset = [], 0
-    for (_, length), replicas in zip(held_chunks(layout, full, groups.tp_rank, groups.tp_size), layout.block_replicas()):
+    for (_, length), replicas in zip(held_chunks(layout, full, groups.tp_rank, groups.tp_size), layout.block_replicas(), strict=True):
         if groups.tp_rank % replicas == 0:
             segments.append((offset, length))
         offset += length

@@ -203,13 +203,13 @@ def _step_reads(step: Step, schedule: CollectiveSchedule) -> list[list[Need]]:
     tensors, outputs = _tensors(step.bsym.args, step.bsym.kwargs), _tensors(step.bsym.output)
     if not outputs:
         return []
-    required = [normalize(r, t.ndim) for t, r in zip(tensors, step.strategy.inputs)]
+    required = [normalize(r, t.ndim) for t, r in zip(tensors, step.strategy.inputs, strict=True)]
     if step.bsym.sym.id == tp_annotate.id:
         schedule.aliases[outputs[0].name] = Need(tensors[0], required[0])
         return []
     enters = step.strategy.enters_tp_region
     return [schedule.resolved(t, r, enters and isinstance(r, Replicate) and t.name in schedule.needs_grad)
-            for t, r in zip(tensors, required)]
+            for t, r in zip(tensors, required, strict=True)]
 
 
 def _redistributions(needs: list[Need], layouts: dict[str, Layout], needs_grad: set[str]) -> dict:

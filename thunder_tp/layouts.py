@@ -134,7 +134,7 @@ def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) 
     replicas = layout.block_replicas()
     if len(replicas) != len(blocks) or any(size % r for r in replicas):
         raise ValueError(f"{what}: {layout} needs one replica count per block, each dividing the TP size {size}")
-    for b, r in zip(blocks, replicas):
+    for b, r in zip(blocks, replicas, strict=True):
         if b % (size // r):
             part = f"block of size {b} in dim {layout.dim}" if layout.blocks else f"dim {layout.dim} of size {n}"
             split = f"the TP group size {size}" if r == 1 else f"{size // r} ({r} replicas on {size} ranks)"
@@ -173,7 +173,7 @@ def local_blocks(
 def held_chunks(layout: Shard, n: int, rank: int, size: int) -> list[tuple[int, int]]:
     """(start, length) in the full dim of each piece `rank` holds, in the order of its local piece."""
     chunks, start = [], 0
-    for block, r in zip(layout.blocks or (n,), layout.block_replicas()):
+    for block, r in zip(layout.blocks or (n,), layout.block_replicas(), strict=True):
         length = block * r // size
         chunks.append((start + (rank // r) * length, length))
         start += block
@@ -201,7 +201,7 @@ def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int, ops=torc
     if not isinstance(layout, Shard):
         return t
     chunks = _all_chunks(layout, t.shape[layout.dim], size)
-    parts = dict(zip(chunks, ops.split(t, [length for _, length in chunks], layout.dim)))
+    parts = dict(zip(chunks, ops.split(t, [length for _, length in chunks], layout.dim), strict=True))
     return _cat([parts[c] for c in held_chunks(layout, t.shape[layout.dim], rank, size)], layout.dim, ops)
 
 
@@ -242,7 +242,7 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout, ops=torch) ->
     n = full_length(layout, pieces[0].shape[layout.dim], size)
     parts: dict[tuple[int, int], torch.Tensor] = {}
     for rank, piece in enumerate(pieces):
-        for chunk, part in zip(held_chunks(layout, n, rank, size), piece_parts(piece, layout, rank, size, ops)):
+        for chunk, part in zip(held_chunks(layout, n, rank, size), piece_parts(piece, layout, rank, size, ops), strict=True):
             parts.setdefault(chunk, part)
     return _cat([parts[c] for c in sorted(parts)], layout.dim, ops)
 

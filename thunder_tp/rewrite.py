@@ -118,7 +118,7 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
         for t in schedule.replica_sums:  # in the inputs' order: the same on every rank
             local.values[t.name], copy = replica_grads_summed(local.values[t.name], layouts[t.name], tp)
             local.coalesced.add(copy.name)
-        for step, needs in zip(steps, schedule.needs):
+        for step, needs in zip(steps, schedule.needs, strict=True):
             _emit(step, needs, local)
         prims.python_return(*_returned_values(ret.args, local, unpacked))
     new.bound_symbols = coalesce_replicated_copies(new.bound_symbols, local.coalesced, tp)
@@ -217,7 +217,7 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     args, kwargs = tree_unflatten(local_flat, spec)
     emitted_from = len(get_tracectx().bound_symbols)
     result = (strategy.local or bsym.sym)(*args, **kwargs)
-    for logical, value in zip(outputs, tree_flatten(result)[0]):
+    for logical, value in zip(outputs, tree_flatten(result)[0], strict=True):
         if isinstance(logical, Proxy):
             local.values[logical.name] = value
     if checkpointed:
@@ -263,7 +263,7 @@ def _emit_metadata_query(bsym, local: LocalValues) -> None:
         result = bsym.sym(*args, **kwargs)
         if is_shape:
             result = _full_shape(result, local.layouts[tensors[0].name], local.tp)
-        for logical, value in zip(tree_flatten(bsym.output)[0], tree_flatten(result)[0]):
+        for logical, value in zip(tree_flatten(bsym.output)[0], tree_flatten(result)[0], strict=True):
             if isinstance(logical, Proxy):
                 local.values[logical.name] = value
         return

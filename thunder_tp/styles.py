@@ -102,7 +102,7 @@ class ColwiseParallel(Style):
 
     def _units(self) -> list[tuple[int, bool]]:
         blocks = self.blocks or ()
-        return [(b // self.unit, r) for b, r in zip(blocks, self.replicable or (False,) * len(blocks))]
+        return [(b // self.unit, r) for b, r in zip(blocks, self.replicable or (False,) * len(blocks), strict=True)]
 
     def tp_sizes(self, up_to: int) -> list[int]:
         """The TP sizes (at most `up_to`) over which every block splits into whole units."""
@@ -337,7 +337,7 @@ def plan_key_matches(pattern: str, names: list[str]) -> list[str]:
 
 
 def _segments_match(patterns: list[str], segments: list[str]) -> bool:
-    return len(patterns) == len(segments) and all(fnmatchcase(s, p) for s, p in zip(segments, patterns))
+    return len(patterns) == len(segments) and all(fnmatchcase(s, p) for s, p in zip(segments, patterns, strict=True))
 
 
 def styles_from_distparallel_type(model: nn.Module) -> dict[str, Style]:

@@ -194,7 +194,7 @@ def _line_up(everyone: list[tuple[str, list]]) -> dict | None:
         per_rank = [[(issued, done) for p, issued, done in calls if p == phase and done is not None]
                     for _, calls in everyone]
         lined = [(min(i for i, _ in same), max(i for i, _ in same), max(d for _, d in same))
-                 for same in zip(*per_rank)]
+                 for same in zip(*per_rank, strict=False)]  # a rank's unfinished calls are left out
         if lined:
             out[phase] = {"issue_spread_s": statistics.median(b - a for a, b, _ in lined),
                           "last_issue_to_done_s": statistics.median(d - b for _, b, d in lined)}

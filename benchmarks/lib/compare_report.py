@@ -106,7 +106,10 @@ def transport_table(results: dict) -> str:
         if "transport" not in r:
             continue
         step, exposed = r["median_s"], r["transport"]["exposed_s"]
-        efficiency = lambda s: _fmt(parallel_efficiency(results, name, s), ".3f")  # noqa: E731
+
+        def efficiency(step_s: float, name: str = name) -> str:
+            return _fmt(parallel_efficiency(results, name, step_s), ".3f")
+
         lines.append(f"| {name} | {step * 1e3:.0f} | {r['transport']['without_transport_s'] * 1e3:.0f} "
                      f"| {exposed * 1e3:.1f} | {(step - exposed) * 1e3:.0f} | {efficiency(step)} "
                      f"| {efficiency(step - exposed)} |")
@@ -125,7 +128,7 @@ def plot(results: dict, scaling: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 3 if scaling else 2, figsize=(18 if scaling else 13, 5.5))
     ax = axes[0]
     med = [timed[n]["median_s"] * 1e3 for n in names]
-    err = [[m - timed[n]["min_s"] * 1e3 for n, m in zip(names, med)], [timed[n]["max_s"] * 1e3 - m for n, m in zip(names, med)]]
+    err = [[m - timed[n]["min_s"] * 1e3 for n, m in zip(names, med, strict=True)], [timed[n]["max_s"] * 1e3 - m for n, m in zip(names, med, strict=True)]]
     colors = ["tab:gray" if timed[n]["ranks"] == 1 else "tab:blue" if "thunder_tp" in n else "tab:orange" for n in names]
     ax.barh(names, med, xerr=err, color=colors)
     ax.invert_yaxis()
@@ -164,7 +167,7 @@ def summary_line(r: dict) -> str:
 def paired_ratio(a: dict, b: dict) -> float | None:
     """Median over the rounds of a's step time over b's in the same round (both medians of their round's steps):
     the modes of a round run minutes apart at most, so the host's drift between rounds cancels."""
-    pairs = [x / y for x, y in zip(a.get("round_medians_s", []), b.get("round_medians_s", []))]
+    pairs = [x / y for x, y in zip(a.get("round_medians_s", []), b.get("round_medians_s", []), strict=True)]
     return statistics.median(pairs) if pairs else None
 
 

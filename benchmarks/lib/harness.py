@@ -214,7 +214,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Te
     """
     optimizer.zero_grad(set_to_none=True)
     rows = micro_batch_size or idx.shape[0]
-    pieces = list(zip(idx.split(rows), targets.split(rows)))
+    pieces = list(zip(idx.split(rows), targets.split(rows), strict=True))
     loss = None
     with step_context(model):
         for micro_idx, micro_targets in pieces:

@@ -198,7 +198,7 @@ def transform_scaling(cfg: LlamaConfig, depths: list[int], repeats: int) -> dict
             c = LlamaConfig(**{**asdict(cfg), "n_layers": n})
             samples = []
             for _ in range(repeats):
-                model = seeded_model(lambda: WithLoss(Llama(c)), 0)
+                model = seeded_model(lambda c=c: WithLoss(Llama(c)), 0)
                 jm = thunder.jit(model, transforms=[thunder_tp.TensorParallel(thunder_tp_plan(False))],
                                  executors=thunder_default_executors())
                 idx = torch.zeros(1, min(16, c.max_seq), dtype=torch.long)

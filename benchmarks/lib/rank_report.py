@@ -168,16 +168,14 @@ def _projection_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         if "error" in r:
             continue
         p = r["projection"]
-        if r["workload"] == "training":
-            rate = lambda s: r["batch"] * args.seq / s / r["tp"]  # noqa: E731  tokens/s/GPU
-            compute = r["step_s"]
-        else:
-            rate = lambda s: r["batch"] / s  # noqa: E731  tokens/s
-            compute = r["back_to_back_s"]
-        overlap = f"{rate(p['overlap_s']):.1f}" if p["overlap_from_trace"] else "– (no trace)"
+        if r["workload"] == "training":  # rates in tokens/s per GPU
+            tokens, compute = r["batch"] * args.seq / r["tp"], r["step_s"]
+        else:  # tokens/s
+            tokens, compute = r["batch"], r["back_to_back_s"]
+        overlap = f"{tokens / p['overlap_s']:.1f}" if p["overlap_from_trace"] else "– (no trace)"
         lines.append(
             f"| {r['workload']} | {r['tp']} | {r['batch']} | ({r['mode']}) | {_ms(compute)} | {_ms(p['comm_s'])} | "
-            f"{_ms(p['no_overlap_s'])} | {_ms(p['overlap_s'])} | {rate(p['no_overlap_s']):.1f} | {overlap} | "
+            f"{_ms(p['no_overlap_s'])} | {_ms(p['overlap_s'])} | {tokens / p['no_overlap_s']:.1f} | {overlap} | "
             f"{_reference(r['workload'], r['tp'], args.model)} |")
     return lines
 

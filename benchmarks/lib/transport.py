@@ -104,7 +104,7 @@ def steps_without_transport(params: list[torch.Tensor]) -> Iterator[None]:
             yield
     finally:
         with torch.no_grad():
-            for p, s in zip(params, saved):
+            for p, s in zip(params, saved, strict=True):
                 p.copy_(s)
 
 
@@ -112,7 +112,7 @@ def communication_cost(timed: dict, without: dict) -> dict:
     """What communication adds to a mode's step, from its timed steps and as many without transport run next to them
     in every round: the median of those without (seconds), the median over rounds of the round medians' difference,
     and the page faults of a step without transport."""
-    differences = [a - b for a, b in zip(timed["round_medians_s"], without["round_medians_s"])]
+    differences = [a - b for a, b in zip(timed["round_medians_s"], without["round_medians_s"], strict=True)]
     return {"rounds": len(differences), "without_transport_s": statistics.median(without["times_s"]),
             "exposed_s": statistics.median(differences),
             "without_transport_minor_faults_per_step": statistics.median(without["minor_faults"])}

@@ -24,6 +24,7 @@ collectives of different groups at once, stragglers, data parallelism, the share
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -64,7 +65,7 @@ class Link:
         points = self.latency_after_idle.get(kind)
         if not points or idle_s is None:
             return self.latency_s[kind]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        for (x0, y0), (x1, y1) in itertools.pairwise(points):
             if idle_s <= x1:
                 return y0 + (y1 - y0) * min(max((idle_s - x0) / (x1 - x0), 0.0), 1.0)
         return points[-1][1]

@@ -49,7 +49,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     else:
         for name, t in tensors.items():
             for offsets, sizes, view in t.slices():
-                view.copy_(full[name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
+                view.copy_(full[name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))])
     install(model, tensors, optimizer)
 
 
@@ -166,7 +166,7 @@ def _load_directory(path: str, model, tensors: dict[str, HeldTensor], optimizer,
         for name, fields in optim_targets.items():
             for key, t in fields.items():
                 t.copy_from(state["optim"]["state"][name][key])
-        for group, saved in zip(optimizer.param_groups, state["optim"]["param_groups"]):
+        for group, saved in zip(optimizer.param_groups, state["optim"]["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         optimizer._thunder_tp_loaded_state = optim_targets  # installed by install once params are final
 

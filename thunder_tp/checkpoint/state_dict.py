@@ -61,7 +61,7 @@ def set_state_dict(
     params = {name: model_tensor(model, name) for name in optim_state_dict["state"]}
     for name, entries in optim_state_dict["state"].items():
         optimizer.state[params[name]] = {k: _restore(tensors[name], v) for k, v in entries.items()}
-    for group, saved in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
+    for group, saved in zip(optimizer.param_groups, optim_state_dict["param_groups"], strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 

@@ -38,7 +38,7 @@ class HeldTensor:
     def slices(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
         """(global offsets, sizes, view of `local`) for each chunk this rank holds."""
         parts = piece_parts(self.local, self.layout, self.rank, self.size)
-        return [(offsets, sizes, part) for (offsets, sizes), part in zip(self.chunks(), parts)]
+        return [(offsets, sizes, part) for (offsets, sizes), part in zip(self.chunks(), parts, strict=True)]
 
     def for_dcp(self) -> torch.Tensor:
         """A plain tensor when every rank holds all of it, else a ShardedTensor of this rank's slices.
@@ -58,7 +58,7 @@ class HeldTensor:
         every = [ShardMetadata(list(o), list(s), placement(r)) for (o, s), r in holders.items()]
         views = {(o, s): view for o, s, view in self.slices()}
         shards = [LocalShard(views[(o, s)].contiguous(), md)
-                  for ((o, s), r), md in zip(holders.items(), every) if r == self.rank]
+                  for ((o, s), r), md in zip(holders.items(), every, strict=True) if r == self.rank]
         props = TensorProperties(dtype=self.local.dtype, requires_grad=False)
         metadata = ShardedTensorMetadata(every, torch.Size(self.global_shape), props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=self.group)

@@ -136,7 +136,7 @@ def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout]], group: di
     copies: dict[tuple[str, tuple[int, int] | None], set[int]] = {}
     for r, values in enumerate(every):
         keys = [(name, chunk) for name, (t, layout) in replicated.items() for chunk in _chunks(t, layout, r, size)]
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             copies.setdefault(key, set()).add(value)
     differing = sorted({name for (name, _), values in copies.items() if len(values) > 1})
     if differing:

@@ -147,7 +147,7 @@ def schedule_communication(trace: TraceCtx) -> TraceCtx:
     ordered = bsyms
     if any(map(is_wait, bsyms)):
         keys = _schedule_keys(bsyms)
-        key_of = {id(bsym): key for bsym, key in zip(bsyms, keys)}
+        key_of = {id(bsym): key for bsym, key in zip(bsyms, keys, strict=True)}
 
         def select(eligible: list) -> int:
             return min(range(len(eligible)), key=lambda k: key_of[id(eligible[k].bsym)])

@@ -304,7 +304,7 @@ class _DataParallelSyncControl(_BackwardSyncControl):
             p.grad = None
         yield
         self.pending = False
-        for p, g in zip(params, local):
+        for p, g in zip(params, local, strict=True):
             dist.all_reduce(g, group=mesh.dp_group)
             g.div_(mesh.dp)
             p.grad = g if p.grad is None else p.grad.add_(g)

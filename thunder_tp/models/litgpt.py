@@ -104,8 +104,8 @@ def _enabled_blocks(module: nn.Module, layout: Shard) -> Shard:
     enabled = getattr(module, "enable_lora", None)
     if enabled is None or layout.blocks is None or all(enabled):
         return layout
-    blocks = tuple(b for b, on in zip(layout.blocks, enabled) if on)
-    replicas = tuple(r for r, on in zip(layout.block_replicas(), enabled) if on)
+    blocks = tuple(b for b, on in zip(layout.blocks, enabled, strict=True) if on)
+    replicas = tuple(r for r, on in zip(layout.block_replicas(), enabled, strict=True) if on)
     replicas = replicas if any(r > 1 for r in replicas) else None
     return Shard(0, blocks if len(blocks) > 1 else None, replicas)
 

@@ -184,7 +184,7 @@ def _moe_layer_backward(grad: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
         relinked = [[leaves[id(t)] for t in a] if isinstance(a, (list, tuple)) else leaves.get(id(a), a) for a in args]
         y = moe_layer_torch(*relinked)
         grads = torch.autograd.grad(y, list(leaves.values()), grad, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves.values(), grads))
+    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves.values(), grads, strict=True))
 
 
 def _forward_meta(x, gate_weight, score_bias, fc_1, fc_2, proj, fc_1_bias, fc_2_bias, proj_bias, shared, shared_bias,
@@ -204,7 +204,7 @@ moe_layer_backward = moe_executor.register_operator("moe_layer_backward", meta=_
 def _moe_layer_grad(*args) -> TensorProxy:
     y = moe_layer(*args)
     grads = moe_layer_backward(get_grad(y), *args)
-    for t, g in zip(differentiable_inputs(*args), grads):
+    for t, g in zip(differentiable_inputs(*args), grads, strict=True):
         put_grad(t, g)
     return y
 
@@ -242,7 +242,7 @@ def sharded_experts(op: Op) -> list[Strategy]:
         for t in op.arg(argument) or ():
             by_name[t.name] = layout
     for argument, layouts in _SHARED_LAYOUTS.items():
-        for t, layout in zip(op.arg(argument) or (), layouts):
+        for t, layout in zip(op.arg(argument) or (), layouts, strict=False):
             by_name[t.name] = layout
     sharded = tuple(by_name.get(t.name, REPLICATE) for t in op.tensors)
     return [Strategy(sharded, (PARTIAL,)), op.replicated()]

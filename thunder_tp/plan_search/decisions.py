@@ -69,7 +69,7 @@ def _decision(module: nn.Module, trace: Traced, group: list[str], size: int) -> 
     names = list(kinds)
     combos = []
     for combo in product(*(per_kind[n] for n in names)):
-        by_kind = dict(zip(names, combo))
+        by_kind = dict(zip(names, combo, strict=True))
         styles = {m: by_kind[_signature(module.get_submodule(m))] for m in group if m not in wrappers}
         for name, w in wrappers.items():
             layer = styles[f"{name}.{w.child}"]
@@ -134,7 +134,7 @@ def _output_blocks(trace: TraceCtx, weight: str) -> list[tuple[int, tuple[int, i
     heads = [_heads(p, users) for p in parts]
     if any(h is None for h in heads):
         return None
-    return [(p.shape[-1], h) for p, h in zip(parts, heads)]
+    return [(p.shape[-1], h) for p, h in zip(parts, heads, strict=True)]
 
 
 def _last_dim(split, t: TensorProxy) -> bool:

@@ -14,8 +14,8 @@ def plan_of(module: nn.Module, decisions: list[Decision], choice: tuple[int, ...
     """Module names -> styles, a glob per decision where it matches exactly its modules."""
     names = [n for n, _ in module.named_modules() if n]
     plan: dict[str, Style] = {}
-    for d, i in zip(decisions, choice):
-        styled = {m: s for m, s in zip(d.modules, d.choices[i]) if s is not None}
+    for d, i in zip(decisions, choice, strict=True):
+        styled = {m: s for m, s in zip(d.modules, d.choices[i], strict=True) if s is not None}
         for style in dict.fromkeys(styled.values()):
             members = [m for m, s in styled.items() if s == style]
             plan.update(_keys(members, style, names))
@@ -25,7 +25,7 @@ def plan_of(module: nn.Module, decisions: list[Decision], choice: tuple[int, ...
 def _keys(members: list[str], style: Style, names: list[str]) -> Iterator[tuple[str, Style]]:
     """One glob for modules that differ only in block indices, when it matches nothing else; else their names."""
     parts = [m.split(".") for m in members]
-    pattern = ".".join(p[0] if len(set(p)) == 1 else "*" for p in zip(*parts)) if len({len(p) for p in parts}) == 1 else ""
+    pattern = ".".join(p[0] if len(set(p)) == 1 else "*" for p in zip(*parts, strict=True)) if len({len(p) for p in parts}) == 1 else ""
     if len(members) > 1 and sorted(plan_key_matches(pattern, names)) == sorted(members):
         yield pattern, style
         return

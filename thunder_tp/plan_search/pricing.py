@@ -37,8 +37,8 @@ class Pricing:
     def styles(self, decisions: list[Decision], choice: tuple[int, ...]) -> dict[str, Style]:
         """Module name -> style for a choice (an index into each decision's combinations)."""
         styles = {}
-        for d, i in zip(decisions, choice):
-            styles.update((m, s) for m, s in zip(d.modules, d.choices[i]) if s is not None)
+        for d, i in zip(decisions, choice, strict=True):
+            styles.update((m, s) for m, s in zip(d.modules, d.choices[i], strict=True) if s is not None)
         return styles
 
     def price(self, decisions: list[Decision], choice: tuple[int, ...]) -> tuple[Communication, int] | None:

@@ -97,7 +97,7 @@ def _most_sharded(decisions: list[Decision], pricing: Pricing, budget: int) -> t
     parameter bytes; an error if even that is over budget."""
     first = tuple(
         next((j for j, c in enumerate(d.choices) if all(s is None or split_alone(pricing, m, s) is not None
-                                                         for m, s in zip(d.modules, c))), len(d.choices) - 1)
+                                                         for m, s in zip(d.modules, c, strict=True))), len(d.choices) - 1)
         for d in decisions
     )
     choice = first

@@ -18,7 +18,7 @@ def scaled_dot_product_attention(op: Op) -> list[Strategy]:
     strategies = [op.replicated()]
     for d in range(min(2, q.ndim - 2)):
         layouts: list[Layout] = []
-        for t, current in zip(op.tensors, op.layouts):
+        for t, current in zip(op.tensors, op.layouts, strict=True):
             td = d - (out.ndim - t.ndim)
             if td >= 0 and t.shape[td] == out.shape[d]:
                 layouts.append(Shard(td))

@@ -137,9 +137,9 @@ class Propagation:
                 self.run(bsym.subsymbols)
                 continue
             _check_written_in_place(op, strategy)
-            for t, layout in zip(op.outputs, strategy.outputs):
+            for t, layout in zip(op.outputs, strategy.outputs, strict=True):
                 self.layouts[t.name] = normalize(layout, t.ndim)
-            self.replicated.update(t.name for t, x in zip(op.tensors, strategy.inputs) if isinstance(x, Replicate))
+            self.replicated.update(t.name for t, x in zip(op.tensors, strategy.inputs, strict=True) if isinstance(x, Replicate))
             self.steps.append(Step(bsym, strategy))
         return self.steps
 
@@ -155,15 +155,17 @@ class Propagation:
         return DECOMPOSE
 
     def _valid(self, op: Op, s: Strategy) -> bool:
-        for t, layout in (*zip(op.tensors, s.inputs), *zip(op.outputs, s.outputs)):
+        if len(s.inputs) != len(op.tensors) or len(s.outputs) != len(op.outputs):
+            return False
+        for t, layout in (*zip(op.tensors, s.inputs, strict=True), *zip(op.outputs, s.outputs, strict=True)):
             try:
                 check_shardable(t.shape, normalize(layout, t.ndim), self.tp.size, t.name)
             except ValueError:
                 return False
-        return len(s.inputs) == len(op.tensors) and len(s.outputs) == len(op.outputs)
+        return True
 
     def _cost(self, op: Op, s: Strategy) -> float:
-        needed = {(t.name, normalize(req, t.ndim)): (t, cur) for t, cur, req in zip(op.tensors, op.layouts, s.inputs)}
+        needed = {(t.name, normalize(req, t.ndim)): (t, cur) for t, cur, req in zip(op.tensors, op.layouts, s.inputs, strict=True)}
         inputs = sum(  # a tensor used twice in one layout (x * x) is redistributed once
             0.0 if isinstance(req, Replicate) and name in self.replicated
             else redistribute_cost(cur, req, t, self.tp.size, is_parameter=name in self.parameters)

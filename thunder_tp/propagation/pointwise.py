@@ -30,7 +30,7 @@ def elementwise_strategies(op: Op) -> list[Strategy]:
             continue
         shard = _shard_on(op, d)
         layouts: list[Layout] = []
-        for t, current in zip(op.tensors, op.layouts):
+        for t, current in zip(op.tensors, op.layouts, strict=True):
             td = d - (out.ndim - t.ndim)
             # a size-1 dim of a replicated input is a broadcast even where the output's dim is 1 as well
             sharded = td >= 0 and t.shape[td] == out.shape[d] and (t.shape[td] != 1 or current == shard.moved(td))
@@ -43,13 +43,13 @@ def elementwise_strategies(op: Op) -> list[Strategy]:
 def _sharded_on(op: Op, d: int) -> bool:
     """Whether some input is currently sharded on output dim d."""
     out = op.outputs[0]
-    return any(isinstance(x, Shard) and x.dim == d - (out.ndim - t.ndim) for t, x in zip(op.tensors, op.layouts))
+    return any(isinstance(x, Shard) and x.dim == d - (out.ndim - t.ndim) for t, x in zip(op.tensors, op.layouts, strict=True))
 
 
 def _shard_on(op: Op, d: int) -> Shard:
     """How the first input currently sharded on output dim d is split there (blocks, replicas), else plainly."""
     out = op.outputs[0]
-    for t, layout in zip(op.tensors, op.layouts):
+    for t, layout in zip(op.tensors, op.layouts, strict=True):
         if isinstance(layout, Shard) and layout.dim == d - (out.ndim - t.ndim):
             return layout
     return Shard(d)
