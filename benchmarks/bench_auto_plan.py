@@ -34,7 +34,8 @@ def measure(name: str, args: argparse.Namespace, size: int) -> dict:
     from thunder_tp.plans.litgpt import GPTWithLoss
 
     config = Config.from_name(name, n_layer=args.n_layers, block_size=args.block_size)
-    idx = torch.randint(0, config.padded_vocab_size, (args.batch, args.block_size), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, config.padded_vocab_size, (args.batch, args.block_size),
+                        generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = GPTWithLoss(config)
     transform = thunder_tp.TensorParallel("auto", example_inputs=((idx, idx), {}))

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n_layer", type=int, default=4)
     p.add_argument("--n_embd", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--tp", type=int, nargs="+", default=[2, 1, 4], help="TP sizes (2 first: the others reshard from it)")
+    p.add_argument("--tp", type=int, nargs="+", default=[2, 1, 4],
+                   help="TP sizes (2 first: the others reshard from it)")
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="bench_ckpt_")
     config_args = (args.n_layer, args.n_embd, args.vocab)
@@ -97,17 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for tp in args.tp:
             results = run_ranks(_rank, tp, config_args, tp, root, timeout=1800)
-            total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, f"tp{tp}")) for f in fs)
+            files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, f"tp{tp}")) for f in fs]
+            total = sum(map(os.path.getsize, files))
             rows.append((tp, total, max(results, key=lambda r: r["save_peak"] + r["load_peak"])))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"model: n_layer={args.n_layer} n_embd={args.n_embd} vocab={args.vocab}, float32 (per rank: the worst rank)")
-    print("| TP | checkpoint | rank's shards | largest param | save s | save peak | load s | load peak | load from TP=2 s | peak |")
+    print("| TP | checkpoint | rank's shards | largest param | save s | save peak | load s | load peak | load from "
+          "TP=2 s | peak |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tp, total, r in sorted(rows):
-        print(f"| {tp} | {total / MB:.0f} MB | {r['shards'] / MB:.0f} MB | {r['largest'] / MB:.0f} MB | {r['save_s']:.2f} | "
-              f"{r['save_peak'] / MB:.0f} MB | {r['load_s']:.2f} | {r['load_peak'] / MB:.0f} MB | {r['reshard_s']:.2f} | "
-              f"{r['reshard_peak'] / MB:.0f} MB |")
+        print(f"| {tp} | {total / MB:.0f} MB | {r['shards'] / MB:.0f} MB | {r['largest'] / MB:.0f} MB | "
+              f"{r['save_s']:.2f} | {r['save_peak'] / MB:.0f} MB | {r['load_s']:.2f} | {r['load_peak'] / MB:.0f} MB | "
+              f"{r['reshard_s']:.2f} | {r['reshard_peak'] / MB:.0f} MB |")
     return 0
 
 

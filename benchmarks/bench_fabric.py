@@ -52,9 +52,11 @@ class SplitQKV(nn.Module):
         super().__init__()
         sizes = (config.n_head * config.head_size, config.n_query_groups * config.head_size,
                  config.n_query_groups * config.head_size)
-        parts = zip(("q", "k", "v"), fused.weight.split(sizes), fused.bias.split(sizes) if fused.bias is not None else (None,) * 3, strict=True)
+        parts = zip(("q", "k", "v"), fused.weight.split(sizes),
+                    fused.bias.split(sizes) if fused.bias is not None else (None,) * 3, strict=True)
         for name, weight, bias in parts:
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                               dtype=weight.dtype)
             with torch.no_grad():
                 linear.weight.copy_(weight)
                 if bias is not None:
@@ -75,14 +77,16 @@ def megatron_parallelize(model: nn.Module, device_mesh) -> nn.Module:
     tp = mesh.size()
     model.to_empty(device=device_mesh.device_type)
     reset_parameters(model)  # as litgpt on one device: module order, the seeded generator
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
     for i, block in enumerate(model.transformer.h):
         config = copy.copy(block.attn.config)
         block.attn.qkv = SplitQKV(block.attn.qkv, config)
         config.n_head, config.n_query_groups = config.n_head // tp, config.n_query_groups // tp
         block.attn.config = config
         prefix = f"transformer.h.{i}."
-        plan |= {prefix + n: ColwiseParallel() for n in ("attn.qkv.q", "attn.qkv.k", "attn.qkv.v", "mlp.fc_1", "mlp.fc_2")}
+        plan |= {prefix + n: ColwiseParallel() for n in ("attn.qkv.q", "attn.qkv.k", "attn.qkv.v", "mlp.fc_1",
+                                                         "mlp.fc_2")}
         plan |= {prefix + n: RowwiseParallel() for n in ("attn.proj", "mlp.proj")}
     parallelize_module(model, mesh, plan)
 
@@ -206,7 +210,8 @@ def run(mode: str, args, config, out_dir: Path) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     strategy = ThunderTPStrategy() if mode == "thunder_tp" else ModelParallelStrategy(megatron_parallelize, 1, world)
     metrics = Metrics()
-    fabric = L.Fabric(accelerator=args.accelerator, devices=world, strategy=strategy, precision="32-true", loggers=[metrics])
+    fabric = L.Fabric(accelerator=args.accelerator, devices=world, strategy=strategy, precision="32-true",
+                      loggers=[metrics])
     fabric.launch()
     train = TrainArgs(save_interval=None, log_interval=1, global_batch_size=args.micro_batch_size,
                       micro_batch_size=args.micro_batch_size,
@@ -241,7 +246,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=12, help="iterations per run")
     p.add_argument("--warmup", type=int, default=3, help="first iterations of a run left out of its step times")
     p.add_argument("--micro_batch_size", type=int, default=2)
-    p.add_argument("--loss_rtol", type=float, default=2e-4, help="float32: the two modes' logged losses agree this closely")
+    p.add_argument("--loss_rtol", type=float, default=2e-4,
+                   help="float32: the two modes' logged losses agree this closely")
     p.add_argument("--compiled", action="store_true", help="(b) under the torch.compile that litgpt's pretrain applies")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--out_dir", type=Path, default=Path("out/bench_fabric"))
@@ -266,15 +272,18 @@ def main(argv=None) -> int:
                for mode, runs in results.items()}
     ratio = summary["thunder_tp"]["step_ms"] / summary["model_parallel"]["step_ms"]
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"\nlitgpt pretrain, {args.size} Llama, 2 ranks, {args.rounds} alternating rounds x {args.iters} iterations "
-              f"(median step of iterations after the first {args.warmup})\n")
-        print("| strategy | step (ms) | peak memory growth, first run (MiB) | later runs, median (MiB) |\n|---|---:|---:|---:|")
+        print(f"\nlitgpt pretrain, {args.size} Llama, 2 ranks, {args.rounds} alternating rounds x {args.iters} "
+              f"iterations (median step of iterations after the first {args.warmup})\n")
+        print("| strategy | step (ms) | peak memory growth, first run (MiB) | later runs, median (MiB) "
+              "|\n|---|---:|---:|---:|")
         for mode, s in summary.items():
             later = "–" if s["later_peak_mib"] is None else f"{s['later_peak_mib']:.0f}"
             print(f"| {mode} | {s['step_ms']:.1f} | {s['first_peak_mib']:.0f} | {later} |")
-        print(f"\nstep time ratio thunder_tp / ModelParallelStrategy: {ratio:.3f}; losses equal within {args.loss_rtol}")
+        print(f"\nstep time ratio thunder_tp / ModelParallelStrategy: {ratio:.3f}; losses equal within "
+              f"{args.loss_rtol}")
         if args.json_path:
-            args.json_path.write_text(json.dumps({"args": vars(args) | {"out_dir": str(args.out_dir), "json_path": str(args.json_path)},
+            args.json_path.write_text(json.dumps({"args": vars(args) | {"out_dir": str(args.out_dir),
+                                                                        "json_path": str(args.json_path)},
                                                   "summary": summary, "ratio": ratio, "runs": results}, indent=1))
     return 0
 

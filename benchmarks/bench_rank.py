@@ -54,12 +54,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=list(PRESETS), default="tiny")
     for dim in ("n_embd", "n_head", "n_query_groups", "intermediate_size", "vocab"):
         p.add_argument(f"--{dim}", type=int, default=None, help="override the preset's")
     p.add_argument("--full_layers", type=int, default=None, help="the depth reported (default: the preset's)")
-    p.add_argument("--layers", default="0,2", help="depths measured: two (extrapolated to --full_layers) or one (as is)")
+    p.add_argument("--layers", default="0,2",
+                   help="depths measured: two (extrapolated to --full_layers) or one (as is)")
     p.add_argument("--peak_at_full", action="store_true",
                    help="measure each row's peak memory at --full_layers (one warm-up and one measured step in a run "
                         "of its own) instead of extrapolating it; where that run fails (out of memory), extrapolated")
@@ -216,7 +218,8 @@ def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int,
         if mode.runtime == "thunder":
             result.update(thunder_structure(module))
         else:
-            result.update(traces={}, collectives={"forward": [[k, tp, b] for k, b in model.collectives], "backward": []})
+            result.update(traces={},
+                          collectives={"forward": [[k, tp, b] for k, b in model.collectives], "backward": []})
         return result
 
     return run_row(mode, tp, rank, device, measure)
@@ -314,7 +317,8 @@ def _projection(workload: str, mode: RankMode, by_depth: dict, args, dims) -> di
         traces = r["traces"] or _records_as_passes(r["collectives"])
         step = project_step(traces, compute, link, other_s=r.get("optimizer_s", 0.0))
         per_depth[depth] = {"no_overlap_s": step.no_overlap_s, "overlap_s": step.overlap_s, "comm_s": step.comm_s}
-    out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in ("no_overlap_s", "overlap_s", "comm_s")}
+    out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in ("no_overlap_s", "overlap_s",
+                                                                                            "comm_s")}
     out["overlap_s"] = min(out["overlap_s"], out["no_overlap_s"])  # two depths' lines may cross past the deeper one
     out["link"] = link.name
     out["overlap_from_trace"] = bool(by_depth[max(by_depth)]["traces"])
@@ -338,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in results["rows"]:
             for r in row["depths"].values():
                 r.pop("traces", None)
-        print(f"results written to {write_json(args.json_path, {'args': vars(args), 'device': str(device), **results})}")
+        print("results written to "
+              f"{write_json(args.json_path, {'args': vars(args), 'device': str(device), **results})}")
     return 1 if failed else 0
 
 

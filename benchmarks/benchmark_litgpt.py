@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model_name", default="pythia-14m", help="litgpt Config.from_name (builtin configs, random weights)")
+    p.add_argument("--model_name", default="pythia-14m",
+                   help="litgpt Config.from_name (builtin configs, random weights)")
     p.add_argument("--hf_model_type", default="",
                    help="train this HuggingFace transformers architecture instead (e.g. llama: AutoConfig.for_model, "
                         "random weights, plans.hf; needs transformers==4.52.4), sizes from --hf_config")
@@ -119,7 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "turns into recomputation in the backward, collectives included)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the model's parameters")
     p.add_argument("--low_precision_mode", default="none", choices=["none", *FP8_MODES],
-                   help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none only")
+                   help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none "
+                        "only")
     p.add_argument("--max_iters", type=int, default=10, help="iterations in all, warm-up included")
     p.add_argument("--warmup_iters", type=int, default=2, help="first iterations left out of the averages")
     p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS) + ["eager"],
@@ -142,12 +144,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--timeout", type=float, default=None,
                    help="process-group timeout in seconds (a hung peer's collective fails after it; default torch's)")
-    p.add_argument("--save_checkpoint", default="", help="at the end, ck.save the model and optimizer to this DCP directory")
-    p.add_argument("--resume", default="", help="ck.load model and optimizer from a DCP directory (saved at any TP size)")
+    p.add_argument("--save_checkpoint", default="",
+                   help="at the end, ck.save the model and optimizer to this DCP directory")
+    p.add_argument("--resume", default="",
+                   help="ck.load model and optimizer from a DCP directory (saved at any TP size)")
     p.add_argument("--checkpoint", default="", help="start from a full state-dict file such as litgpt's lit_model.pth")
     p.add_argument("--simulate", type=int, default=0, metavar="N",
-                   help="dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + backward; "
-                        "prints each rank's parameter bytes and collectives (no torchrun)")
+                   help="dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + "
+                        "backward; prints each rank's parameter bytes and collectives (no torchrun)")
     args = p.parse_args(argv)
     if args.simulate and args.distributed_mode not in ("tp", "tp_sp"):
         p.error(f"--simulate simulates a TP plan: use --distributed_mode tp or tp_sp, not {args.distributed_mode!r}")
@@ -184,7 +188,7 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
 
 def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module,
           vocab: int) -> tuple[list[float], list[float]]:
-    """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): the losses and the slowest rank's times."""
+    """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): losses and the slowest rank's times."""
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
     load_checkpoints(args, jm, optimizer)
     steps = accumulation_steps(args, groups.dp_size)
@@ -235,10 +239,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     config, model, jm = build(args, groups, device)
     info = model_info(args, config)
     log(rank, f"model {info.name}: {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.vocab_size}, "
-              f"{sum(p.numel() for p in model.parameters())} parameters ({sum(p.numel() for p in jm.parameters())} "
-              f"on rank 0); block_size {args.block_size}, "
-              f"micro_batch_size {args.micro_batch_size}; world {world}, tp {groups.tp_size}, dp {groups.dp_size}; "
-              f"mode {args.distributed_mode}, compile {args.compile}, loss_parallel {args.loss_parallel}, device {device}")
+              f"{sum(p.numel() for p in model.parameters())} parameters ({sum(p.numel() for p in jm.parameters())} on "
+              f"rank 0); block_size {args.block_size}, micro_batch_size {args.micro_batch_size}; world {world}, tp "
+              f"{groups.tp_size}, dp {groups.dp_size}; mode {args.distributed_mode}, compile {args.compile}, "
+              f"loss_parallel {args.loss_parallel}, device {device}")
 
     losses, times = train(args, groups, device, jm, info.vocab_size)
     if not all(math.isfinite(x) for x in losses):
@@ -310,10 +314,12 @@ def report(r: dict, rank: int) -> None:
         f"Distributed Mode: {r['distributed_mode']} (world {r['world_size']}, tp {r['tp_size']}, dp {r['dp_size']})"
         + (", loss parallel" if r["loss_parallel"] else ""),
         f"Compiler: {r['compile']}",
-        f"Loss: {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} ({'decreased' if r['loss_decreased'] else 'did NOT decrease'})",
+        f"Loss: {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
+        f"({'decreased' if r['loss_decreased'] else 'did NOT decrease'})",
         f"Average iter time: {r['average_iter_time_ms']:.2f} ms (over {r['max_iters'] - r['warmup_iters']} iterations)",
         f"Tokens/s: {r['tokens_per_sec']:.2f}",
-        f"Parameters per rank: {fmt_bytes(r['param_bytes_per_rank'])} (full model: {fmt_bytes(r['param_bytes_full_model'])})",
+        f"Parameters per rank: {fmt_bytes(r['param_bytes_per_rank'])} (full model: "
+        f"{fmt_bytes(r['param_bytes_full_model'])})",
         f"Peak memory ({r['peak_memory_kind']}, rank 0): {fmt_bytes(r['peak_memory_bytes'])}",
     ]
     saved = r.get("saved_for_backward")
@@ -341,7 +347,8 @@ def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
 
 
 def simulate_dry_run(args: argparse.Namespace) -> int:
-    """One forward + backward of the TP=N program on N simulated ranks; prints per-rank parameter bytes and collectives."""
+    """One forward + backward of the TP=N program on N simulated ranks; prints each rank's parameter bytes and
+    collectives."""
     import thunder
 
     import thunder_tp

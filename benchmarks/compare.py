@@ -106,7 +106,7 @@ def _kind(name: str) -> str:
 
 
 def _payload(name: str, args, out) -> int:
-    """Bytes of the full tensor a collective works on: all_reduce's tensor, all_gather's output, reduce_scatter's input."""
+    """Bytes of the full tensor of a collective: all_reduce's tensor, all_gather's output, reduce_scatter's input."""
     tensors = [t for t in torch.utils._pytree.tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
     kind, short = _kind(name), name.split("::")[-1]
     if "c10d_functional" in name:
@@ -193,7 +193,7 @@ def reference_run(kind: str, cfg: LlamaConfig, state: dict, idx, targets, lr: fl
 
 
 def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
-    """Build, check every gradient and the first two losses, warm up; returns this rank's result and (jm, opt, params)."""
+    """Build, check every gradient and the first two losses, warm up; this rank's result and (jm, opt, params)."""
     distributed = mode.ranks != 1
     result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
                     "runtime": mode.runtime, "times_s": [], "round_medians_s": [], "minor_faults": []}
@@ -300,7 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode (after warm-up)")
     p.add_argument("--rounds", type=int, default=5,
                    help="the timed steps are spread over this many rounds, modes alternating within each")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps, the first (compile) and second (checked) included")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps, the first (compile) and second (checked) included")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--rtol", type=float, default=1e-4, help="first-step loss tolerance (10x for the second step)")
     p.add_argument("--grad_rtol", type=float, default=1e-4,
@@ -318,7 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transport_threads", choices=("default", "fifo"), default="default",
                    help="fifo: before and after building the modes, the threads of each rank other than its main one "
                         "(gloo's) get real-time priority SCHED_FIFO 1, every mode alike (needs CAP_SYS_NICE; CPU only)")
-    p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds (a hung peer fails after it)")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="process-group timeout in seconds (a hung peer fails after it)")
     p.add_argument("--json_path", default="")
     p.add_argument("--png_path", default="")
     p.add_argument("--profile", default="", help="comma-separated modes to profile (torch.profiler, rank 0)")

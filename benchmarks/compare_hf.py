@@ -111,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--grad_rtol", type=float, default=1e-4, help="gate: grads within this of their largest entry")
     p.add_argument("--executors", default="thunder", choices=sorted(EXECUTORS),
-                   help="thunder: thunder_tp.executors(); thunder_default: Thunder's defaults + thunder_tp's comm executor")
+                   help="thunder: thunder_tp.executors(); thunder_default: Thunder's defaults + thunder_tp's comm "
+                        "executor")
     p.add_argument("--json_path", default="")
     p.add_argument("--dump_traces", default="", help="directory for each thunder mode's final traces (every rank)")
     p.add_argument("--profile", default="", help="directory for a torch.profiler table of two steps per mode (rank 0)")

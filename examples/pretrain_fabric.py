@@ -80,7 +80,8 @@ def main() -> None:
     fabric.launch()
     config = Config(name="example-llama", block_size=128, vocab_size=256, padded_vocab_size=256, n_layer=args.n_layer,
                     n_head=8, n_query_groups=4, n_embd=256, intermediate_size=704, bias=False,
-                    mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", parallel_residual=False, rotary_percentage=1.0)
+                    mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", parallel_residual=False,
+                    rotary_percentage=1.0)
     dp = strategy.mesh.dp  # litgpt's batch arithmetic counts data-parallel ranks: TP ranks share a batch
     train = TrainArgs(save_interval=None, log_interval=1, global_batch_size=args.micro_batch_size * dp,
                       micro_batch_size=args.micro_batch_size,

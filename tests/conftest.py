@@ -15,7 +15,7 @@ def _dist_pools():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``slow`` unless asked for (``-m slow`` or THUNDER_TP_SLOW=1), and ``cuda`` ones without a GPU."""
+    """Skip tests marked ``slow`` unless asked for (``-m slow`` or THUNDER_TP_SLOW=1), ``cuda`` ones without a GPU."""
     _skip_slow_unless_asked(config, items)
     _skip_cuda_without_gpu(items)
 

@@ -15,7 +15,8 @@ class MLPStack(nn.Module):
 
     def __init__(self, layers: int = 3):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM)) for _ in range(layers))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+                                    for _ in range(layers))
         self.head = nn.Linear(DIM, 10)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -36,8 +37,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
         memory = x if memory is None else memory
-        heads = lambda t: t.view(*t.shape[:2], HEADS, DIM // HEADS).transpose(1, 2)  # noqa: E731
-        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(memory)), heads(self.v(memory)), is_causal=self.causal)
+        def heads(t):
+            return t.view(*t.shape[:2], HEADS, DIM // HEADS).transpose(1, 2)
+        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(memory)), heads(self.v(memory)),
+                                           is_causal=self.causal)
         return self.out(y.transpose(1, 2).reshape(x.shape))
 
 
@@ -121,7 +124,8 @@ def inputs(name: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Example inputs of each model, float64."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, 10, (BATCH,), generator=g)
-    tokens = lambda: torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)  # noqa: E731
+    def tokens():
+        return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return {
         "mlp": lambda: (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64), labels),
         "vit": lambda: (torch.randn(BATCH, SEQ, 48, generator=g, dtype=torch.float64), labels),

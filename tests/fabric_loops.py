@@ -187,8 +187,10 @@ def pretrain(directory: str, strategy_kwargs: dict | None, *, iters: int, config
 # --- finetuning: a checkpoint directory and a JSON instruction file the test writes ------------------------------
 
 INSTRUCTIONS = [
-    {"instruction": f"Explain in plain words what step {i} of tensor parallel training does to the weights of block {i % 3}.",
-     "input": "", "output": f"Step {i} splits the weights of block {i % 3} over the ranks and sums their partial outputs."}
+    {"instruction": f"Explain in plain words what step {i} of tensor parallel training does to the weights of block "
+                    f"{i % 3}.",
+     "input": "",
+     "output": f"Step {i} splits the weights of block {i % 3} over the ranks and sums their partial outputs."}
     for i in range(16)
 ]
 
@@ -219,7 +221,8 @@ def write_checkpoint_dir(directory: Path, config, lora: bool) -> Path:
             "Write a response that appropriately completes the request. ### Instruction: ### Response:"]
     tokenizer.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                 "tokenizer_class": "PreTrainedTokenizerFast"}))
     (directory / "instructions.json").write_text(json.dumps(INSTRUCTIONS))
     return directory
 
@@ -237,7 +240,8 @@ def finetune(kind: str, checkpoint_dir: str, out_dir: str, strategy_kwargs: dict
     train = TrainArgs(save_interval=None, log_interval=1, global_batch_size=2 * accumulate, micro_batch_size=2,
                       lr_warmup_steps=1, epochs=5, max_steps=steps, max_seq_length=SEQ)
     # max_new_tokens beyond the sequence length: litgpt skips the sample it would generate on rank 0 alone
-    evaluation = EvalArgs(interval=1000, max_new_tokens=1000, max_iters=1, initial_validation=False, final_validation=False)
+    evaluation = EvalArgs(interval=1000, max_new_tokens=1000, max_iters=1, initial_validation=False,
+                          final_validation=False)
     optimizer = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.02, "weight_decay": 0.01}}
     if kind == "full":
         from litgpt.finetune import full as script
@@ -299,8 +303,8 @@ def train_as_in_the_docs(strategy_kwargs: dict | None, init: str, *, rows: int =
                          seed: int = 11, rank_batches_from: int | None = None) -> dict:
     """`model, optimizer = fabric.setup(model, optimizer)` with the optimizer built before setup, then a plain loop
     (forward, cross-entropy, fabric.backward, optimizer.step) on one batch of `rows` rows (the loss falls step by
-    step); each data-parallel rank takes its share of the rows. From step `rank_batches_from` on, every rank draws its own batch (the
-    bug the input check catches).
+    step); each data-parallel rank takes its share of the rows. From step `rank_batches_from` on, every rank draws its
+    own batch (the bug the input check catches).
     Returns the losses, the full parameters at the end and the optimizer's options and state shapes; or the losses
     so far, the error and the step where a call with the rank's own batch raised."""
     import torch.nn.functional as F

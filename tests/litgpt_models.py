@@ -7,7 +7,7 @@ from litgpt import GPT, Config
 
 import thunder_tp
 import thunder_tp.styles
-from thunder_tp.plans.litgpt import GPTWithLoss  # noqa: F401  (re-exported for the tests)
+from thunder_tp.plans.litgpt import GPTWithLoss
 
 VOCAB, SEQ, BATCH = 256, 16, 2
 #: the TP modes of plans.litgpt that the tests run, by name -> its keyword arguments

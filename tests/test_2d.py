@@ -83,7 +83,8 @@ def _collectives(trace, mesh) -> dict[str, int]:
         if bsym.sym.name.startswith("tp_"):
             assert which == "tp" or mesh.tp_ranks == mesh.dp_ranks, f"TP op {bsym.sym.name} on the dp group {ranks}"
         size = {"tp": mesh.tp, "dp": mesh.dp}[which]
-        assert all(g.size() == size for g in groups), f"{bsym.sym.name}: group size {groups[0].size()} != {which}={size}"
+        assert all(g.size() == size for g in groups), \
+            f"{bsym.sym.name}: group size {groups[0].size()} != {which}={size}"
         kind = collective_kind(bsym)
         if kind is not None:
             counts[f"{which} {kind}"] = counts.get(f"{which} {kind}", 0) + 1
@@ -131,7 +132,8 @@ def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer
         actual.backward()
         if step == 0:
             if kind != "fsdp":  # DDP / TP only: each rank's grad is the TP shard of the full grad
-                assert_grads_are_shards(reference, jm, tp.parameter_layouts, mesh.tp_rank, mesh.tp, rtol=RTOL, atol=ATOL)
+                assert_grads_are_shards(reference, jm, tp.parameter_layouts, mesh.tp_rank, mesh.tp, rtol=RTOL,
+                                        atol=ATOL)
             _assert_gathered(reference, jm, tp, mesh, kind)
             info["forward"] = _collectives(thunder.last_traces(jm)[-1], mesh)
             info["backward"] = _collectives(thunder.last_backward_traces(jm)[-1], mesh)
@@ -247,7 +249,8 @@ def _odd_mlp_fsdp():
 def test_fsdp_pads_tp_shards():
     shapes = run_ranks(_odd_mlp_fsdp, WORLD)[0]
     assert shapes == {  # (TP shard, FSDP shard of the padded TP shard)
-        "fc1.weight": ((3, 5), (2, 5)), "fc1.bias": ((3,), (2,)), "fc2.weight": ((5, 3), (3, 3)), "fc2.bias": ((5,), (3,)),
+        "fc1.weight": ((3, 5), (2, 5)), "fc1.bias": ((3,), (2,)), "fc2.weight": ((5, 3), (3, 3)),
+        "fc2.bias": ((5,), (3,)),
     }, shapes
 
 
@@ -261,13 +264,15 @@ def _mesh_layouts():
     for dp, tp in ((2, 2), (1, 4), (4, 1)):
         m = thunder_tp.init_mesh(dp=dp, tp=tp)
         out[(dp, tp)] = (m.dp, m.tp, m.dp_rank, m.tp_rank, m.dp_ranks, m.tp_ranks,
-                         tuple(dist.get_process_group_ranks(m.dp_group)), tuple(dist.get_process_group_ranks(m.tp_group)))
+                         tuple(dist.get_process_group_ranks(m.dp_group)),
+                         tuple(dist.get_process_group_ranks(m.tp_group)))
     m = thunder_tp.init_mesh(tp=2)
     out["tp only"] = (m.dp, m.tp)
     device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     m = thunder_tp.init_mesh(device_mesh)
     out["device mesh"] = (m.dp, m.tp, m.dp_rank, m.tp_rank, m.dp_ranks, m.tp_ranks,
-                          tuple(dist.get_process_group_ranks(m.dp_group)), tuple(dist.get_process_group_ranks(m.tp_group)))
+                          tuple(dist.get_process_group_ranks(m.dp_group)),
+                          tuple(dist.get_process_group_ranks(m.tp_group)))
     swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # dims found by name
     m = thunder_tp.init_mesh(device_mesh=swapped)
     out["swapped"] = (m.dp_ranks, m.tp_ranks)
@@ -324,7 +329,8 @@ def _bad_inputs():
         jit(["tp", _dp_transform("ddp", mesh)], model)
     out["mesh as group"] = _message(
         lambda: thunder.jit(nn.Sequential(nn.Linear(4, 4)),
-                            transforms=[thunder_tp.TensorParallel({"0": thunder_tp.ColwiseParallel()}, process_group=mesh)]),
+                            transforms=[thunder_tp.TensorParallel({"0": thunder_tp.ColwiseParallel()},
+                                                                  process_group=mesh)]),
         TypeError,
     )
     first_two = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 are not members
@@ -343,7 +349,8 @@ def test_bad_inputs_give_clear_errors():
             assert f"TensorParallel must be applied before {name}" in out[key] and "list it first" in out[key], out[key]
         assert "overlap" in out["same group"] and "mesh.dp_group" in out["same group"], out["same group"]
         assert "overlap" in out["ddp() on world"] and "DDPTransform" in out["ddp() on world"], out["ddp() on world"]
-        assert "overlap" in out["fsdp on world"] and "(ranks [0, 1, 2, 3])" in out["fsdp on world"], out["fsdp on world"]
+        assert "overlap" in out["fsdp on "
+                                "world"] and "(ranks [0, 1, 2, 3])" in out["fsdp on world"], out["fsdp on world"]
         assert "got Mesh" in out["mesh as group"] and "pass mesh.tp_group" in out["mesh as group"], out["mesh as group"]
         if rank >= 2:
             assert f"rank {rank} is not a member of the given TP process group" in out["not a member"], out

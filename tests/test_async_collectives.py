@@ -30,7 +30,8 @@ def _collectives(cases):
 
     def program(*tensors):
         outs = []
-        for (shard, summand), (_, dim, blocks) in zip(zip(tensors[::2], tensors[1::2], strict=True), cases, strict=True):
+        for (shard, summand), (_, dim, blocks) in zip(zip(tensors[::2], tensors[1::2], strict=True), cases,
+                                                      strict=True):
             outs += [tp_gather(shard, dim, blocks, group), tp_reduce_scatter(summand, dim, blocks, group),
                      tp_reduce_from_tp(summand, group)]
         return outs

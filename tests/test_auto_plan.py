@@ -39,7 +39,7 @@ class Case:
     args: tuple
     kwargs: dict
     other_plan: Callable[[torch.nn.Module], dict]
-    loss: Callable = lambda out: out  # noqa: E731
+    loss: Callable = lambda out: out
     tolerance: float = 2e-6  # litgpt's RMSNorm runs in float32; everything else is exact to ~1e-12
 
 
@@ -98,9 +98,11 @@ def _run_auto(family: str, name: str, shorthand: bool = False) -> dict:
     assert_close_scaled(actual, expected, rtol=0, atol=case.tolerance, what=f"{name} loss")
     expected.backward()
     actual.backward()
-    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=0, atol=case.tolerance, what=name)
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=0, atol=case.tolerance,
+                            what=name)
     return {
-        "ran": (collective_counts(thunder.last_traces(jm)[-1]), collective_counts(thunder.last_backward_traces(jm)[-1])),
+        "ran": (collective_counts(thunder.last_traces(jm)[-1]),
+                collective_counts(thunder.last_backward_traces(jm)[-1])),
         "priced": (dict(plan.communication.forward), dict(plan.communication.backward)),
         "auto": _figures(plan.communication, plan.bytes_per_rank),
         "other": _figures(*plan.price(case.other_plan(meta))),
@@ -126,7 +128,8 @@ def test_models_without_a_plan_get_one_cheaper_than_gathering_around_every_layer
 
 #: each rank traces the model twice (the search, then the compile): 4 ranks on 2 loaded cores need more than 300 s
 TIMEOUT_S = 1200
-LITGPT = [("Llama-3.2-1B", 2, ""), ("pythia-14m", 2, "slow"), ("Qwen2.5-1.5B", 4, "slow"), ("Mixtral-8x7B-v0.1", 2, "slow")]
+LITGPT = [("Llama-3.2-1B", 2, ""), ("pythia-14m", 2, "slow"), ("Qwen2.5-1.5B", 4, "slow"),
+          ("Mixtral-8x7B-v0.1", 2, "slow")]
 
 
 def _params(cases):
@@ -249,7 +252,8 @@ def test_zoo_auto_plan_prices_no_worse_than_the_hand_plan(name, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,world", [c for c in _zoo_sizes() if c[1] < 8], ids=[f"{n}-tp{w}" for n, w in _zoo_sizes() if w < 8])
+@pytest.mark.parametrize("name,world", [c for c in _zoo_sizes() if c[1] < 8],
+                         ids=[f"{n}-tp{w}" for n, w in _zoo_sizes() if w < 8])
 def test_zoo_auto_plan_is_exact_and_no_worse_than_the_hand_plan(name, world):
     info = run_ranks(_run_auto, world, "litgpt", name, timeout=TIMEOUT_S)[0]
     assert info["ran"] == info["priced"], info

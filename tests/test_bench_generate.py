@@ -48,7 +48,8 @@ def test_torchrun(tmp_path):
     """Batch 1 (litgpt's generate loop), fp32, from the command line: every mode."""
     modes = ["single_eager", "single_thunder", "thunder_tp", "manual_tp", "eager_2threads"]
     json_path = tmp_path / "results.json"
-    stdout, stderr = torchrun(["-m", "benchmarks.bench_generate", *TINY, "--modes", ",".join(modes), "--json_path", str(json_path)],
+    stdout, stderr = torchrun(["-m", "benchmarks.bench_generate", *TINY, "--modes", ",".join(modes), "--json_path",
+                               str(json_path)],
                               timeout=TIMEOUT_S, cwd=str(tmp_path))
     output = stdout + stderr
     _check(json.loads(json_path.read_text()), modes, 1, 4)

@@ -22,7 +22,8 @@ def test_tiny_tp4_on_cpu(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     for line in ("mode (a) skipped: nvFuser runs on CUDA only", "mode (e) skipped: CUDA graphs need CUDA",
-                 "| 4 | (b) thunder_tp, Inductor regions |", "| 4 | 1 | (d) thunder_tp decode step, compiled whole |", "alpha-beta parameters",
+                 "| 4 | (b) thunder_tp, Inductor regions |", "| 4 | 1 | (d) thunder_tp decode step, compiled whole |",
+                 "alpha-beta parameters",
                  "training TP=4: (b) vs (c):"):
         assert line in out, (line, out[-5000:])
     rows = {(r["workload"], r["mode"]): r for r in json.loads(json_path.read_text())["rows"]}
@@ -45,7 +46,8 @@ def test_tiny_tp4_on_cpu(tmp_path):
 def _env() -> dict:
     import os
 
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
 
 
 def _training_row(mode: str, loss: float) -> dict:

@@ -1,4 +1,5 @@
-"""thunder_tp.checkpoint: save at TP=2, resume at TP=4 / 2 / 1 (plain module) / meta-device TP=2; lit_model.pth; bad input.
+"""thunder_tp.checkpoint: save at TP=2, resume at TP=4 / 2 / 1 (plain module) / meta-device TP=2; lit_model.pth; bad
+input.
 
 The model is the neox-like config (LayerNorm: every op runs in float64), so resumed runs must reproduce the
 original run's next losses to 1e-6 relative (they agree to ~1e-12); a single wrong shard or optimizer moment
@@ -177,8 +178,9 @@ def _expect_error(path: str, case: str) -> str:
     before = {n: p.detach().clone() for n, p in jm.named_parameters()}
     try:
         ck.load(path, jm, optimizer)
-    except Exception as e:  # noqa: BLE001
-        assert all(torch.equal(p.detach(), before[n]) for n, p in jm.named_parameters()), "model changed by a failed load"
+    except Exception as e:
+        unchanged = all(torch.equal(p.detach(), before[n]) for n, p in jm.named_parameters())
+        assert unchanged, "model changed by a failed load"
         return f"{type(e).__name__}: {e}"
     raise AssertionError(f"ck.load({path!r}) did not raise for {case}")
 

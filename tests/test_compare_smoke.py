@@ -171,7 +171,8 @@ def test_compare_with_inductor(tmp_path):
 def test_gradient_gate_fails_on_one_wrong_entry():
     """One entry of one gradient off by 1e-3 of the largest: the gate names the mode and the parameter."""
     torch.manual_seed(0)
-    reference = {"model.w1.weight": torch.randn(8, 4, dtype=torch.float64), "model.norm.weight": torch.randn(4, dtype=torch.float64)}
+    reference = {"model.w1.weight": torch.randn(8, 4, dtype=torch.float64),
+                 "model.norm.weight": torch.randn(4, dtype=torch.float64)}
     grads = {name: g.float() for name, g in reference.items()}
     assert gate.check_gradients("thunder_tp_tp", grads, reference, rtol=1e-4) < 1e-6  # fp32 rounding passes
     wrong = grads["model.w1.weight"].clone()
@@ -233,7 +234,8 @@ def _steps_without_transport(mode_names: list[str]) -> dict:
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
     modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
-    local = lambda p: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()  # noqa: E731
+    def local(p):
+        return (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
     all_reduce, out = torch.distributed.all_reduce, {}
     for name in mode_names:
         jm = modes[name].build(compare_modes.make_model("llama", cfg, 0))

@@ -15,8 +15,10 @@ from thunder_tp import ColwiseParallel, RowwiseParallel, Shard, TensorParallel, 
 
 def _linear(style_name, bias):
     style = {"col": ColwiseParallel(), "row": RowwiseParallel()}[style_name]
-    make = lambda: nn.Sequential(nn.Linear(64, 96, bias=bias))  # noqa: E731
-    inputs = lambda: (torch.randn(4, 5, 64, requires_grad=True),)  # noqa: E731
+    def make():
+        return nn.Sequential(nn.Linear(64, 96, bias=bias))
+    def inputs():
+        return (torch.randn(4, 5, 64, requires_grad=True),)
     return compare_with_single_device(make, inputs, TensorParallel({"0": style}))
 
 
@@ -33,8 +35,10 @@ def test_linear(style, bias, world):
 
 def _embedding(style_name):
     style = {"col": ColwiseParallel(), "row": RowwiseParallel()}[style_name]
-    make = lambda: nn.Sequential(nn.Embedding(64, 32))  # noqa: E731
-    inputs = lambda: (torch.randint(0, 64, (3, 7)),)  # noqa: E731
+    def make():
+        return nn.Sequential(nn.Embedding(64, 32))
+    def inputs():
+        return (torch.randint(0, 64, (3, 7)),)
     return compare_with_single_device(make, inputs, TensorParallel({"0": style}))
 
 
@@ -52,7 +56,8 @@ def _meta_mlp():
     with torch.device("meta"):
         model = MLP()
     init = MaterializationTransform.init_from_original_module_init()
-    torch.manual_seed(0)  # materialization re-runs each module's init at full size (same seed on all ranks), then shards
+    # materialization re-runs each module's init at full size (same seed on all ranks), then shards
+    torch.manual_seed(0)
     transforms = [TensorParallel(PLAN), MaterializationTransform("cpu", init=init)]
     jm = thunder.jit(model, transforms=transforms, executors=FAST_EXECUTORS)
     torch.manual_seed(0)
@@ -160,7 +165,8 @@ def test_shard_to_another_dim_is_one_all_to_all(world):
     counts = run_ranks(_rows_to_columns, world)[0]
     # forward: the all_to_all, then the (12,) column sums gathered for the caller; backward: the conjugates, and
     # the all_gather of x's row-sliced grad (x enters replicated)
-    assert counts == {"forward": {"all_to_all": 1, "all_gather": 1}, "backward": {"all_to_all": 1, "all_gather": 1}}, counts
+    each = {"all_to_all": 1, "all_gather": 1}
+    assert counts == {"forward": each, "backward": each}, counts
 
 
 class MLPWithUnknownOp(MLP):
@@ -179,8 +185,10 @@ def test_op_without_rule_falls_back_to_replicate():
 
 
 def _bf16():
-    make = lambda: MLP().to(torch.bfloat16)  # noqa: E731
-    inputs = lambda: tuple(x.detach().to(torch.bfloat16).requires_grad_() for x in mlp_input())  # noqa: E731
+    def make():
+        return MLP().to(torch.bfloat16)
+    def inputs():
+        return tuple(x.detach().to(torch.bfloat16).requires_grad_() for x in mlp_input())
     return compare_with_single_device(make, inputs, TensorParallel(PLAN), rtol=2e-2, atol=2e-2)
 
 

@@ -1,4 +1,4 @@
-"""Tests of thunder_tp.execution.cpu_attention: SDPA on CPU runs torch's flash kernel, forward and backward, or decomposes."""
+"""thunder_tp.execution.cpu_attention: SDPA on CPU runs torch's flash kernel, forward and backward, or decomposes."""
 
 from __future__ import annotations
 

@@ -98,7 +98,8 @@ def _unlowered_tables(executors_name: str) -> dict:
     jm(torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)).sum().backward()
     fw, bw = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     return {
-        "symbols": sorted({b.sym.name for t in (fw, bw) for b in t.bound_symbols if b.sym.name.startswith(("tp_", "torch_all"))}),
+        "symbols": sorted({b.sym.name for t in (fw, bw) for b in t.bound_symbols
+                           if b.sym.name.startswith(("tp_", "torch_all"))}),
         "forward": thunder_tp.collectives_table(fw),
         "backward": thunder_tp.collectives_table(bw),
     }

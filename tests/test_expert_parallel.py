@@ -282,7 +282,8 @@ def _generate() -> dict:
     prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     expected, _ = greedy(reference, prompt, NEW_TOKENS)
     decode_counts = []
-    on_decode = lambda _: decode_counts.append(collective_counts(thunder.last_traces(jm)[-1]))  # noqa: E731
+    def on_decode(_):
+        decode_counts.append(collective_counts(thunder.last_traces(jm)[-1]))
     tokens, _ = greedy(jm, prompt, NEW_TOKENS, on_decode)
     assert torch.equal(tokens, expected), (tokens, expected)
     return {"layers": config.n_layer, "decode": decode_counts}

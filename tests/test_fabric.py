@@ -24,7 +24,8 @@ def _one_device(iters: int, accumulate: int, config: str, tmp: str, micro_batch_
                                        micro_batch_size=micro_batch_size))
 
 
-def _pretrain_ranks(directory: str, strategy: dict, iters: int, accumulate: int, config: str, data_parallel: int = 1) -> dict:
+def _pretrain_ranks(directory: str, strategy: dict, iters: int, accumulate: int, config: str,
+                    data_parallel: int = 1) -> dict:
     import torch.distributed as dist
 
     config_ = getattr(fabric_loops, f"{config}_config")()
@@ -38,7 +39,8 @@ def _pretrain_saving(directory: str, iters: int) -> list[float]:
     """TP over the pool's ranks, a checkpoint after every step (accumulating nothing)."""
     import torch.distributed as dist
 
-    return fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", {}, iters=iters, config=fabric_loops.gqa_config(),
+    return fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", {}, iters=iters,
+                                 config=fabric_loops.gqa_config(),
                                  save_interval=1)
 
 
@@ -47,7 +49,8 @@ def _pretrain_resuming(directory: str, checkpoint: str, iters: int) -> list[floa
 
     import torch.distributed as dist
 
-    return fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", {}, iters=iters, config=fabric_loops.gqa_config(),
+    return fabric_loops.pretrain(f"{directory}/rank{dist.get_rank()}", {}, iters=iters,
+                                 config=fabric_loops.gqa_config(),
                                  resume=Path(checkpoint))
 
 

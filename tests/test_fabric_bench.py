@@ -15,7 +15,8 @@ from tests.dist import REPO_ROOT, torchrun
 def test_bench_fabric_tiny(tmp_path):
     json_path = tmp_path / "fabric.json"
     stdout, _ = torchrun(["-m", "benchmarks.bench_fabric", "--size", "tiny", "--rounds", "1", "--iters", "4",
-                          "--warmup", "1", "--out_dir", str(tmp_path / "out"), "--json_path", str(json_path)], timeout=1200)
+                          "--warmup", "1", "--out_dir", str(tmp_path / "out"), "--json_path", str(json_path)],
+                          timeout=1200)
     result = json.loads(json_path.read_text())
     assert set(result["summary"]) == {"thunder_tp", "model_parallel"} and result["ratio"] > 0
     assert "| thunder_tp |" in stdout and "losses equal within" in stdout

@@ -49,7 +49,8 @@ def _clip(config_name: str, tp: int, data_parallel: str | None) -> dict:
     return {"total": total.item(), "after": after.item()}
 
 
-@pytest.mark.parametrize("config_name", [pytest.param("neox", marks=pytest.mark.slow), "llama"])  # neox slow: a second compile for the same check (llama: GQA)
+# neox slow: a second compile for the same check (llama: GQA)
+@pytest.mark.parametrize("config_name", [pytest.param("neox", marks=pytest.mark.slow), "llama"])
 def test_clip_grad_norm_tp2(config_name):
     totals = run_ranks(_clip, 2, config_name, 2, None)
     assert totals[0] == totals[1]  # the same norm, bitwise, on every rank

@@ -74,7 +74,8 @@ def _run_pair(mode: str) -> tuple[subprocess.CompletedProcess, float, float]:
     """Rank 0's outcome, how long after rank 1 failed it raised, and how long after rank 1 exited it exited."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    code = "import sys; from tests.test_failures import _rank_main; _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))"
+    code = ("import sys; from tests.test_failures import _rank_main; "
+            "_rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
     procs = [
         subprocess.Popen([sys.executable, "-c", code, mode, str(r), str(port)], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -160,7 +161,8 @@ def _compile_fails_on_one_rank(failing_rank: int) -> list[str]:
 
     (x,) = mlp_input()
     plan = {f"mlp.{name}": style for name, style in PLAN.items()}
-    broken = thunder.jit(_FailsTracingOnRank(failing_rank), transforms=[thunder_tp.TensorParallel(plan)], executors=FAST_EXECUTORS)
+    broken = thunder.jit(_FailsTracingOnRank(failing_rank), transforms=[thunder_tp.TensorParallel(plan)],
+                         executors=FAST_EXECUTORS)
     try:
         broken(x)
         outcome = "compiled"
@@ -177,4 +179,5 @@ def test_compile_error_on_one_rank_is_an_error_on_every_rank():
     peer, failing = outcomes[0][0], outcomes[1][0]
     assert failing.startswith("ValueError: a rank-local tracing error"), failing
     assert "other ranks of the TP group were told" in failing, failing
-    assert peer.startswith("RuntimeError: thunder_tp: rank(s) [1] of the TP group of global ranks [0, 1] failed to compile"), peer
+    assert peer.startswith("RuntimeError: thunder_tp: rank(s) [1] of the TP group of global ranks [0, 1] failed to "
+                           "compile"), peer

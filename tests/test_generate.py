@@ -45,7 +45,8 @@ def _generate_and_compare(arch: str, batch: int) -> dict:
     prompt = torch.randint(0, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
     expected_tokens, expected_logits = greedy(reference, prompt, NEW_TOKENS)
     decode_counts = []
-    on_decode = lambda _: decode_counts.append(collective_counts(thunder.last_traces(jm)[-1]))  # noqa: E731
+    def on_decode(_):
+        decode_counts.append(collective_counts(thunder.last_traces(jm)[-1]))
     tokens, logits = greedy(jm, prompt, NEW_TOKENS, on_decode)
     assert torch.equal(tokens, expected_tokens), (tokens, expected_tokens)
     for step, (got, want) in enumerate(zip(logits, expected_logits, strict=True)):
@@ -124,7 +125,8 @@ def _reset_zeroes_the_pieces() -> list[bool]:
     written = [bool(jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.k").abs().sum() > 0) for i in range(config.n_layer)]
     for block in model.transformer.h:
         block.attn.kv_cache.reset_parameters()
-    return written + [bool((jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.v") == 0).all()) for i in range(config.n_layer)]
+    return written + [bool((jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.v") == 0).all())
+                      for i in range(config.n_layer)]
 
 
 def test_cache_reset_acts_on_the_pieces():
@@ -198,7 +200,8 @@ def test_cache_of_another_dtype_is_a_clear_error():
 
 def test_batch_larger_than_the_cache_is_a_clear_error():
     _, model = models_with_cache(gen_config("gqa"), 1)
-    with pytest.raises(ValueError, match=r"a batch of 2 sequences, but the KV cache holds 1: model.set_kv_cache\(batch_size=2\)"):
+    with pytest.raises(ValueError,
+                       match=r"a batch of 2 sequences, but the KV cache holds 1: model.set_kv_cache\(batch_size=2\)"):
         greedy(thunder.jit(model), torch.randint(0, VOCAB, (2, PROMPT)), 1)
 
 

@@ -34,7 +34,8 @@ def make_checkpoint_dir(directory) -> Config:
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "tokenizer_class": "x"}))
     config = Config(name="tiny-llama", block_size=64, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=8,
                     n_query_groups=4, n_embd=64, head_size=8, intermediate_size=128, bias=False,
-                    mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", parallel_residual=False, rotary_percentage=1.0)
+                    mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", parallel_residual=False,
+                    rotary_percentage=1.0)
     save_config(config, directory)
     torch.manual_seed(0)
     torch.save(GPT(config).double().state_dict(), directory / "lit_model.pth")
@@ -59,7 +60,7 @@ def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     tp = _run([*common, "--json_path", str(tmp_path / "tp.json")], 2)
     assert tp.returncode == 0, tp.stderr[-3000:]
-    single, tp_report = json.loads((tmp_path / "single.json").read_text()), json.loads((tmp_path / "tp.json").read_text())
+    single, tp_report = (json.loads((tmp_path / name).read_text()) for name in ("single.json", "tp.json"))
     samples = [s["generated_ids"] for s in tp_report["samples"]]
     assert samples == [s["generated_ids"] for s in single["samples"]], (samples, single["samples"])
     assert samples[0] != samples[1], samples

@@ -59,7 +59,8 @@ CASES = [(w, n, m) for w in (2, 4) for n in ("llama", "neox") for m in MODES]
 
 
 @pytest.mark.parametrize("world, name, mode", [
-    pytest.param(*case, id="-".join(map(str, case)), marks=[] if case in DEFAULT else [pytest.mark.slow]) for case in CASES
+    pytest.param(*case, id="-".join(map(str, case)), marks=[] if case in DEFAULT else [pytest.mark.slow])
+    for case in CASES
 ])
 def test_gpt_matches_single_device(world, name, mode):
     counts = run_ranks(_train, world, name, mode)[0]

@@ -47,7 +47,8 @@ def _check(name: str, mode: str) -> dict:
     assert_close_scaled(actual, expected, rtol=0, atol=atol, what=f"{name} {mode} loss")
     expected.backward()
     actual.backward()
-    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=0, atol=atol, what=f"{name} {mode}")
+    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=0, atol=atol,
+                            what=f"{name} {mode}")
     return {"forward": collective_counts(thunder.last_traces(jm)[-1]),
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
 

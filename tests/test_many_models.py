@@ -48,7 +48,8 @@ def _many_models() -> list[dict]:
     for hidden, ffn in WIDTHS:
         info, error = None, None
         try:
-            make_inputs = lambda h=hidden: (torch.randn(SEQ, BATCH, h, requires_grad=True),)  # noqa: E731
+            def make_inputs(h=hidden):
+                return (torch.randn(SEQ, BATCH, h, requires_grad=True),)
             info = compare_with_single_device(functools.partial(_MLP, hidden, ffn), make_inputs,
                                               thunder_tp.TensorParallel(plan), executors=thunder_tp.executors())
         except Exception:

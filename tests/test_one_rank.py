@@ -61,7 +61,8 @@ def _jit(model: torch.nn.Module, case: str, meta: bool) -> torch.nn.Module:
         plan = {f"gpt.{k}": v for k, v in plan.items()}
     transforms = [thunder_tp.TensorParallel(plan)]
     if meta:
-        transforms.append(MaterializationTransform("cpu", init=MaterializationTransform.init_from_original_module_init()))
+        transforms.append(MaterializationTransform("cpu",
+                                                   init=MaterializationTransform.init_from_original_module_init()))
     return thunder.jit(model, transforms=transforms, executors=FAST_EXECUTORS)
 
 

@@ -40,13 +40,15 @@ def _check_cases() -> None:
         inputs, reference = _inputs(), _inputs()
         jf = thunder.jit(fn, transforms=[TensorParallel()], executors=FAST_EXECUTORS)
         actual, expected = jf(*inputs), fn(*reference)
-        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: output: {m}")
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12,
+                                   msg=lambda m, name=name: f"{name}: output: {m}")
         assert collective_counts(thunder.last_traces(jf)[-1]) == {"all_reduce": 1}, name
         cotangent = torch.randn_like(expected)
         (actual * cotangent).sum().backward()
         (expected * cotangent).sum().backward()
         for i, (x, r) in enumerate(zip(inputs, reference, strict=True)):
-            torch.testing.assert_close(x.grad, r.grad, rtol=1e-12, atol=1e-12, msg=lambda m, name=name, i=i: f"{name}: grad {i}: {m}")
+            torch.testing.assert_close(x.grad, r.grad, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m, name=name, i=i: f"{name}: grad {i}: {m}")
 
 
 def test_partial_combined_with_replicated_tensors_counts_each_once():

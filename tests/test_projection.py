@@ -47,7 +47,8 @@ def _mlp_pass_traces() -> dict:
     """Forward and backward final traces of a Colwise -> Rowwise MLP at TP=2 (as rank 1, nothing exchanged): the
     backward all-reduces the input's grad and computes fc1's weight grad before waiting for it."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 64, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64, bias=False))
     plan = {"0": thunder_tp.ColwiseParallel(), "2": thunder_tp.RowwiseParallel()}
     with thunder_tp.one_rank(2, 1, device="cpu"):
         jm = thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=FAST_EXECUTORS)
@@ -77,7 +78,7 @@ def test_runtime_records_are_not_overlapped():
     assert p.overlap_s == p.no_overlap_s == pytest.approx(1.0 + p.comm_s) and len(p.collectives) == 2
 
 
-@pytest.mark.slow  # reason: compiles and times compare.py's Llama and bench_generate's decode alone and on 2 gloo ranks (minutes); needs a quiet machine
+@pytest.mark.slow  # reason: compiles and times a Llama step and a decode step alone and on 2 gloo ranks (minutes)
 def test_calibration_predicts_the_gloo_step(tmp_path):
     json_path = tmp_path / "calibration.json"
     stdout, stderr = torchrun(["-m", "benchmarks.projection.calibrate", "--json_path", str(json_path)], timeout=3600,

@@ -241,7 +241,7 @@ def _backend_compiler_failed() -> Exception:
 
     try:
         torch.compile(lambda t: t + 1, backend=fail, fullgraph=True)(torch.ones(2))
-    except Exception as e:  # noqa: BLE001  the exception is the point
+    except Exception as e:  # the exception is the point
         return e
     raise AssertionError("the failing backend did not fail")
 

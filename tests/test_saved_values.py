@@ -26,7 +26,8 @@ class SwiGLU(nn.Module):
         return self.proj(torch.nn.functional.silu(self.fc_1(x)) * self.fc_2(x))
 
 
-PLAN = {"fc_1": thunder_tp.ColwiseParallel(), "fc_2": thunder_tp.ColwiseParallel(), "proj": thunder_tp.RowwiseParallel()}
+PLAN = {"fc_1": thunder_tp.ColwiseParallel(), "fc_2": thunder_tp.ColwiseParallel(),
+        "proj": thunder_tp.RowwiseParallel()}
 
 
 def _input():
@@ -75,7 +76,8 @@ def _recomputed_before_first_wait() -> list[str]:
     for bsym in thunder.last_backward_traces(jm)[-1].bound_symbols:
         if bsym.sym.name == "torch_wait_prim_impl":
             break
-        names.update(s.output.name for s in bsym.subsymbols if s.sym.name in ("silu", "mul") and s.output.name.startswith("bw_"))
+        names.update(s.output.name for s in bsym.subsymbols
+                     if s.sym.name in ("silu", "mul") and s.output.name.startswith("bw_"))
     return sorted(names)
 
 
@@ -118,7 +120,8 @@ def _litgpt_saved_from_parameters_alone():
     from tests.litgpt_models import GPTWithLoss, batch, make_config
 
     config = make_config("llama")
-    make_model = lambda: GPTWithLoss(config)  # noqa: E731
+    def make_model():
+        return GPTWithLoss(config)
     transform = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(make_model()))
     info = compare_with_single_device(make_model, batch, transform, executors=thunder_tp.executors(),
                                       inspect=_saved_from_parameters_alone)

@@ -79,13 +79,14 @@ def test_gqa_gpt_on_simulated_ranks_matches_single_device(world, mode, tmp_path)
     # the simulated program issues what real ranks issue (Megatron's minimum; tests/test_litgpt.py)
     assert (collective_counts(forward), collective_counts(backward)) == expected_counts(reference.config, mode, world)
     names = sorted(p.name for p in files)
-    assert names == sorted(f"rank{r}_{f}" for r in range(world) for f in ("forward.py", "backward.py", "collectives.md"))
+    assert names == sorted(f"rank{r}_{f}" for r in range(world) for f in ("forward.py", "backward.py",
+                                                                          "collectives.md"))
     assert f"rank {world - 1} (world size {world})" in (tmp_path / f"rank{world - 1}_forward.py").read_text()
     assert not dist.is_initialized() and local_tensor_mode() is None
 
 
 def test_checkpointed_blocks_recompute_their_collectives():
-    """torch.utils.checkpoint around each block: same loss and grads, the attention all_reduce re-issued in the backward."""
+    """torch.utils.checkpoint around each block: same loss and grads, the attention's all_reduce again backward."""
     from torch.utils.checkpoint import checkpoint
 
     torch.set_default_dtype(torch.float64)

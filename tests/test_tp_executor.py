@@ -25,8 +25,10 @@ def _summary(trace) -> dict:
     gaps = []
     for i, b in enumerate(bsyms):
         if b.sym.name == _COLLECTIVE:
-            future = next(c.output.name for c in bsyms[i + 1 :] if c.sym.name == _NAME_WORK and c.args[0].name == b.output.name)
-            wait = next(j for j in range(i + 1, len(bsyms)) if bsyms[j].sym.name == _WAIT and bsyms[j].args[0].name == future)
+            future = next(c.output.name for c in bsyms[i + 1 :]
+                          if c.sym.name == _NAME_WORK and c.args[0].name == b.output.name)
+            wait = next(j for j in range(i + 1, len(bsyms))
+                        if bsyms[j].sym.name == _WAIT and bsyms[j].args[0].name == future)
             gaps.append(sum(1 for c in bsyms[i + 1 : wait] if not is_communication(c) and c.sym.name != "del"))
     return {
         "fusions": len(fusions),
@@ -74,7 +76,8 @@ class _MatmulOperands(torch.utils._python_dispatch.TorchDispatchMode):
 def _gathered_linear_matmuls():
     torch.manual_seed(0)
     plan = {"0": thunder_tp.ColwiseParallel(output_layout=thunder_tp.Replicate())}
-    jm = thunder.jit(torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False)), transforms=[thunder_tp.TensorParallel(plan)],
+    jm = thunder.jit(torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False)),
+                     transforms=[thunder_tp.TensorParallel(plan)],
                      executors=thunder_tp.executors())
     x = torch.randn(4, 32, 64, requires_grad=True)
     loss = jm(x).square().sum()

@@ -60,7 +60,8 @@ def compare_with_single_device(
     model = make_model()
     model.load_state_dict(reference.state_dict())
     inputs = make_inputs()
-    ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+    ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                  for x in inputs]
     jm = thunder.jit(model, transforms=[transform], executors=executors or FAST_EXECUTORS)
     with torch.set_grad_enabled(grad):
         expected = reference(*ref_inputs)

@@ -44,8 +44,8 @@ def clip_grad_norm_(
     total = grad_norm(module, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
-            f"thunder_tp.clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "
-            "so they cannot be clipped; pass error_if_nonfinite=False to scale them anyway"
+            f"thunder_tp.clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+            f"({total.item()}), so they cannot be clipped; pass error_if_nonfinite=False to scale them anyway"
         )
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in _grads(module):
@@ -152,7 +152,8 @@ def _segments(layout: Layout, grad: torch.Tensor, held: int, groups: _Groups) ->
     local_n = held if dim == 0 else grad.shape[dim]
     full = full_length(layout, local_n, groups.tp_size)
     segments, offset = [], 0
-    for (_, length), replicas in zip(held_chunks(layout, full, groups.tp_rank, groups.tp_size), layout.block_replicas(), strict=True):
+    for (_, length), replicas in zip(held_chunks(layout, full, groups.tp_rank, groups.tp_size), layout.block_replicas(),
+                                     strict=True):
         if groups.tp_rank % replicas == 0:
             segments.append((offset, length))
         offset += length

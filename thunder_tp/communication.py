@@ -25,7 +25,8 @@ from thunder_tp.reshard import ALPHA_BYTES, collective_cost, collective_kind, nb
 from thunder_tp.thunder_internals.prologue import flat_args
 
 #: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)
-_GRAD_FROM_FIRST = frozenset(s.id for s in (ltorch.to, ltorch.type_as, ltorch.expand_as, ltorch.view_as, ltorch.reshape_as))
+_GRAD_FROM_FIRST = frozenset(s.id for s in (ltorch.to, ltorch.type_as, ltorch.expand_as, ltorch.view_as,
+                                            ltorch.reshape_as))
 #: ops whose result has no grad whatever their arguments
 _NO_GRAD = frozenset(s.id for s in (ltorch.zeros_like, ltorch.ones_like, ltorch.full_like, ltorch.empty_like))
 
@@ -105,8 +106,10 @@ class Communication:
         self.cost += collective_cost(kind, size_bytes, group_size)
 
     def __str__(self) -> str:
-        each = lambda c: " + ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
-        return f"forward {each(self.forward)}; backward {each(self.backward)}; cost {self.cost / 2**20:.2f} MiB-equivalent"
+        def each(c):
+            return " + ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
+        return (f"forward {each(self.forward)}; backward {each(self.backward)}; "
+                f"cost {self.cost / 2**20:.2f} MiB-equivalent")
 
 
 @dataclass
@@ -219,7 +222,8 @@ def _redistributions(needs: list[Need], layouts: dict[str, Layout], needs_grad: 
     for n in needs:
         src = layouts[n.value.name]
         if src != n.layout and not _gathered_into_region(n, needs, layouts):
-            found.setdefault((n.value.name, n.layout), Redistribution(n.value, src, n.layout, n.value.name in needs_grad))
+            found.setdefault((n.value.name, n.layout),
+                             Redistribution(n.value, src, n.layout, n.value.name in needs_grad))
     return found
 
 

@@ -144,7 +144,8 @@ def format_table(tables: dict[str, list[dict]]) -> str:
             lines.append(f"| {name} | (none) | | | 0 | 0 |")
         for r in table:
             lines.append(
-                f"| {name} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | {r['count']} | {r['total_bytes']} |"
+                f"| {name} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | {r['count']} | "
+                f"{r['total_bytes']} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -192,7 +193,8 @@ def _header(trace: TraceCtx, text: str, pass_name: str, rank: int, world: int) -
         where = group_name.get(id(c["group"]), "")
         where = f" over {where}" if where else ""
         lines.append(
-            f"#   {name} = {c['bsym'].sym.name}(...): {c['kind']}{where}, group size {c['group_size']}, {c['bytes']} bytes"
+            f"#   {name} = {c['bsym'].sym.name}(...): {c['kind']}{where}, group size {c['group_size']}, {c['bytes']} "
+            "bytes"
         )
     if groups:
         lines.append("# process groups:")
@@ -236,7 +238,8 @@ def dump_traces(jitted, directory: str | os.PathLike) -> list[Path]:
     return [path for r in ranks for path in _write_rank_files(directory, forward, backward, r, world)]
 
 
-def _write_rank_files(directory: Path, forward: TraceCtx, backward: TraceCtx | None, rank: int, world: int) -> list[Path]:
+def _write_rank_files(directory: Path, forward: TraceCtx, backward: TraceCtx | None, rank: int,
+                      world: int) -> list[Path]:
     written = []
     tables = {}
     for pass_name, trace in (("forward", forward), ("backward", backward)):

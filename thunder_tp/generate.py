@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, litgpt's generate flags where they apply."""
     p = argparse.ArgumentParser(prog="python -m thunder_tp.generate", description=__doc__.splitlines()[0])
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint_dir", type=Path, help="litgpt checkpoint: lit_model.pth, model_config.yaml, tokenizer")
+    source.add_argument("--checkpoint_dir", type=Path,
+                        help="litgpt checkpoint: lit_model.pth, model_config.yaml, tokenizer")
     source.add_argument("--model_name", help="litgpt config name: random weights, token ids printed")
     p.add_argument("--n_layers", type=int, default=None, help="override the config's n_layer (with --model_name)")
     p.add_argument("--prompt", default="What food do llamas eat?")
@@ -154,7 +155,10 @@ def _device() -> torch.device:
 def _config(args: argparse.Namespace):
     from litgpt import Config
 
-    config = Config.from_file(args.checkpoint_dir / "model_config.yaml") if args.checkpoint_dir else Config.from_name(args.model_name)
+    if args.checkpoint_dir:
+        config = Config.from_file(args.checkpoint_dir / "model_config.yaml")
+    else:
+        config = Config.from_name(args.model_name)
     if args.n_layers is not None:
         config.n_layer = args.n_layers
     return config
@@ -190,9 +194,11 @@ def _check_lengths(config, prompt_length: int, new_tokens: int) -> int:
     """The cache length the sequence needs; a clear error where the model cannot hold it."""
     needed = prompt_length + new_tokens
     if needed > config.block_size:
-        raise GenerateError(f"a prompt of {prompt_length} tokens plus {new_tokens} new tokens needs {needed} positions, "
-                         f"but the model's block_size is {config.block_size}: shorten the prompt or lower --max_new_tokens")
-    window = config.sliding_window_size if config.sliding_window_indices and any(config.sliding_window_indices) else None
+        raise GenerateError(f"a prompt of {prompt_length} tokens plus {new_tokens} new tokens needs {needed} "
+                         f"positions, but the model's block_size is {config.block_size}: shorten the prompt or lower "
+                         "--max_new_tokens")
+    sliding = config.sliding_window_indices and any(config.sliding_window_indices)
+    window = config.sliding_window_size if sliding else None
     if window is not None and prompt_length > window:
         raise GenerateError(f"a prompt of {prompt_length} tokens is longer than the model's sliding window ({window}): "
                          "litgpt's ring-buffer KV cache cannot prefill it; shorten the prompt")

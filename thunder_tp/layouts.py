@@ -215,7 +215,8 @@ def piece_parts(piece: torch.Tensor, layout: Layout, rank: int, size: int, ops=t
     return list(ops.split(piece, [length for _, length in held_chunks(layout, n, rank, size)], layout.dim))
 
 
-def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...],
+                                                                                           tuple[int, ...]]]:
     """(global offsets, sizes) of the slices of the full tensor that make up this rank's piece (held_chunks in
     every dim); the piece is their concatenation along the layout's dim, in this order."""
     if isinstance(layout, StackShard):
@@ -224,7 +225,8 @@ def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> 
         return [((0,) * len(shape), tuple(shape))]
     dim = layout.dim % len(shape)
     return [
-        (tuple(start if d == dim else 0 for d in range(len(shape))), tuple(length if d == dim else n for d, n in enumerate(shape)))
+        (tuple(start if d == dim else 0 for d in range(len(shape))),
+         tuple(length if d == dim else n for d, n in enumerate(shape)))
         for start, length in held_chunks(layout, shape[dim], rank, size)
     ]
 
@@ -242,7 +244,8 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout, ops=torch) ->
     n = full_length(layout, pieces[0].shape[layout.dim], size)
     parts: dict[tuple[int, int], torch.Tensor] = {}
     for rank, piece in enumerate(pieces):
-        for chunk, part in zip(held_chunks(layout, n, rank, size), piece_parts(piece, layout, rank, size, ops), strict=True):
+        for chunk, part in zip(held_chunks(layout, n, rank, size), piece_parts(piece, layout, rank, size, ops),
+                               strict=True):
             parts.setdefault(chunk, part)
     return _cat([parts[c] for c in sorted(parts)], layout.dim, ops)
 
@@ -276,7 +279,8 @@ class TPGroup:
         me = dist.get_rank()
         fix = "pass the group that contains this rank, e.g. thunder_tp.init_mesh(dp=..., tp=...).tp_group"
         if group == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group(ranks) returns on ranks outside `ranks`
-            raise ValueError(f"thunder_tp.TensorParallel: rank {me} is not a member of the given TP process group; {fix}")
+            raise ValueError(f"thunder_tp.TensorParallel: rank {me} is not a member of the given TP process group; "
+                             f"{fix}")
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 f"thunder_tp.TensorParallel: process_group must be a torch.distributed.ProcessGroup or None (the "
@@ -290,5 +294,6 @@ class TPGroup:
                 f"({e}); create it with torch.distributed.new_group or thunder_tp.init_mesh"
             ) from e
         if rank < 0:
-            raise ValueError(f"thunder_tp.TensorParallel: rank {me} is not a member of the given TP process group; {fix}")
+            raise ValueError(f"thunder_tp.TensorParallel: rank {me} is not a member of the given TP process group; "
+                             f"{fix}")
         return cls(group, dist.get_world_size(group), rank)

@@ -124,7 +124,8 @@ def _sizes(dp: Any, tp: Any, world: int) -> tuple[int, int]:
             )
         dp, tp = (given, world // given) if tp is None else (world // given, given)
     if dp * tp != world:
-        hint = f"dp={world // tp}, tp={tp}" if world % tp == 0 else f"a tp that divides {world} (e.g. {_divisors(world)})"
+        hint = (f"dp={world // tp}, tp={tp}" if world % tp == 0
+                else f"a tp that divides {world} (e.g. {_divisors(world)})")
         raise ValueError(
             f"thunder_tp.init_mesh: dp * tp = {dp} * {tp} = {dp * tp} does not match the world size {world}; use {hint}"
         )
@@ -205,7 +206,8 @@ def parallelize(
     if data_parallel == "ddp":
         from thunder.distributed.transforms.ddp_v2 import DDPTransform
 
-        chain.append(DDPTransform(process_group=mesh.dp_group, bucket_size_in_mb=bucket_size_in_mb, broadcast_from=None))
+        chain.append(DDPTransform(process_group=mesh.dp_group, bucket_size_in_mb=bucket_size_in_mb,
+                                  broadcast_from=None))
     elif data_parallel == "fsdp":
         from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
@@ -214,7 +216,8 @@ def parallelize(
         raise ValueError(f"thunder_tp.parallelize: data_parallel must be 'ddp', 'fsdp' or None, got {data_parallel!r}")
     chain += list(transforms)
     return thunder.jit(
-        model, executors=list(executors) if executors is not None else default_executors(), transforms=chain, **jit_kwargs
+        model, executors=list(executors) if executors is not None else default_executors(), transforms=chain,
+        **jit_kwargs
     )
 
 

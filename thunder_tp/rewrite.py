@@ -181,10 +181,12 @@ def _zero_padded(piece: TensorProxy, dim: int, before: int, full: int) -> Tensor
 def _returned_values(args: tuple, local: LocalValues, unpacked: dict[str, Any]) -> tuple:
     """What the local program returns: outputs Replicate; the inputs as each rank holds them (Thunder returns them
     under "flat_args", updated where they were written in place, e.g. a KV cache)."""
-    as_returned = lambda tree: tree_map(lambda x: _returned(x, local, unpacked), tree)  # noqa: E731
+    def as_returned(tree):
+        return tree_map(lambda x: _returned(x, local, unpacked), tree)
     if not (args and isinstance(args[0], dict) and "flat_args" in args[0]):
         return as_returned(args)
-    held = lambda x: unpacked.get(x.name, local.values.get(x.name, x)) if isinstance(x, Proxy) else x  # noqa: E731
+    def held(x):
+        return unpacked.get(x.name, local.values.get(x.name, x)) if isinstance(x, Proxy) else x
     first = {k: tree_map(held, v) if k == "flat_args" else as_returned(v) for k, v in args[0].items()}
     return (first, *as_returned(args[1:]))
 
@@ -258,7 +260,8 @@ def _emit_metadata_query(bsym, local: LocalValues) -> None:
     tensors = _tensors(bsym)
     is_shape = bsym.sym.id == prims.PrimIDs.SHAPE
     if is_shape or all(isinstance(local.layouts[t.name], Replicate) for t in tensors):
-        held = lambda x: local.value_of(x) if isinstance(x, TensorProxy) else local.values.get(x.name, x)  # noqa: E731
+        def held(x):
+            return local.value_of(x) if isinstance(x, TensorProxy) else local.values.get(x.name, x)
         args, kwargs = tree_map(lambda x: held(x) if isinstance(x, Proxy) else x, (bsym.args, bsym.kwargs))
         result = bsym.sym(*args, **kwargs)
         if is_shape:

@@ -52,7 +52,8 @@ def is_simulating() -> bool:
 
 def _require_active(what: str) -> _Simulation:
     if _current is None:
-        raise RuntimeError(f"thunder_tp.{what} needs an active simulation: call it inside `with thunder_tp.simulate(world_size=N):`")
+        raise RuntimeError(f"thunder_tp.{what} needs an active simulation: call it inside `with "
+                           "thunder_tp.simulate(world_size=N):`")
     return _current
 
 
@@ -114,7 +115,8 @@ def _group_ranks(group: dist.ProcessGroup | None) -> dict[int, int]:
     )
 
 
-def for_each_rank(fn: Callable[..., torch.Tensor], group: dist.ProcessGroup | None, *tensors: torch.Tensor) -> torch.Tensor:
+def for_each_rank(fn: Callable[..., torch.Tensor], group: dist.ProcessGroup | None,
+                  *tensors: torch.Tensor) -> torch.Tensor:
     """``fn(rank in group, *that rank's tensors)`` for every simulated rank, as one LocalTensor."""
     from torch.distributed._local_tensor import LocalTensor
 
@@ -148,7 +150,8 @@ def outside_local_tensors() -> Iterator[None]:
         yield
 
 
-def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor).
 
     A StackShard tensor is held whole by one rank and by no other, but one simulated trace cannot give the ranks
@@ -162,7 +165,7 @@ def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: di
 
 
 def check_transforms(model, tp_group: dist.ProcessGroup) -> None:
-    """Raise if a jit inside the simulation asks for what it cannot simulate: fusion, data parallelism, a TP subgroup."""
+    """Raise if a jit in the simulation asks for what it cannot simulate: fusion, data parallelism, a TP subgroup."""
     import thunder
     from thunder.extend import FusionExecutor
 

@@ -198,7 +198,8 @@ class SequenceParallel(Style):
         """Every parameter replicated."""
         params = dict(module.named_parameters(recurse=False))
         if "weight" not in params and not isinstance(module, _NORM_TYPES):
-            raise TypeError(f"SequenceParallel applies to normalization modules with a weight, not {type(module).__name__}")
+            raise TypeError("SequenceParallel applies to normalization modules with a weight, not "
+                            f"{type(module).__name__}")
         return {name: REPLICATE for name in params}
 
 
@@ -354,7 +355,8 @@ def styles_from_distparallel_type(model: nn.Module) -> dict[str, Style]:
         elif isinstance(module, nn.Linear):
             styles[name] = ColwiseParallel() if dim0 else RowwiseParallel()
         else:
-            raise TypeError(f"{name}.weight has distparallel_type {kind.name}, but {type(module).__name__} is not supported")
+            raise TypeError(f"{name}.weight has distparallel_type {kind.name}, but {type(module).__name__} is not "
+                            "supported")
     return styles
 
 

@@ -153,7 +153,8 @@ class TensorParallel(Transform):
         simulating = is_simulating()
         if simulating:
             check_transforms(model, self.tp.group)
-        layouts = {name: self.parameter_layouts.get(name, REPLICATE) for name, _ in original_module(model).named_parameters()}
+        layouts = {name: self.parameter_layouts.get(name, REPLICATE)
+                   for name, _ in original_module(model).named_parameters()}
         return {name: layout for name, layout in layouts.items() if simulating or not isinstance(layout, Replicate)}
 
     def _shard_caches(self, model) -> None:
@@ -234,7 +235,7 @@ class TensorParallel(Transform):
         return prologue, recompute_matmul_inputs(local), epilogue
 
     def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
-        """The end of a compile: every rank of the TP group compiled, or every rank raises (thunder_tp.execution.agreement)."""
+        """The end of a compile: every rank of the TP group compiled, or all raise (thunder_tp.execution.agreement)."""
         if self._agreement is not None:
             self._agreement.compiled(self._module)
         return computation
@@ -258,7 +259,8 @@ def _checked_plan(plan, example_inputs) -> dict[str, Style] | str:
             raise ValueError("thunder_tp.TensorParallel: example_inputs= is for plan=\"auto\"; a given plan needs none")
         return read_plan(plan or {})
     if plan != "auto":
-        raise ValueError(f"thunder_tp.TensorParallel: plan must be a mapping of module names to styles or \"auto\", got {plan!r}")
+        raise ValueError("thunder_tp.TensorParallel: plan must be a mapping of module names to styles or \"auto\", "
+                         f"got {plan!r}")
     if not (isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict)):
         raise ValueError(
             "thunder_tp.TensorParallel(\"auto\") needs example_inputs=(args, kwargs), e.g. ((idx,), {}): the plan is "
@@ -281,7 +283,8 @@ def _check_known(names: dict[str, str], at_jit: set[str]) -> None:
         raise RuntimeError(
             f"thunder_tp.TensorParallel: buffers {late[:4]}{'...' if len(late) > 4 else ''} were created after "
             "thunder.jit (e.g. by set_kv_cache on the jitted model), so they were never sharded; call "
-            "model.set_kv_cache(...) before thunder.jit and build the plan after it (plans.litgpt then shards the cache)"
+            "model.set_kv_cache(...) before thunder.jit and build the plan after it (plans.litgpt then shards the "
+            "cache)"
         )
 
 
@@ -299,10 +302,11 @@ def _check_materialized(model) -> None:
     meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if meta:
         raise RuntimeError(
-            f"thunder_tp.TensorParallel: {meta[:4]}{'...' if len(meta) > 4 else ''} are still on the meta device at the "
-            "first call; materialize each rank's shards first: thunder_tp.checkpoint.load(path, jm) loads them from a "
-            "checkpoint, or put thunder.transforms.MaterializationTransform(device, init=MaterializationTransform."
-            "init_from_original_module_init()) after TensorParallel in transforms= for a fresh initialization"
+            f"thunder_tp.TensorParallel: {meta[:4]}{'...' if len(meta) > 4 else ''} are still on the meta device at "
+            "the first call; materialize each rank's shards first: thunder_tp.checkpoint.load(path, jm) loads them "
+            "from a checkpoint, or put thunder.transforms.MaterializationTransform(device, "
+            "init=MaterializationTransform.init_from_original_module_init()) after TensorParallel in transforms= for "
+            "a fresh initialization"
         )
 
 

@@ -203,7 +203,8 @@ def _line_up(everyone: list[tuple[str, list]]) -> dict | None:
 
 def breakdown_rows(name: str, b: dict) -> list[str]:
     """The markdown table rows of one mode's breakdown (ms per step), one per rank."""
-    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    def ms(s):
+        return f"{s * 1e3:.1f}"
     lined = b.get("collectives") or {}
     rows = []
     for rank, r in enumerate(b.get("per_rank", [b])):

@@ -13,7 +13,8 @@ from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, litgpt_config, th
 
 def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
     """DTensor plan for ``Llama``: 'default' (per-linear), 'best' (shared inputs) or 'sp' (torchtitan's);
-    loss_parallel leaves the logits a vocab-sharded DTensor (for ``torch.distributed.tensor.parallel.loss_parallel``)."""
+    loss_parallel leaves the logits a vocab-sharded DTensor (for
+    ``torch.distributed.tensor.parallel.loss_parallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -111,7 +112,8 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
     import thunder_tp
 
     chosen = EXECUTORS[executors]
-    name = "thunder_tp.executors()" if executors == "thunder" else "Thunder's default executors + thunder_tp's comm executor"
+    name = ("thunder_tp.executors()" if executors == "thunder"
+            else "Thunder's default executors + thunder_tp's comm executor")
 
     def litgpt_plan(sp):
         return lambda model: thunder_tp.plans.litgpt(model, sequence_parallel=sp)
@@ -128,7 +130,8 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
         llama("single_thunder_defaults", 1, "thunder", _thunder_single(thunder.get_default_executors),
               "1 rank, thunder.jit, Thunder's default executors"),
         llama("single_thunder_inductor", 1, "thunder", _thunder_single(lambda: thunder_tp.executors("inductor")),
-              "1 rank, thunder.jit, thunder_tp.executors('inductor') (on CUDA: Inductor's Triton kernels, not nvFuser)"),
+              "1 rank, thunder.jit, thunder_tp.executors('inductor') (on CUDA: Inductor's Triton kernels, not "
+              "nvFuser)"),
         llama("thunder_tp_tp", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(False), chosen), "thunder_tp TP"),
         llama("thunder_tp_sp", 0, "thunder", _thunder_tp(lambda m: thunder_tp_plan(True), chosen), "thunder_tp TP+SP"),
         llama("thunder_tp_auto", 0, "thunder", _thunder_tp(_auto_plan, chosen),
@@ -142,7 +145,8 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
         llama("dtensor_tp", 0, "eager", _dtensor("best"),
               "DTensor TP, best eager plan (+PrepareModuleInput per attention/MLP)"),
         llama("dtensor_sp", 0, "eager", _dtensor("sp"), "DTensor TP+SP (torchtitan's plan)"),
-        llama("dtensor_tp_compile", 0, "compile", _dtensor("best", compile=True), "DTensor TP, best plan, torch.compile"),
+        llama("dtensor_tp_compile", 0, "compile", _dtensor("best", compile=True),
+              "DTensor TP, best plan, torch.compile"),
         litgpt("litgpt_single_thunder", 1, _thunder_single(chosen), f"litgpt GPT, 1 rank, thunder.jit, {name}"),
         litgpt("litgpt_thunder_tp_tp", 0, _thunder_tp(litgpt_plan(False), chosen),
                "litgpt GPT, thunder_tp TP (plans.litgpt)"),

@@ -79,7 +79,8 @@ def markdown_table(results: dict) -> str:
         first = _fmt(r.get("first_iter_s"), ".1f")
         if "median_s" not in r:
             reason = r.get("error") or r.get("skipped") or "not run"
-            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – | – | {reason} |")
+            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – "
+                         f"| – | {reason} |")
             continue
         faster = speedup(results, name, r["median_s"])
         cells = [
@@ -128,8 +129,10 @@ def plot(results: dict, scaling: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 3 if scaling else 2, figsize=(18 if scaling else 13, 5.5))
     ax = axes[0]
     med = [timed[n]["median_s"] * 1e3 for n in names]
-    err = [[m - timed[n]["min_s"] * 1e3 for n, m in zip(names, med, strict=True)], [timed[n]["max_s"] * 1e3 - m for n, m in zip(names, med, strict=True)]]
-    colors = ["tab:gray" if timed[n]["ranks"] == 1 else "tab:blue" if "thunder_tp" in n else "tab:orange" for n in names]
+    err = [[m - timed[n]["min_s"] * 1e3 for n, m in zip(names, med, strict=True)],
+           [timed[n]["max_s"] * 1e3 - m for n, m in zip(names, med, strict=True)]]
+    colors = ["tab:gray" if timed[n]["ranks"] == 1 else "tab:blue" if "thunder_tp" in n else "tab:orange"
+              for n in names]
     ax.barh(names, med, xerr=err, color=colors)
     ax.invert_yaxis()
     ax.set_xlabel("step time, ms (median, min–max)")

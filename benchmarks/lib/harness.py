@@ -121,7 +121,8 @@ def thunder_default_executors() -> list:
 
 
 #: --compile -> the executors list for thunder.jit
-EXECUTORS: dict[str, Callable[[], list]] = {"thunder": thunder_tp_executors, "thunder_default": thunder_default_executors}
+EXECUTORS: dict[str, Callable[[], list]] = {"thunder": thunder_tp_executors,
+                                            "thunder_default": thunder_default_executors}
 
 
 # --- modes compared side by side, in alternating rounds ------------------------------------------------------

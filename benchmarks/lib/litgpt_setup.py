@@ -45,7 +45,7 @@ class Groups:
 
 
 def make_groups(tp_size: int) -> Groups:
-    """TP groups of ``tp_size`` consecutive ranks and the orthogonal DP groups (the default group where one spans it)."""
+    """TP groups of ``tp_size`` consecutive ranks and the orthogonal DP groups (the default group if one spans it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if tp_size < 1 or world % tp_size:
         raise SystemExit(f"--tp_size {tp_size} must divide the world size {world}")
@@ -88,7 +88,8 @@ def _tp(model: nn.Module, args: argparse.Namespace, groups: Groups, *, sequence_
     import thunder_tp
 
     if args.plan == "auto":
-        return [thunder_tp.TensorParallel(_auto_plan(model, args, groups, sequence_parallel), process_group=groups.tp_group)]
+        return [thunder_tp.TensorParallel(_auto_plan(model, args, groups, sequence_parallel),
+                                          process_group=groups.tp_group)]
     plans = thunder_tp.plans.hf if args.hf_model_type else thunder_tp.plans.litgpt
     plan = plans(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
     return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group)]
@@ -99,7 +100,8 @@ def _auto_plan(model: nn.Module, args: argparse.Namespace, groups: Groups, seque
     import thunder_tp
 
     if sequence_parallel or args.loss_parallel:
-        raise SystemExit("--plan auto chooses every layout itself: leave out --loss_parallel and use --distributed_mode tp")
+        raise SystemExit("--plan auto chooses every layout itself: leave out --loss_parallel and use "
+                         "--distributed_mode tp")
     batch = torch.zeros(args.micro_batch_size, args.block_size, dtype=torch.int64, device="meta")
     plan = thunder_tp.plans.auto(model, batch, batch, tp_size=groups.tp_size)
     if groups.rank == 0:
@@ -244,7 +246,7 @@ def _hf_with_loss(config) -> nn.Module:
 
 
 def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:
-    """This rank's TP and DP groups from --distributed_mode, --tp_size and --dp_size (a clear error if they don't fit)."""
+    """This rank's TP and DP groups from --distributed_mode, --tp_size and --dp_size (an error if they don't fit)."""
     mode = MODES[args.distributed_mode]
     if args.distributed_mode == "none":
         tp_size = 1

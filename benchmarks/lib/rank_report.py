@@ -98,16 +98,18 @@ def _per_layer_us(row: dict) -> str:
 
 
 def _decode_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = ["| TP | batch | mode | step (ms) | host (ms) | back-to-back step (ms) | per layer (µs) | host / step "
-             f"| tokens/s, compute only | collectives / step ({max(args.depths)} layers) | params / rank | KV cache / rank |",
+    lines = ["| TP | batch | mode | step (ms) | host (ms) | back-to-back step (ms) | per layer (µs) | host / step | "
+             f"tokens/s, compute only | collectives / step ({max(args.depths)} layers) | params / rank | KV cache / "
+             "rank |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||")
+            lines.append(f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} "
+                         "|||||||||")
             continue
         lines.append(
-            f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['host_s'])} | "
-            f"{_ms(r['back_to_back_s'])} | {_per_layer_us(r)} | {r['host_s'] / r['step_s']:.2f} | "
+            f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['host_s'])} "
+            f"| {_ms(r['back_to_back_s'])} | {_per_layer_us(r)} | {r['host_s'] / r['step_s']:.2f} | "
             f"{r['batch'] / r['back_to_back_s']:.1f} | {_kinds(r['collectives']['forward'])} | "
             f"{fmt_bytes(r['param_bytes'])} | {fmt_bytes(r.get('kv_cache_bytes'))} |")
     return lines
@@ -147,8 +149,8 @@ def _structure_lines(rows: list[dict], dtype: str) -> tuple[list[str], bool]:
                     agree, losses = _losses_agree(modes[a], modes[b], dtype)
                     failed |= not agree
                     verdict += f"; {losses}"
-                lines.append(f"- {workload} TP={tp}{f', batch {batch}' if workload == 'decode' else ''}: ({a}) vs ({b}): "
-                             f"{verdict}{' (must agree: FAILED)' if must and not same else ''}")
+                lines.append(f"- {workload} TP={tp}{f', batch {batch}' if workload == 'decode' else ''}: ({a}) vs "
+                             f"({b}): {verdict}{' (must agree: FAILED)' if must and not same else ''}")
     return lines, failed
 
 
@@ -162,8 +164,9 @@ def _reference(workload: str, tp: int, model: str) -> str:
 
 
 def _projection_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = ["| workload | TP | batch | mode | compute (ms) | communication (ms) | step, no overlap (ms) | step, overlap (ms) "
-             "| no overlap | overlap | reference |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| workload | TP | batch | mode | compute (ms) | communication (ms) | step, no overlap (ms) | step, "
+             "overlap (ms) | no overlap | overlap | reference "
+             "|", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
             continue

@@ -192,7 +192,8 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
     if trace is None:
         return PassProjection(compute_s, 0.0, compute_s, compute_s, [])
     if isinstance(trace, RecordedPass):
-        records = [{"kind": k, "bytes": b, "group_size": n, "seconds": link.seconds(k, b, n)} for k, n, b in trace.calls]
+        records = [{"kind": k, "bytes": b, "group_size": n, "seconds": link.seconds(k, b, n)}
+                   for k, n, b in trace.calls]
         comm = sum(r["seconds"] for r in records)
         return PassProjection(compute_s, comm, compute_s + comm, compute_s + comm, records)
     calls = {id(c["bsym"]): c for c in collective_calls(trace)}

@@ -177,8 +177,9 @@ def _print(rows: dict, link: Link, args: argparse.Namespace, world: int) -> None
     print(f"\nCalibration on this machine: {world} gloo ranks, --plan {args.plan}, --executors {args.executors}, "
           f"medians of {args.steps} steps\n")
     print(link.table(), "", sep="\n")
-    print("| workload | compute alone (ms) | + communication (ms) | predicted, no overlap (ms) | predicted, overlap (ms) "
-          "| measured (ms) | error, no overlap | error, overlap |", "|---|---:|---:|---:|---:|---:|---:|---:|", sep="\n")
+    print("| workload | compute alone (ms) | + communication (ms) | predicted, no overlap (ms) | predicted, overlap "
+          "(ms) | measured (ms) | error, no overlap | error, overlap |", "|---|---:|---:|---:|---:|---:|---:|---:|",
+          sep="\n")
     for w, r in rows.items():
         print(f"| {w} | {r['compute_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | {r['no_overlap_s'] * 1e3:.1f} | "
               f"{r['overlap_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {r['error_no_overlap']:+.1%} | "

@@ -64,7 +64,8 @@ def _agree(error: Exception | None, path: str) -> None:
         raise error
     if failed:
         raise RuntimeError(
-            f"thunder_tp.checkpoint.load({path!r}): another rank rejected the checkpoint (see its error); nothing was loaded"
+            f"thunder_tp.checkpoint.load({path!r}): another rank rejected the checkpoint (see its error); nothing was "
+            "loaded"
         )
 
 
@@ -74,8 +75,9 @@ def read_metadata(path: str) -> Metadata:
         return dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError as e:
         raise FileNotFoundError(
-            f"thunder_tp.checkpoint.load: {os.path.join(path, '.metadata')} does not exist, so {path!r} is not a complete "
-            "DCP checkpoint (ck.save writes .metadata last: the save was interrupted, or this is another kind of directory)"
+            f"thunder_tp.checkpoint.load: {os.path.join(path, '.metadata')} does not exist, so {path!r} is not a "
+            "complete DCP checkpoint (ck.save writes .metadata last: the save was interrupted, or this is another "
+            "kind of directory)"
         ) from e
 
 
@@ -97,7 +99,8 @@ def _check_shape(where: str, name: str, expected: tuple[int, ...], found: tuple[
         )
 
 
-def _check_directory(path: str, metadata: Metadata, model: nn.Module, tensors: dict[str, HeldTensor], optimizer) -> dict:
+def _check_directory(path: str, metadata: Metadata, model: nn.Module, tensors: dict[str, HeldTensor],
+                     optimizer) -> dict:
     """Validate keys and shapes against the model (and optimizer); return the optimizer state to load into."""
     entries = metadata.state_dict_metadata
     saved = {k[len("model."):]: md for k, md in entries.items() if k.startswith("model.")}
@@ -117,7 +120,8 @@ def _optimizer_targets(path: str, entries: dict, model: nn.Module, tensors: dict
             groups.setdefault(int(index), set()).add(hyper)
     if not groups:
         raise ValueError(
-            f"thunder_tp.checkpoint.load: {path!r} holds no optimizer state; pass optimizer=None or a checkpoint saved with one"
+            f"thunder_tp.checkpoint.load: {path!r} holds no optimizer state; pass optimizer=None or a checkpoint saved "
+            "with one"
         )
     wanted = [set(g) | {"params"} for g in optimizer.param_groups]
     if [groups[i] for i in sorted(groups)] != wanted:
@@ -139,8 +143,8 @@ def _optimizer_targets(path: str, entries: dict, model: nn.Module, tensors: dict
                 )
             if not isinstance(md, TensorStorageMetadata):
                 raise TypeError(
-                    f"thunder_tp.checkpoint.load: {key!r} in {path!r} is not a tensor; thunder_tp loads tensor optimizer "
-                    "state only"
+                    f"thunder_tp.checkpoint.load: {key!r} in {path!r} is not a tensor; thunder_tp loads tensor "
+                    "optimizer state only"
                 )
             param = tensors[name]
             size = tuple(md.size)
@@ -177,7 +181,7 @@ def _read_file(path: str) -> dict:
         full = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except FileNotFoundError as e:
         raise FileNotFoundError(f"thunder_tp.checkpoint.load: {path!r} is neither a DCP directory nor a file") from e
-    except Exception as e:  # noqa: BLE001  (torch.load raises several kinds for a file it cannot read)
+    except Exception as e:  # torch.load raises several kinds for a file it cannot read
         raise ValueError(f"thunder_tp.checkpoint.load: {path!r} is not a torch.save'd state dict ({e})") from e
     if not isinstance(full, dict):
         raise ValueError(f"thunder_tp.checkpoint.load: {path!r} holds a {type(full).__name__}, expected a state dict")

@@ -33,7 +33,8 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     names = parameter_names(model)
     state = {
         names[id(p)]: {
-            k: state_like(tensors[names[id(p)]], v).for_dcp() if isinstance(v, torch.Tensor) else v for k, v in s.items()
+            k: state_like(tensors[names[id(p)]], v).for_dcp() if isinstance(v, torch.Tensor) else v
+            for k, v in s.items()
         }
         for p, s in optimizer.state.items()
     }

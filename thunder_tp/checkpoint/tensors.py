@@ -54,7 +54,8 @@ class HeldTensor:
         for r in range(self.size):
             for chunk in self.chunks(r):
                 holders.setdefault(chunk, r)
-        placement = lambda r: f"rank:{dist.get_global_rank(self.group, r)}/{device}"  # noqa: E731
+        def placement(r):
+            return f"rank:{dist.get_global_rank(self.group, r)}/{device}"
         every = [ShardMetadata(list(o), list(s), placement(r)) for (o, s), r in holders.items()]
         views = {(o, s): view for o, s, view in self.slices()}
         shards = [LocalShard(views[(o, s)].contiguous(), md)

@@ -120,7 +120,8 @@ tp_name_work = comm_executor.register_operator(
 # --- the rank inside traced programs ------------------------------------------------------------------------
 
 tp_rank_offset = comm_executor.register_operator("tp_rank_offset", meta=_rank_offset_meta, fn=D.rank_offset_tensor)
-tp_rank_piece = comm_executor.register_operator("tp_rank_piece", meta=_scattered_meta, fn=D.local)  # simulated tp_scatter
+# simulated tp_scatter
+tp_rank_piece = comm_executor.register_operator("tp_rank_piece", meta=_scattered_meta, fn=D.local)
 
 
 def rank_offset(tp, step: int, like: TensorProxy) -> int | TensorProxy:

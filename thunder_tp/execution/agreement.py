@@ -60,9 +60,9 @@ class CompileAgreement:
         failed = _failed_ranks(False, self.group)
         if failed:
             raise RuntimeError(
-                f"thunder_tp: rank(s) {failed} of the TP group of global ranks {dist.get_process_group_ranks(self.group)} "
-                "failed to compile this module (their output has the error); every rank of the group stops here "
-                "instead of waiting for them in a collective."
+                f"thunder_tp: rank(s) {failed} of the TP group of global ranks "
+                f"{dist.get_process_group_ranks(self.group)} failed to compile this module (their output has the "
+                "error); every rank of the group stops here instead of waiting for them in a collective."
             )
 
 

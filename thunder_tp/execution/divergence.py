@@ -114,12 +114,12 @@ class InputAgreement:
         ranks = dist.get_process_group_ranks(self.group)
         shapes = "their shapes or dtypes differ" if len({f[0] for f in every}) > 1 else "same shapes, different values"
         raise RuntimeError(
-            f"thunder_tp: the ranks of a TP group (global ranks {ranks}) were handed different inputs ({shapes}; "
-            f"ranks with equal inputs: {_alike(ranks, every)}). Every rank of a TP group computes one program over "
-            "the same batch; a sampler or data loader that shards the data over the whole world (a DistributedSampler "
-            "with the world's rank, litdata's StreamingDataset) hands each rank its own. Shard the data by the "
-            "data-parallel group instead: DistributedSampler(dataset, num_replicas=mesh.dp, rank=mesh.dp_rank) with "
-            "mesh = thunder_tp.init_mesh(...), or with Lightning Fabric the strategy thunder_tp.fabric.ThunderTPStrategy, "
+            f"thunder_tp: the ranks of a TP group (global ranks {ranks}) were handed different inputs ({shapes}; ranks "
+            f"with equal inputs: {_alike(ranks, every)}). Every rank of a TP group computes one program over the same "
+            "batch; a sampler or data loader that shards the data over the whole world (a DistributedSampler with the "
+            "world's rank, litdata's StreamingDataset) hands each rank its own. Shard the data by the data-parallel "
+            "group instead: DistributedSampler(dataset, num_replicas=mesh.dp, rank=mesh.dp_rank) with mesh = "
+            "thunder_tp.init_mesh(...), or with Lightning Fabric the strategy thunder_tp.fabric.ThunderTPStrategy, "
             "whose setup_dataloaders does it."
         )
 

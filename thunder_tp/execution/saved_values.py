@@ -22,7 +22,8 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 _MATMULS = frozenset(s.id for s in (ltorch.linear, ltorch.matmul, prims.linear, prims.matmul))
-_LINKS = frozenset(s.id for s in (ltorch.silu, ltorch.gelu, ltorch.relu, ltorch.sigmoid, ltorch.tanh, ltorch.mul, prims.mul))
+_LINKS = frozenset(s.id for s in (ltorch.silu, ltorch.gelu, ltorch.relu, ltorch.sigmoid, ltorch.tanh, ltorch.mul,
+                                  prims.mul))
 
 
 def recompute_matmul_inputs(trace: TraceCtx) -> TraceCtx:

@@ -31,7 +31,8 @@ Filter = Mapping[str, Callable[[str, Any], bool]]
 
 
 def save(path: Path, state: Mapping[str, Any], filter: Filter | None, rank: int) -> None:
-    """Save `state` (collective): its model and optimizer sharded, the rest in meta.pt; a filtered full file with `filter`."""
+    """Save `state` (collective): model and optimizer sharded, the rest in meta.pt; with `filter` a filtered full
+    file."""
     model_key, model, optimizer_key, optimizer = _model_and_optimizer(state, "save")
     if filter is not None:
         _save_filtered(path, state, model_key, model, filter, rank)
@@ -42,7 +43,8 @@ def save(path: Path, state: Mapping[str, Any], filter: Filter | None, rank: int)
     if _fsdp(model):
         _save_local(path, model, optimizer, rank)
     else:
-        ck.save(path, model, optimizer)  # checks that the TP group's replicas agree first (thunder_tp.execution.divergence)
+        # checks that the TP group's replicas agree first (thunder_tp.execution.divergence)
+        ck.save(path, model, optimizer)
     metadata = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items()
                 if k not in (model_key, optimizer_key)}
     if rank == 0:
@@ -109,9 +111,9 @@ def _load_local(path: Path, model: ThunderModule, optimizer) -> None:
     state = torch.load(path / _LOCAL.format(rank=rank), weights_only=False)
     if state["world_size"] != world:
         raise ValueError(
-            f"ThunderTPStrategy: {path} holds each rank's FSDP shards of a run on {state['world_size']} ranks; it loads "
-            f"on the same mesh only (this run has {world}). Save with data_parallel=\"ddp\" for checkpoints that load at "
-            "any TP size"
+            f"ThunderTPStrategy: {path} holds each rank's FSDP shards of a run on {state['world_size']} ranks; it "
+            f"loads on the same mesh only (this run has {world}). Save with data_parallel=\"ddp\" for checkpoints that "
+            "load at any TP size"
         )
     model.load_state_dict(state["model"])
     if optimizer is not None:
@@ -137,10 +139,14 @@ def _save_filtered(path: Path, state: Mapping[str, Any], model_key: str, model: 
     """One plain file from rank 0: the model's full tensors (gathered: collective) and the state's other entries,
     each kept where its filter says."""
     if any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
-        raise NotImplementedError("ThunderTPStrategy: fabric.save(..., filter=...) of an optimizer state is not supported")
+        raise NotImplementedError("ThunderTPStrategy: fabric.save(..., filter=...) of an optimizer state is not "
+                                  "supported")
     converted: dict[str, Any] = {}
     for key, value in state.items():
-        value = model.original_state_dict() if key == model_key else (value.state_dict() if isinstance(value, _Stateful) else value)
+        if key == model_key:
+            value = model.original_state_dict()
+        elif isinstance(value, _Stateful):
+            value = value.state_dict()
         _apply_filter(key, filter, value, converted)
     if rank == 0:
         if path.is_dir():

@@ -87,15 +87,16 @@ def resolve_plan(module: nn.Module, options: ModelOptions, tp_size: int) -> Mapp
 
 
 def _example_inputs(module: nn.Module, options: ModelOptions) -> tuple[tuple, dict]:
-    """The automatic plan's example call: `example_inputs=`, or for a litgpt GPT a batch of token ids on the meta device."""
+    """The automatic plan's example call: `example_inputs=`, or for a litgpt GPT token ids on the meta device."""
     if options.example_inputs is not None:
         return options.example_inputs
     if family_of(module) == "litgpt":
         gpt = next(m for m in module.modules() if hasattr(m, "max_seq_length") and hasattr(m, "config"))
         return (torch.zeros(1, gpt.max_seq_length, dtype=torch.long, device="meta"),), {}
     raise ValueError(
-        f"ThunderTPStrategy(plan=\"auto\") searches the plan on a trace of the model, so it needs an example call for "
-        f"a {type(module).__name__}: ThunderTPStrategy(plan=\"auto\", example_inputs=((idx,), {{}})) (meta tensors are fine)"
+        "ThunderTPStrategy(plan=\"auto\") searches the plan on a trace of the model, so it needs an example call for "
+        f"a {type(module).__name__}: ThunderTPStrategy(plan=\"auto\", example_inputs=((idx,), {{}})) (meta tensors are "
+        "fine)"
     )
 
 
@@ -194,8 +195,8 @@ def _run_eagerly_under_torch_compile(jitted) -> None:
     @torch.compiler.disable
     def forward_outside_dynamo(*args, **kwargs):
         if not forward_outside_dynamo.told and _in_torch_compile():
-            rank_zero_warn("ThunderTPStrategy: the model was torch.compile'd; Thunder compiles it instead (torch.compile "
-                           "is not applied on top of a Thunder-jitted module)")
+            rank_zero_warn("ThunderTPStrategy: the model was torch.compile'd; Thunder compiles it instead "
+                           "(torch.compile is not applied on top of a Thunder-jitted module)")
         forward_outside_dynamo.told = True
         return forward(*args, **kwargs)
 

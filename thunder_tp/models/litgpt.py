@@ -34,7 +34,8 @@ from thunder_tp.styles import ColwiseParallel, RowwiseParallel, Style
 __all__ = ["LoRAPairParallel", "kv_cache_forward", "llama_moe_forward"]
 
 
-def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
     """litgpt's KVCache.forward without data-dependent shapes: new keys and values written at their positions (a
     sliding-window cache: modulo its length), the whole cache returned."""
     from litgpt.model import batched_index_copy_
@@ -54,7 +55,8 @@ def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.T
         if input_pos.shape[-1] > cache.max_cache_len:
             raise ValueError(
                 f"Prefill length ({input_pos.shape[-1]}) exceeds the sliding window size ({cache.max_cache_len}): the "
-                f"ring-buffer KV cache would overwrite entries; prefill in chunks of at most {cache.max_cache_len} tokens"
+                f"ring-buffer KV cache would overwrite entries; prefill in chunks of at most {cache.max_cache_len} "
+                "tokens"
             )
         positions = torch.remainder(input_pos, cache.max_cache_len)
     bs = k.size(0)

@@ -35,7 +35,8 @@ class AutoPlan(dict):
     def __init__(self, plan: dict[str, Style], pricing: Pricing, *, comm: Communication, bytes_per_rank: int,
                  budget: int, seconds: float, trace_seconds: float):
         super().__init__(plan)
-        self.tp_size, self.communication, self.bytes_per_rank, self.budget = pricing.tp.size, comm, bytes_per_rank, budget
+        self.tp_size, self.communication = pricing.tp.size, comm
+        self.bytes_per_rank, self.budget = bytes_per_rank, budget
         self.seconds, self.trace_seconds, self.evaluated = seconds, trace_seconds, pricing.evaluated
         self._pricing, self._handed = pricing, False
 

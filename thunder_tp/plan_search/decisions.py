@@ -154,7 +154,8 @@ def _heads(t: TensorProxy, users: dict, depth: int = 12) -> tuple[int, int] | No
                 if not isinstance(out, TensorProxy) or out.name in seen:
                     continue
                 if b.sym.id in (ltorch.reshape.id, ltorch.view.id) and out.ndim == x.ndim + 1 and \
-                        tuple(out.shape[: x.ndim - 1]) == tuple(x.shape[:-1]) and out.shape[-2] * out.shape[-1] == x.shape[-1]:
+                        tuple(out.shape[: x.ndim - 1]) == tuple(x.shape[:-1]) and \
+                        out.shape[-2] * out.shape[-1] == x.shape[-1]:
                     return out.shape[-2], out.shape[-1]
                 if tuple(out.shape) == tuple(x.shape):
                     seen.add(out.name)

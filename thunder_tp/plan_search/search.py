@@ -22,7 +22,8 @@ def search(decisions: list[Decision], pricing: Pricing, budget: int) -> tuple[tu
                for d in decisions]
     matrices_first = sorted(trace_order, key=lambda i: vectors[i])
     ends = [_descended(decisions, pricing, budget, sharded, trace_order),
-            _descended(decisions, pricing, budget, _built(decisions, pricing, budget, sharded, matrices_first), matrices_first)]
+            _descended(decisions, pricing, budget, _built(decisions, pricing, budget, sharded, matrices_first),
+                       matrices_first)]
     choice = min(ends, key=lambda c: _score(pricing.price(decisions, c)))
     pairs = [i for i in range(len(decisions) - 1) if vectors[i] != vectors[i + 1]]
     while (better := _pair_moved(decisions, pricing, budget, choice, pairs)) != choice:
@@ -97,7 +98,8 @@ def _most_sharded(decisions: list[Decision], pricing: Pricing, budget: int) -> t
     parameter bytes; an error if even that is over budget."""
     first = tuple(
         next((j for j, c in enumerate(d.choices) if all(s is None or split_alone(pricing, m, s) is not None
-                                                         for m, s in zip(d.modules, c, strict=True))), len(d.choices) - 1)
+                                                         for m, s in zip(d.modules, c, strict=True))),
+                                                         len(d.choices) - 1)
         for d in decisions
     )
     choice = first
@@ -109,8 +111,8 @@ def _most_sharded(decisions: list[Decision], pricing: Pricing, budget: int) -> t
         choice = tuple(fewest)
     priced = pricing.price(decisions, choice)
     if priced is None:
-        raise RuntimeError("thunder_tp.plans.auto: the plan with every weight matrix sharded does not run on this model "
-                           "(propagation refused it); please report the model, and pass a hand plan meanwhile")
+        raise RuntimeError("thunder_tp.plans.auto: the plan with every weight matrix sharded does not run on this "
+                           "model (propagation refused it); please report the model, and pass a hand plan meanwhile")
     if priced[1] > budget:
         raise MemoryError(_over_budget(pricing, pricing.styles(decisions, choice), priced[1], budget))
     return choice
@@ -119,9 +121,9 @@ def _most_sharded(decisions: list[Decision], pricing: Pricing, budget: int) -> t
 def _over_budget(pricing: Pricing, styles: dict[str, Style], used: int, budget: int) -> str:
     """Which parameters dominate when even the most sharded plan does not fit."""
     layouts = planned_tensors(pricing.module, styles, pricing.tp.size).parameters
-    sizes = sorted(((pricing.memory({n: layouts.get(n, REPLICATE)}, only=n), n) for n, _ in pricing.module.named_parameters()),
-                   reverse=True)
+    sizes = sorted(((pricing.memory({n: layouts.get(n, REPLICATE)}, only=n), n)
+                    for n, _ in pricing.module.named_parameters()), reverse=True)
     top = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for b, n in sizes[:5])
     return (f"thunder_tp.plans.auto: no plan fits {budget / 2**20:.2f} MiB of parameters per rank on {pricing.tp.size} "
-            f"ranks: the most sharded one needs {used / 2**20:.2f} MiB; the largest per rank: {top}. Raise memory=, use "
-            "more ranks, or also shard the data-parallel way (FSDP)")
+            f"ranks: the most sharded one needs {used / 2**20:.2f} MiB; the largest per rank: {top}. Raise memory=, "
+            "use more ranks, or also shard the data-parallel way (FSDP)")

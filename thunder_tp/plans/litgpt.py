@@ -66,7 +66,8 @@ def _gpt_prefix(model: nn.Module) -> str:
     for name, module in model.named_modules():
         if isinstance(module, GPT):
             return f"{name}." if name else ""
-    raise TypeError(f"thunder_tp.plans.litgpt needs a litgpt.GPT (or a module containing one), got {type(model).__name__}")
+    raise TypeError("thunder_tp.plans.litgpt needs a litgpt.GPT (or a module containing one), got "
+                    f"{type(model).__name__}")
 
 
 def litgpt(
@@ -107,7 +108,8 @@ def litgpt(
         mlp_plan = _moe_plan(config) if config.mlp_class_name == "LLaMAMoE" else _MLP_PLANS[config.mlp_class_name]
         plan |= {f"{block}mlp.{name}": _mlp_style(kind, block_output) for name, kind in mlp_plan.items()}
     for i in range(config.first_k_dense_replace or 0):  # MoE models whose first blocks have a dense LLaMAMLP
-        plan |= {f"transformer.h.{i}.mlp.{name}": _mlp_style(kind, reduced) for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
+        plan |= {f"transformer.h.{i}.mlp.{name}": _mlp_style(kind, reduced)
+                 for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them
         plan.update({f"{block}attn.norm_q": FeatureShardedNorm(), f"{block}attn.norm_k": FeatureShardedNorm()})
     if _has_kv_cache(model):  # set_kv_cache was called: each rank caches the K/V heads its attention computes

@@ -32,4 +32,5 @@ def scaled_dot_product_attention(op: Op) -> list[Strategy]:
 
 def _held_whole_by_all(layout: Layout, dim: int, size: int) -> bool:
     """A size-1 dim split as one chunk replicated on all `size` ranks: every rank holds the whole tensor."""
-    return isinstance(layout, Shard) and layout.dim == dim and layout.blocks is None and layout.block_replicas() == (size,)
+    return (isinstance(layout, Shard) and layout.dim == dim and layout.blocks is None
+            and layout.block_replicas() == (size,))

@@ -139,7 +139,8 @@ class Propagation:
             _check_written_in_place(op, strategy)
             for t, layout in zip(op.outputs, strategy.outputs, strict=True):
                 self.layouts[t.name] = normalize(layout, t.ndim)
-            self.replicated.update(t.name for t, x in zip(op.tensors, strategy.inputs, strict=True) if isinstance(x, Replicate))
+            self.replicated.update(t.name for t, x in zip(op.tensors, strategy.inputs, strict=True)
+                                   if isinstance(x, Replicate))
             self.steps.append(Step(bsym, strategy))
         return self.steps
 
@@ -165,7 +166,8 @@ class Propagation:
         return True
 
     def _cost(self, op: Op, s: Strategy) -> float:
-        needed = {(t.name, normalize(req, t.ndim)): (t, cur) for t, cur, req in zip(op.tensors, op.layouts, s.inputs, strict=True)}
+        needed = {(t.name, normalize(req, t.ndim)): (t, cur) for t, cur, req in zip(op.tensors, op.layouts, s.inputs,
+                                                                                    strict=True)}
         inputs = sum(  # a tensor used twice in one layout (x * x) is redistributed once
             0.0 if isinstance(req, Replicate) and name in self.replicated
             else redistribute_cost(cur, req, t, self.tp.size, is_parameter=name in self.parameters)

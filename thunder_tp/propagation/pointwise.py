@@ -43,7 +43,8 @@ def elementwise_strategies(op: Op) -> list[Strategy]:
 def _sharded_on(op: Op, d: int) -> bool:
     """Whether some input is currently sharded on output dim d."""
     out = op.outputs[0]
-    return any(isinstance(x, Shard) and x.dim == d - (out.ndim - t.ndim) for t, x in zip(op.tensors, op.layouts, strict=True))
+    return any(isinstance(x, Shard) and x.dim == d - (out.ndim - t.ndim) for t, x in zip(op.tensors, op.layouts,
+                                                                                         strict=True))
 
 
 def _shard_on(op: Op, d: int) -> Shard:

@@ -68,7 +68,9 @@ def reshape(op: Op) -> list[Strategy]:
     for gi, gj in view_groups(x.shape, out.shape):
         if layout.dim not in gi:
             continue
-        kept = lambda shape, d: shape[d] != 1 or layout.is_replicated  # noqa: E731  (a replicated head may be 1 of 1)
+        # a replicated head may be 1 of 1
+        def kept(shape, d):
+            return shape[d] != 1 or layout.is_replicated
         outer_in = [d for d in gi if kept(x.shape, d)]
         outer_out = [d for d in gj if kept(out.shape, d)]
         if not outer_in or outer_in[0] != layout.dim or not outer_out:
@@ -282,7 +284,8 @@ def _replicated_heads_repeated(op: Op, layout: Shard, dim: int) -> list[Strategy
     (r,) = layout.block_replicas()
     if not isinstance(repeats, int) or repeats % r or x.shape[layout.dim] * r != op.tp.size:
         return []
-    local = lambda a, *_, **__: ltorch.repeat_interleave(a, repeats // r, dim)  # noqa: E731
+    def local(a, *_, **__):
+        return ltorch.repeat_interleave(a, repeats // r, dim)
     return [Strategy((layout,), (Shard(layout.dim),), local)]
 
 

@@ -34,7 +34,7 @@ def trace_device(t: torch.Tensor) -> torch.device | None:
 
 
 def set_trace_device(t: torch.Tensor, device: torch.device) -> None:
-    """Trace `t` as on `device` (``_thunder_device``, which Thunder's Materialization/FSDP transforms set; no setter)."""
+    """Trace `t` as on `device` (``_thunder_device``, set by Thunder's Materialization/FSDP transforms; no setter)."""
     t._thunder_device = device
 
 
@@ -89,7 +89,7 @@ def original_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def applied_transforms(model: torch.nn.Module) -> list:
-    """The transforms already applied to a ThunderModule, in order (``thunder.list_transforms``); none for a plain one."""
+    """The transforms applied to a ThunderModule, in order (``thunder.list_transforms``); none for a plain module."""
     return list(thunder.list_transforms(model)) if isinstance(model, ThunderModule) else []
 
 
@@ -160,7 +160,8 @@ def _call_signature(fn, args, kwargs) -> tuple:
 
 def _value_signature(x) -> tuple:
     """A plain value by its value, any other object by its identity."""
-    return (type(x), x) if isinstance(x, (int, float, str, bool, type(None), torch.dtype, torch.device)) else (type(x), id(x))
+    return (type(x), x) if isinstance(x, (int, float, str, bool, type(None), torch.dtype, torch.device)) else (type(x),
+                                                                                                               id(x))
 
 
 def _tensor_signature(t: torch.Tensor) -> tuple:
