@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass
+from functools import partial
 
 import thunder
 import torch
@@ -49,10 +49,9 @@ from benchmarks.lib.harness import (
     log,
     param_bytes,
     peak_step_bytes,
-    slowest_rank,
     steps_per_round,
-    sync,
     thunder_default_executors,
+    time_steps,
     write_json,
 )
 from thunder_tp.layouts import REPLICATE
@@ -136,22 +135,17 @@ def compare(shape: Shape, args: argparse.Namespace, device: torch.device, meta: 
         torch.testing.assert_close(outputs["ep"], outputs["tp"], rtol=1e-3, atol=1e-3 * scale)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     per_round = steps_per_round(args.steps, args.rounds)
+    distributed = dist.is_initialized() and not meta  # a fake group (one rank of N) has no peers to wait for
     for r, mode in alternating_rounds(MODES, len(per_round)):
-        for _ in range(per_round[r]):
-            if dist.is_initialized():
-                dist.barrier()
-            sync(device)
-            start = time.perf_counter()
-            step(modules[mode], x)
-            sync(device)
-            times[mode].append(time.perf_counter() - start)
+        times[mode] += time_steps(partial(step, modules[mode], x), per_round[r], distributed=distributed,
+                                  device=device)[0]
     results = {}
     for mode, jm in modules.items():
         peak = torch.tensor([peak_step_bytes(lambda jm=jm: step(jm, x)) or 0], device=device)
         if dist.is_initialized() and not meta:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         moved = collectives_per_iteration(jm)["per_iteration"]
-        results[mode] = {"median_s": statistics.median(slowest_rank(times[mode], device) if not meta else times[mode]),
+        results[mode] = {"median_s": statistics.median(times[mode]),
                          "peak_step_bytes": int(peak.item()), "param_bytes": param_bytes(jm),
                          "collectives": moved}
     return results
