@@ -25,10 +25,9 @@ def plan_of(module: nn.Module, decisions: list[Decision], choice: tuple[int, ...
 def _keys(members: list[str], style: Style, names: list[str]) -> Iterator[tuple[str, Style]]:
     """One glob for modules that differ only in block indices, when it matches nothing else; else their names."""
     parts = [m.split(".") for m in members]
-    if len({len(p) for p in parts}) != 1:
-        return ""
-    pattern = ".".join(p[0] if len(set(p)) == 1 else "*" for p in zip(*parts, strict=True))
-    if len(members) > 1 and sorted(plan_key_matches(pattern, names)) == sorted(members):
-        yield pattern, style
-        return
+    if len(members) > 1 and len({len(p) for p in parts}) == 1:
+        pattern = ".".join(p[0] if len(set(p)) == 1 else "*" for p in zip(*parts, strict=True))
+        if sorted(plan_key_matches(pattern, names)) == sorted(members):
+            yield pattern, style
+            return
     yield from ((m, style) for m in members)
