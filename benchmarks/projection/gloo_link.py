@@ -1,8 +1,8 @@
 """gloo's alpha-beta on this machine, per collective kind, as ``projection.Link`` (run on every rank of a group).
 
-gloo's latency depends on how long its threads slept before a call: the README measured a small all_reduce at
-0.3 ms back to back and at 1.3-4 ms after a matmul. So each kind's small collective (8 KiB) is timed after the
-link sat idle for each of ``IDLE_S`` (every rank busy computing in between, as in a TP step), giving
+gloo's latency depends on how long its threads slept before a call: a small all_reduce takes about 0.2 ms back to
+back and 1.3-4 ms after a matmul (docs/gpu.md, the calibration). So each kind's small collective (8 KiB) is timed
+after the link sat idle for each of ``IDLE_S`` (every rank busy computing in between, as in a TP step), giving
 ``Link.latency_after_idle``; the bus bandwidth comes from a large one (2 MiB) against the small one after 1 ms idle
 (ring formulas of projection.py, bytes of the full tensor). Each point is the mean over ``repeats`` calls of the
 slowest rank's time per call: a step's communication is the sum of many collectives, so the projection needs each
