@@ -41,6 +41,7 @@ def test_overrides_and_their_errors():
 
 def test_extrapolation_through_two_depths():
     assert projection.extrapolate({0: 10.0, 2: 14.0}, 32) == pytest.approx(74.0)
+    assert projection.extrapolate({0: 10.0, 1: 4.0}, 2) == 10.0  # a deeper step measured faster: noise, not -2.0
 
 
 def _mlp_pass_traces() -> dict:

@@ -259,6 +259,7 @@ def project_step(traces: dict[str, TraceCtx | None], compute_s: dict[str, float]
 
 
 def extrapolate(value_at: dict[int, float], layers: int) -> float:
-    """A per-step figure at ``layers`` layers, linear in the depth through the two measured depths."""
+    """A per-step figure at ``layers`` layers, linear in the depth through the two measured depths; a layer adds
+    nothing rather than a negative amount (the deeper measurement below the shallower one is noise)."""
     (d0, v0), (d1, v1) = sorted(value_at.items())[:2]
-    return v0 + (layers - d0) * (v1 - v0) / (d1 - d0)
+    return v0 + (layers - d0) * max(v1 - v0, 0.0) / (d1 - d0)
