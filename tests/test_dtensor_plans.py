@@ -361,3 +361,30 @@ def test_litgpt_dtensor_plan_as_thunder_tp_plan(sequence_parallel, loss_parallel
     and grads and the collectives of the same plan in thunder_tp's styles."""
     runs = run_ranks(_litgpt_llama, 2, sequence_parallel, loss_parallel)[0]
     assert runs["dtensor"] == runs["thunder_tp"], runs
+
+
+# --- one style for the whole module, as parallelize_module takes it ------------------------------------------------
+
+
+def _one_style_on_a_linear() -> dict:
+    def make_model():
+        return nn.Linear(8, 6, dtype=torch.float64)
+
+    def make_inputs():
+        torch.manual_seed(2)
+        return (torch.randn(4, 8, dtype=torch.float64, requires_grad=True),)
+
+    layouts = {}
+    for name, style in (("thunder_tp", ColwiseParallel()), ("dtensor", dtensor.ColwiseParallel())):
+        transform = TensorParallel(style)
+        compare_with_single_device(make_model, make_inputs, transform, rtol=TOLERANCE, atol=TOLERANCE)
+        layouts[name] = dict(transform.parameter_layouts)
+    return layouts
+
+
+def test_one_style_is_the_plan_of_the_whole_module():
+    """TensorParallel(ColwiseParallel()) on a Linear (thunder_tp's style or DTensor's): its weight and bias split by
+    rows, output and grads one device's."""
+    layouts = run_ranks(_one_style_on_a_linear, 2)[0]
+    assert layouts["thunder_tp"] == layouts["dtensor"] == {"weight": Shard(0), "bias": Shard(0)}
+    assert read_plan(dtensor.RowwiseParallel()) == {"": RowwiseParallel()}

@@ -11,11 +11,13 @@ import torch.distributed as dist
 
 import thunder_tp
 from thunder_tp.collectives import comm_executor
+from thunder_tp.execution.complex_grads import complex_grads_executor
 from thunder_tp.layouts import REPLICATE, Layout, shard_tensor
 
-#: comm executor + Thunder's defaults: no Inductor compile, so correctness tests stay fast on CPU;
-#: the fusion executor is exercised by tests/test_executor.py and the TP tests that pass thunder_tp.executors().
-FAST_EXECUTORS = [comm_executor, *thunder.get_default_executors()]
+#: complex arithmetic's grads, the comm executor and Thunder's defaults: no Inductor compile, so correctness tests
+#: stay fast on CPU; the fusion executor is exercised by tests/test_executor.py and the TP tests that pass
+#: thunder_tp.executors().
+FAST_EXECUTORS = [complex_grads_executor, comm_executor, *thunder.get_default_executors()]
 
 
 def rank_and_size(group=None) -> tuple[int, int]:

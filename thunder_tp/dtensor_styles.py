@@ -5,21 +5,34 @@ DTensor style becomes the thunder_tp style that splits the same tensors and turn
 layouts. What DTensor needs to turn plain tensors into DTensors (`input_layouts`: how an input arrives;
 `use_local_output`) has no meaning in a traced program, where every value's layout is known and every value is a
 local piece: it is accepted. A mapping as a value is the plan of that submodule, as `parallelize_module(submodule,
-mesh, plan)` applies it (torchtitan's per-block plans).
+mesh, plan)` applies it (torchtitan's per-block plans); one style alone is the plan of the whole module.
+
+A function that parallelizes a model with DTensor (a `ModelParallelStrategy` `parallelize_fn`, torchtitan's
+`apply_tp`) is read by running it with its `parallelize_module` calls recorded instead of applied
+(`read_parallelize_fn`); its FSDP2 `fully_shard` (or composable `replicate`) says which data parallelism to put
+around TP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
+import torch.nn as nn
 from torch.distributed.tensor import parallel as dtensor
 
 from thunder_tp.styles import ColwiseParallel, ModuleLayouts, RowwiseParallel, SequenceParallel, Style
 
 
-def read_plan(plan: Mapping[str, object]) -> dict[str, Style]:
+def read_plan(plan: Mapping[str, object] | object) -> dict[str, Style]:
     """The plan with every DTensor style read as a thunder_tp style and nested plans flattened (their keys prefixed);
-    anything else than a style is a TypeError naming its key."""
+    one style alone is the plan of the whole module (key ""); anything else than a style is a TypeError naming its
+    key."""
+    if not isinstance(plan, Mapping):
+        return {"": as_style("", plan)}
     read: dict[str, Style] = {}
     for key, value in plan.items():
         if isinstance(value, Mapping):
@@ -27,10 +40,14 @@ def read_plan(plan: Mapping[str, object]) -> dict[str, Style]:
         else:
             entries = {key: as_style(key, value)}
         for name, style in entries.items():
-            if read.setdefault(name, style) != style:
-                raise ValueError(f"thunder_tp.TensorParallel: the plan gives key {name!r} two styles, {read[name]} "
-                                 f"and {style} (a nested plan's keys are prefixed with its own); keep one")
+            _add(read, name, style)
     return read
+
+
+def _add(read: dict[str, Style], name: str, style: Style) -> None:
+    if read.setdefault(name, style) != style:
+        raise ValueError(f"thunder_tp.TensorParallel: the plan gives key {name!r} two styles, {read[name]} "
+                         f"and {style} (a nested plan's keys are prefixed with its own); keep one")
 
 
 def as_style(key: str, style: object) -> Style:
@@ -104,3 +121,93 @@ _READERS: dict[type, Callable[[object], Style]] = {
     dtensor.PrepareModuleOutput: _prepare_output,
     dtensor.PrepareModuleInputOutput: _prepare_input_output,
 }
+
+
+# --- a parallelize_fn, read ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelizeFnPlan:
+    """What a DTensor parallelize function asks for: the TP plan of its `parallelize_module` calls, and the data
+    parallelism it puts around them ("fsdp" for FSDP2's `fully_shard`, "ddp" for composable `replicate`, else None)."""
+
+    plan: dict[str, Style]
+    data_parallel: Literal["fsdp", "ddp"] | None
+
+
+def read_parallelize_fn(fn: Callable, model: nn.Module, *args, **kwargs) -> ParallelizeFnPlan:
+    """Run `fn(model, *args, **kwargs)` with DTensor's `parallelize_module`, FSDP2's `fully_shard` and composable
+    `replicate` recorded instead of applied (wherever the function and its helpers imported them from), and return
+    what they asked for; whatever else it does happens. `distribute_module` / `distribute_tensor` raise: their
+    partition functions cannot be read as layouts."""
+    recorder = _Recorder(model)
+    with recorder.installed(getattr(fn, "__globals__", None)):
+        fn(model, *args, **kwargs)
+    return ParallelizeFnPlan(recorder.plan, recorder.data_parallel)
+
+
+class _Recorder:
+    """Stand-ins for DTensor's and FSDP2's entry points that note what a parallelize function asks of them."""
+
+    def __init__(self, model: nn.Module):
+        self.names = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
+        self.model_type = type(model).__name__
+        self.plan: dict[str, Style] = {}
+        self.data_parallel: Literal["fsdp", "ddp"] | None = None
+
+    def parallelize_module(self, module: nn.Module, device_mesh=None, parallelize_plan=None, **kwargs) -> nn.Module:
+        prefix = self._name(module, "parallelize_module")
+        for name, style in read_plan({prefix: parallelize_plan} if parallelize_plan is not None else {}).items():
+            _add(self.plan, name, style)
+        return module
+
+    def fully_shard(self, module: nn.Module, *args, **kwargs) -> nn.Module:
+        self._name(module, "fully_shard")
+        self.data_parallel = "fsdp"
+        return module
+
+    def replicate(self, module: nn.Module, *args, **kwargs) -> nn.Module:
+        self._name(module, "replicate")
+        self.data_parallel = self.data_parallel or "ddp"
+        return module
+
+    def refuse(self, what: str) -> Callable:
+        def refused(*args, **kwargs):
+            raise TypeError(f"thunder_tp: the parallelize function calls torch.distributed.tensor.{what}, whose "
+                            "partition functions thunder_tp cannot read as layouts; give the module styles through "
+                            "parallelize_module(module, mesh, plan)")
+
+        return refused
+
+    def _name(self, module: nn.Module, call: str) -> str:
+        if id(module) not in self.names:
+            raise ValueError(f"thunder_tp: the parallelize function calls {call} on a {type(module).__name__} that is "
+                             f"not part of the {self.model_type} it was given")
+        return self.names[id(module)]
+
+    @contextlib.contextmanager
+    def installed(self, fn_globals: dict | None) -> Iterator[None]:
+        """Every module-level name bound to one of the entry points (and `fn_globals`' own) points to its stand-in
+        meanwhile."""
+        stand_ins = {id(original): stand_in for original, stand_in in self._entry_points()}
+        namespaces = [vars(m) for m in list(sys.modules.values()) if m is not None and hasattr(m, "__dict__")]
+        if fn_globals is not None:
+            namespaces.append(fn_globals)
+        replaced = [(ns, name, value) for ns in namespaces for name, value in list(ns.items())
+                    if id(value) in stand_ins and isinstance(name, str)]
+        for ns, name, value in replaced:
+            ns[name] = stand_ins[id(value)]
+        try:
+            yield
+        finally:
+            for ns, name, value in replaced:
+                ns[name] = value
+
+    def _entry_points(self) -> list[tuple[Callable, Callable]]:
+        from torch.distributed._composable import replicate
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import distribute_module, distribute_tensor
+
+        return [(dtensor.parallelize_module, self.parallelize_module), (fully_shard, self.fully_shard),
+                (replicate, self.replicate), (distribute_module, self.refuse("distribute_module")),
+                (distribute_tensor, self.refuse("distribute_tensor"))]

@@ -31,6 +31,7 @@ from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_execu
 
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
+from thunder_tp.execution.complex_grads import complex_grads_executor, touches_complex
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
 from thunder_tp.execution.fallback import RegionBackend, with_fallback
@@ -56,9 +57,10 @@ def _regionable(bsym: BoundSymbol) -> bool:
     """Whether a torch.compile region may hold ``bsym``: it computes a tensor (shape queries and number arithmetic
     of symbolic values are no kernel's work), and neither it nor a subsymbol outputs a plain number, as shape
     queries do for dims that symbolic values leave constant (Thunder's region would fail on it:
-    ``AttributeError: 'int' object has no attribute 'name'``)."""
+    ``AttributeError: 'int' object has no attribute 'name'``); no complex tensor (Inductor's fake tensors reject
+    ``view_as_complex`` of a region's views: they run unfused)."""
     return any(isinstance(o, TensorProxy) for o in bsym.flat_outs) and _outputs_proxies(bsym) and \
-        bsym.sym.id not in _automatic_backwards()
+        bsym.sym.id not in _automatic_backwards() and not touches_complex(bsym)
 
 
 @functools.cache
@@ -246,12 +248,14 @@ def executors_around(fusion: TPFusionExecutor) -> tuple[Executor, ...]:
     """``executors()``'s list with ``fusion`` as its fusion executor."""
     # Other fusion executors of Thunder's defaults (nvFuser, torchcompile_*) would compete with ours, but for
     # Thunder's cross-entropy one beside nvFuser (see _kept_default).
+    # The complex-grads executor first: it claims only ops on complex tensors, and Thunder's autograd takes the grad
+    # rule of the first executor that can run an op (thunder_tp.execution.complex_grads).
     # Attention executors (ours for CPU; for CUDA, ours for a mask shared by the batch, which Thunder's sdpa
     # executor claims and then fails on, then Thunder's sdpa, cudnn) come before the fusion executor, as in
     # Thunder's defaults: its autograd takes the grad rule of the first executor that can run an op, and Inductor
     # can run SDPA (as its decomposition, which saves the probabilities for the backward).
     defaults = tuple(ex for ex in get_default_executors() if _kept_default(ex, fusion))
-    return (comm_executor, cpu_attention_executor, cuda_attention_executor, *defaults, fusion)
+    return (complex_grads_executor, comm_executor, cpu_attention_executor, cuda_attention_executor, *defaults, fusion)
 
 
 def _kept_default(ex: Executor, fusion: TPFusionExecutor) -> bool:
@@ -266,9 +270,9 @@ def _kept_default(ex: Executor, fusion: TPFusionExecutor) -> bool:
 
 
 def executors(backend: Backend = None) -> list[Executor]:
-    """The ``executors=`` for ``thunder.jit``: thunder_tp's collectives, attention executors (CPU: thunder_tp's;
-    CUDA: thunder_tp's for a mask shared by the batch, otherwise Thunder's), thunder_tp's fusion executor; Thunder
-    appends its torch and python executors.
+    """The ``executors=`` for ``thunder.jit``: complex arithmetic's grads (thunder_tp.execution.complex_grads),
+    thunder_tp's collectives, attention executors (CPU: thunder_tp's; CUDA: thunder_tp's for a mask shared by the
+    batch, otherwise Thunder's), thunder_tp's fusion executor; Thunder appends its torch and python executors.
 
     Inside ``thunder_tp.simulate`` (LocalTensor, which no fusion backend can compile): without the fusion executor.
     """

@@ -18,6 +18,7 @@ from thunder_tp.composition import check_composition
 from thunder_tp.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.dtensor_styles import read_plan
 from thunder_tp.execution.agreement import CompileAgreement
+from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
 from thunder_tp.families import prepare_for_tracing
@@ -216,6 +217,7 @@ class TensorParallel(Transform):
     def transform_traces_pre_prologue(self, prologue: TraceCtx, computation: TraceCtx, epilogue, **kwargs):
         """Rewrite the computation into the local program and fix the prologue's shape checks."""
         _check_materialized(self._module)
+        check_complex_grads(computation, kwargs.get("executors_list", ()))
         if self.tp.size == 1:  # every layout is the whole tensor: nothing to rewrite or communicate
             return prologue, computation, epilogue
         param_names = unpacked_tensor_names(prologue)

@@ -6,9 +6,14 @@ function: `thunder_tp.plans.litgpt(model)` is `thunder_tp.plans.litgpt.litgpt(mo
 """
 
 import types
+from collections.abc import Callable
 
+import torch.nn as nn
+
+from thunder_tp.dtensor_styles import read_parallelize_fn
 from thunder_tp.plan_search import auto
 from thunder_tp.plans import hf, litgpt
+from thunder_tp.styles import Style
 
 
 class _PlanModule(types.ModuleType):
@@ -21,4 +26,12 @@ class _PlanModule(types.ModuleType):
 for _family in (hf, litgpt):
     _family.__class__ = _PlanModule
 
-__all__ = ["auto", "hf", "litgpt"]
+
+def from_parallelize_fn(fn: Callable, model: nn.Module, *args, **kwargs) -> dict[str, Style]:
+    """The plan a DTensor parallelize function gives `model` (torchtitan's `apply_tp(model, tp_mesh, ...)`, a
+    `ModelParallelStrategy` `parallelize_fn(model, device_mesh)`): `fn(model, *args, **kwargs)` runs with its
+    `parallelize_module` calls recorded instead of applied."""
+    return read_parallelize_fn(fn, model, *args, **kwargs).plan
+
+
+__all__ = ["auto", "from_parallelize_fn", "hf", "litgpt"]

@@ -289,6 +289,18 @@ def _replicated_heads_repeated(op: Op, layout: Shard, dim: int) -> list[Strategy
     return [Strategy((layout,), (Shard(layout.dim),), local)]
 
 
+@register_rule("torch.view_as_complex")
+def view_as_complex(op: Op) -> list[Strategy]:
+    """The trailing (real, imaginary) pair becomes one complex number: every other dim keeps its shard."""
+    return _through(op, list(range(op.outputs[0].ndim)))
+
+
+@register_rule("torch.view_as_real")
+def view_as_real(op: Op) -> list[Strategy]:
+    """Each complex number becomes a trailing (real, imaginary) pair: the dims keep their shards."""
+    return _through(op, [*range(op.tensors[0].ndim), None])
+
+
 @register_rule(prims.update_aliases)
 def update_aliases(op: Op) -> list[Strategy]:
     """Thunder's marker that in-place writes reached these aliases: each keeps its layout."""
