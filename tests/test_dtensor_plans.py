@@ -388,3 +388,12 @@ def test_one_style_is_the_plan_of_the_whole_module():
     layouts = run_ranks(_one_style_on_a_linear, 2)[0]
     assert layouts["thunder_tp"] == layouts["dtensor"] == {"weight": Shard(0), "bias": Shard(0)}
     assert read_plan(dtensor.RowwiseParallel()) == {"": RowwiseParallel()}
+
+
+def test_a_block_plan_given_at_the_top_level_says_how_to_nest_it():
+    """torchtitan's per-block plan passed as the model's: the error names the blocks' glob and the nested plan."""
+    from tests.torchtitan_llama import ModelArgs, Transformer
+
+    with pytest.raises(ValueError, match=r"'attention\.wq' matches no module.*nest the plan under their glob, "
+                                         r"\{'layers\.\*': \{'attention\.wq': \.\.\.\}\}"):
+        match_plan(Transformer(ModelArgs()), read_plan({"attention.wq": dtensor.ColwiseParallel()}))

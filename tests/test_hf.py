@@ -142,3 +142,12 @@ def test_model_without_a_plan_is_a_clear_error():
     message = str(excinfo.value)
     assert "StableLmForCausalLM has no tp_plan" in message and "pass a hand plan" in message, message
 
+
+
+def test_the_plan_checks_the_tp_size_it_is_made_for():
+    """plans.hf(model, tp_size=N) raises at once where N ranks cannot split the model (hidden 64 over 128 ranks),
+    naming the parameter; a size that works gives the plan."""
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj"):
+        thunder_tp.plans.hf(model, tp_size=128)
+    assert thunder_tp.plans.hf(model, tp_size=2) == thunder_tp.plans.hf(model)

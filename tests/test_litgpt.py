@@ -104,3 +104,12 @@ def test_query_groups_neither_dividing_nor_divisible_by_ranks_is_a_clear_error()
     message = run_ranks(_gqa_groups_and_ranks_coprime, 2)[0]
     assert "attn.qkv" in message and "cannot be split over 2 ranks" in message, message
     assert "TP sizes that work for this module: 1, 3, 6, 12" in message, message
+
+
+def test_the_plan_checks_the_tp_size_it_is_made_for():
+    """plans.litgpt(model, tp_size=N) raises at once where N ranks cannot split the model (more ranks than heads),
+    naming the module; a size that works gives the plan."""
+    model = GPTWithLoss(make_config("llama"))
+    with pytest.raises(ValueError, match=r"attn\.qkv.*over 16 ranks"):
+        thunder_tp.plans.litgpt(model, tp_size=16)
+    assert thunder_tp.plans.litgpt(model, tp_size=2) == thunder_tp.plans.litgpt(model)

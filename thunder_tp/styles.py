@@ -284,13 +284,41 @@ def match_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
 
 
 def _suggestions(model: nn.Module, pattern: str) -> str:
-    """Names a mistyped plan key may have meant, drawn from the modules a style can split: those holding their own
+    """Where a key matches modules deeper down (a block's plan given at the top level): how to nest it. Otherwise
+    names a mistyped plan key may have meant, drawn from the modules a style can split: those holding their own
     parameters or buffers (a KV cache), never a parameterless ReLU or container."""
+    nested = _nesting_hint(model, pattern)
+    if nested:
+        return nested
     holders = [name for name, m in model.named_modules() if name and (m._parameters or m._buffers)]
     close = difflib.get_close_matches(pattern, holders, n=5, cutoff=0.5)
     if close:
         return f"; close names: {', '.join(close)}"
     return f"; modules with parameters: {', '.join(holders)}" if 0 < len(holders) <= 10 else ""
+
+
+def _nesting_hint(model: nn.Module, pattern: str) -> str:
+    """For a key that matches submodules below the top level (`attention.wq` of `layers.0.attention.wq`, ...): the
+    glob of the modules that hold them, and the key nested under it."""
+    names = [name for name, _ in model.named_modules()]
+    depth = pattern.count(".") + 1
+    holders = {".".join(n.split(".")[:-depth]) for n in names
+               if n.count(".") >= depth and plan_key_matches(pattern, [".".join(n.split(".")[-depth:])])}
+    if not holders:
+        return ""
+    globbed = sorted({".".join("*" if part.isdigit() else part for part in h.split(".")) for h in holders})
+    glob = globbed[0] if len(globbed) == 1 else None
+    if glob is None:
+        return f"; it names submodules of {', '.join(sorted(holders)[:4])}: prefix the key with one of them"
+    return (f"; it names a submodule of each of {glob} ({len(holders)} modules): nest the plan under their glob, "
+            f"{{{glob!r}: {{{pattern!r}: ...}}}}, or write the key as {f'{glob}.{pattern}'!r}")
+
+
+def checked_plan(model: nn.Module, plan: Mapping[str, Style], tp_size: int | None) -> dict[str, Style]:
+    """`plan`, checked against `tp_size` ranks now when one is given (the errors TensorParallel would raise)."""
+    if tp_size is not None:
+        planned_tensors(model, match_plan(model, plan), tp_size)
+    return dict(plan)
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import thunder
@@ -22,6 +22,7 @@ import torch.nn as nn
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from thunder.transforms import MaterializationTransform
 
+from thunder_tp import dtensor_styles
 from thunder_tp.execution.divergence import checksum
 from thunder_tp.executor import executors as default_executors
 from thunder_tp.mesh import Mesh
@@ -39,6 +40,8 @@ class ModelOptions:
     """The strategy's options that shape the jitted model."""
 
     plan: Mapping[str, Any] | str | None = None
+    #: a ModelParallelStrategy parallelize_fn(model, device_mesh), read for the plan and the data parallelism
+    parallelize_fn: Callable | None = None
     data_parallel: str = "fsdp"
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -65,6 +68,20 @@ def family_of(module: nn.Module) -> str | None:
     except ImportError:
         pass
     return None
+
+
+def read_parallelize_fn(module: nn.Module, options: ModelOptions, device_mesh) -> ModelOptions:
+    """The options with a parallelize_fn read: its parallelize_module calls as the plan, its FSDP2 `fully_shard`
+    (composable `replicate`) as data_parallel "fsdp" ("ddp"); other options as they were."""
+    if options.parallelize_fn is None:
+        return options
+    read = dtensor_styles.read_parallelize_fn(options.parallelize_fn, module, device_mesh)
+    if not read.plan:
+        raise ValueError(f"ThunderTPStrategy: the parallelize_fn {getattr(options.parallelize_fn, '__name__', '')} "
+                         "made no parallelize_module call, so there is no plan to read; call parallelize_module(model, "
+                         "device_mesh['tensor_parallel'], plan) in it, or pass ThunderTPStrategy(plan=...)")
+    return replace(options, plan=read.plan, parallelize_fn=None,
+                   data_parallel=read.data_parallel or options.data_parallel)
 
 
 def resolve_plan(module: nn.Module, options: ModelOptions, tp_size: int) -> Mapping[str, Any]:

@@ -44,7 +44,14 @@ import thunder_tp.clipping as clipping
 from thunder_tp.execution.divergence import CHECK_INPUTS, check_same_tensors
 from thunder_tp.fabric import checkpoints
 from thunder_tp.fabric.data import shard_by_data_parallel
-from thunder_tp.fabric.model import ModelOptions, jit, move_optimizer_to_shards, route_state_dicts_to_shards, stand_ins
+from thunder_tp.fabric.model import (
+    ModelOptions,
+    jit,
+    move_optimizer_to_shards,
+    read_parallelize_fn,
+    route_state_dicts_to_shards,
+    stand_ins,
+)
 from thunder_tp.fabric.precision import check_precision
 from thunder_tp.mesh import Mesh, init_mesh
 
@@ -55,6 +62,10 @@ class ThunderTPStrategy(ParallelStrategy):
     """Tensor parallelism (thunder_tp) inside Thunder's DDP or FSDP, for Lightning Fabric.
 
     plan: a dict of styles, "auto", "litgpt" or "hf" (default: the model's family, else "auto").
+    parallelize_fn: a `ModelParallelStrategy` parallelize function instead (also as the first argument, as that
+    strategy takes it): called with the model and a DeviceMesh of dims ("data_parallel", "tensor_parallel"), its
+    `parallelize_module` calls are the plan (recorded, not applied) and its FSDP2 `fully_shard` (composable
+    `replicate`) sets data_parallel "fsdp" ("ddp").
     tensor_parallel_size / data_parallel_size: the mesh ("auto": TP over the devices of a node, DP over the nodes;
     one of them given: the other is the world over it). data_parallel: "fsdp" or "ddp" over the data-parallel group.
     sequence_parallel / loss_parallel: options of the family plans. executors: Thunder executors (default
@@ -66,7 +77,7 @@ class ThunderTPStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        plan: Mapping[str, Any] | Literal["auto", "litgpt", "hf"] | None = None,
+        plan: Mapping[str, Any] | Literal["auto", "litgpt", "hf"] | Callable | None = None,
         tensor_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel: Literal["fsdp", "ddp"] = "fsdp",
@@ -78,9 +89,12 @@ class ThunderTPStrategy(ParallelStrategy):
         example_inputs: tuple[tuple, dict] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        parallelize_fn: Callable | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if callable(plan) and not isinstance(plan, (Mapping, str)):  # ModelParallelStrategy(parallelize_fn)
+            plan, parallelize_fn = None, _one_of(parallelize_fn, plan)
         if data_parallel not in ("fsdp", "ddp"):
             raise ValueError(f'ThunderTPStrategy: data_parallel must be "fsdp" or "ddp", got {data_parallel!r}')
         for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
@@ -88,8 +102,12 @@ class ThunderTPStrategy(ParallelStrategy):
                 raise ValueError(f'ThunderTPStrategy: {name} must be a positive int or "auto", got {size!r}')
         if check_inputs not in CHECK_INPUTS:
             raise ValueError(f"ThunderTPStrategy: check_inputs must be one of {CHECK_INPUTS}, got {check_inputs!r}")
+        if parallelize_fn is not None and plan is not None:
+            raise ValueError("ThunderTPStrategy: give plan= or parallelize_fn=, not both (the parallelize_fn's "
+                             "parallelize_module calls are the plan)")
         self.options = ModelOptions(
-            plan=plan, data_parallel=data_parallel, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+            plan=plan, parallelize_fn=parallelize_fn, data_parallel=data_parallel,
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
             executors=executors, activation_checkpointing=frozenset(activation_checkpointing_policy or ()),
             check_inputs=check_inputs, example_inputs=example_inputs,
         )
@@ -181,6 +199,8 @@ class ThunderTPStrategy(ParallelStrategy):
         """`module` jitted with thunder_tp over the mesh (a torch.compile'd module's original is used), once every rank
         is found to shard the same full parameters (else every rank raises, naming them and the likely cause)."""
         module = getattr(module, "_orig_mod", module)
+        if self.options.parallelize_fn is not None:
+            self.options = read_parallelize_fn(module, self.options, self._lightning_device_mesh())
         if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             module.to(self.root_device)
         jitted, checksums = jit(module, self.options, self.mesh, self.root_device)
@@ -190,6 +210,15 @@ class ThunderTPStrategy(ParallelStrategy):
         route_state_dicts_to_shards(jitted)
         self.models.append(jitted)
         return jitted
+
+    def _lightning_device_mesh(self):
+        """This mesh as the DeviceMesh ModelParallelStrategy gives a parallelize_fn: dims ("data_parallel",
+        "tensor_parallel") over the mesh's own groups."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(self.mesh.world_size).view(self.mesh.dp, self.mesh.tp)
+        return DeviceMesh.from_group([self.mesh.dp_group, self.mesh.tp_group], self.root_device.type, mesh=ranks,
+                                     mesh_dim_names=("data_parallel", "tensor_parallel"))
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer of the model's parameters (built before fabric.setup or after it) steps the shards instead,
@@ -257,6 +286,12 @@ class ThunderTPStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("thunder_tp", cls, description="thunder_tp tensor parallelism (+ Thunder DDP/FSDP)")
+
+
+def _one_of(parallelize_fn: Callable | None, positional: Callable) -> Callable:
+    if parallelize_fn is not None:
+        raise ValueError("ThunderTPStrategy: a parallelize function given twice (first argument and parallelize_fn=)")
+    return positional
 
 
 _DIFFERENT_INITIALIZATION = (

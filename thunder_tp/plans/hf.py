@@ -21,7 +21,14 @@ from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.models.expert_parallel import expert_parallel_plan
 from thunder_tp.models.hf import moe as hf_moe
 from thunder_tp.models.hf import register_lookasides
-from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, RowwiseParallel, SequenceParallel, Style
+from thunder_tp.styles import (
+    ColwiseParallel,
+    FeatureShardedNorm,
+    RowwiseParallel,
+    SequenceParallel,
+    Style,
+    checked_plan,
+)
 
 SEQUENCE_DIM = 1
 #: the transformers versions whose models Thunder 0.2.6 traces (4.57 fails in Thunder's interpreter)
@@ -43,7 +50,8 @@ _HEAD_NORMS = ("q_norm", "k_norm")
 
 
 def hf(
-    model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False, expert_parallel: bool = False
+    model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False, expert_parallel: bool = False,
+    tp_size: int | None = None,
 ) -> dict[str, Style]:
     """Plan for a HuggingFace transformers model (a CausalLM or a base model) from its own tp_plan.
 
@@ -52,9 +60,12 @@ def hf(
     the model returns are still gathered, so jit a module that returns only the loss to skip that gather.
     expert_parallel: each rank holds num_experts / TP experts of every sparse MoE block whole, its tokens sent to
     them by all_to_all (router and shared expert replicated); otherwise every expert is split like a dense MLP.
+    tp_size: the TP size the plan is for, checked now (an error naming the module and the sizes that work) rather
+    than when TensorParallel applies it.
     """
     _check_version()
     register_lookasides(model)
+    whole = model
     prefix, model = _hf_model(model)
     config = model.config
     reduced = Shard(SEQUENCE_DIM) if sequence_parallel else REPLICATE
@@ -75,7 +86,7 @@ def hf(
     plan |= {name: FeatureShardedNorm() for name in _all_head_norms(model)}
     if sequence_parallel:
         plan |= {name: SequenceParallel(SEQUENCE_DIM) for name in _residual_norms(model)}
-    return {prefix + name: style for name, style in plan.items()}
+    return checked_plan(whole, {prefix + name: style for name, style in plan.items()}, tp_size)
 
 
 class CausalLMLoss(nn.Module):

@@ -15,6 +15,7 @@ from thunder_tp.styles import (
     RowwiseParallel,
     SequenceParallel,
     Style,
+    checked_plan,
     plan_key_matches,
 )
 
@@ -71,7 +72,8 @@ def _gpt_prefix(model: nn.Module) -> str:
 
 
 def litgpt(
-    model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False, expert_parallel: bool = False
+    model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False, expert_parallel: bool = False,
+    tp_size: int | None = None,
 ) -> dict[str, Style]:
     """Plan for a litgpt GPT, or a module containing one (keys then carry its prefix); globs cover every block.
 
@@ -83,6 +85,8 @@ def litgpt(
     replicated); otherwise every expert is split like a dense MLP. With fewer K/V groups than ranks, each K/V head is
     replicated on the ranks whose query heads use it (see `tp_sizes` for the sizes that work).
     A KV cache (`set_kv_cache` called before the plan is made) is split like the K/V heads it caches.
+    tp_size: the TP size the plan is for, checked now (an error naming the module and the sizes that work) rather
+    than when TensorParallel applies it.
     """
     prefix = _gpt_prefix(model)
     config = model.get_submodule(prefix.rstrip(".")).config if prefix else model.config
@@ -117,7 +121,7 @@ def litgpt(
     if sequence_parallel:
         plan.update({f"{block}{n}": SequenceParallel(SEQUENCE_DIM) for n in _block_norms(config)})
         plan["transformer.ln_f"] = SequenceParallel(SEQUENCE_DIM)
-    return _with_lora(model, {prefix + key: style for key, style in plan.items()})
+    return checked_plan(model, _with_lora(model, {prefix + key: style for key, style in plan.items()}), tp_size)
 
 
 def _with_lora(model: nn.Module, plan: dict[str, Style]) -> dict[str, Style]:
