@@ -11,10 +11,12 @@ from tests.parallel_mlp import BATCH, HIDDEN, MLP, PLAN, SEQ
 from tests.tp_checks import FAST_EXECUTORS
 
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
-ALL_REDUCE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
+ALL_REDUCE_IMPL = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
 # the MLP's one collective per pass: the row-parallel output's all_reduce (forward), the input grad's (backward)
-ALL_REDUCE_ROW = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
-                  "total_bytes": ACTIVATION_BYTES}
+ALL_REDUCE = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
+              "total_bytes": ACTIVATION_BYTES}
+FORWARD_ROW = {"issued_by": "fc2: partial sums reduced", **ALL_REDUCE}
+BACKWARD_ROW = {"issued_by": "fc1: input of the TP region (its grad summed)", **ALL_REDUCE}
 
 
 def _functions(text: str) -> list[str]:
@@ -56,28 +58,34 @@ def test_dump_traces_and_collectives_table(tmp_path):
         assert set(res["texts"]) == names
         assert all((tmp_path / "traces" / n).is_file() for n in names)
 
-        assert res["forward"] == [ALL_REDUCE_ROW]
-        assert res["backward"] == [ALL_REDUCE_ROW]
+        assert res["forward"] == [FORWARD_ROW]
+        assert res["backward"] == [BACKWARD_ROW]
+        assert str(res["forward"]).splitlines() == [
+            "issued by                  kind        group  bytes/call  count  total bytes",
+            f"fc2: partial sums reduced  all_reduce      2  {ACTIVATION_BYTES:>10}      1  {ACTIVATION_BYTES:>11}"]
 
         forward = res["texts"][f"rank{r}_forward.py"]
         # the printed trace itself, each collective on one line, and a header naming its group size
         assert forward.endswith("\n" + res["traces"]["forward"] + "\n"), forward[-2000:]
         assert _functions(forward) == ["computation"], forward
-        assert sum(f"{ALL_REDUCE}(" in line for line in forward.splitlines() if not line.startswith("#")) == 1
-        header = [line for line in forward.splitlines() if line.startswith("#   ") and ALL_REDUCE in line]
+        assert sum(f"{ALL_REDUCE_IMPL}(" in line for line in forward.splitlines() if not line.startswith("#")) == 1
+        header = [line for line in forward.splitlines() if line.startswith("#   ") and ALL_REDUCE_IMPL in line]
         assert len(header) == 1 and "all_reduce over" in header[0] and "group size 2" in header[0], forward[:2000]
+        assert header[0].endswith("; fc2: partial sums reduced"), header
         assert f"{ACTIVATION_BYTES} bytes" in header[0], header
         assert "global ranks [0, 1]" in forward
         compile(forward, "forward", "exec")  # the header keeps it a Python file
         backward = res["texts"][f"rank{r}_backward.py"]
         assert backward.endswith("\n" + res["traces"]["backward"] + "\n"), backward[-2000:]
         assert _functions(backward) == ["backward_fn"], backward
-        assert sum(f"{ALL_REDUCE}(" in line for line in backward.splitlines() if not line.startswith("#")) == 1
+        assert sum(f"{ALL_REDUCE_IMPL}(" in line for line in backward.splitlines() if not line.startswith("#")) == 1
 
         table = res["texts"][f"rank{r}_collectives.md"]
-        assert "| pass | kind | group size | bytes per call | count | total bytes |" in table
-        assert f"| forward | all_reduce | 2 | {ACTIVATION_BYTES} | 1 | {ACTIVATION_BYTES} |" in table
-        assert f"| backward | all_reduce | 2 | {ACTIVATION_BYTES} | 1 | {ACTIVATION_BYTES} |" in table
+        assert "| pass | issued by | kind | group size | bytes per call | count | total bytes |" in table
+        assert (f"| forward | fc2: partial sums reduced | all_reduce | 2 | {ACTIVATION_BYTES} | 1 | "
+                f"{ACTIVATION_BYTES} |") in table
+        assert (f"| backward | fc1: input of the TP region (its grad summed) | all_reduce | 2 | {ACTIVATION_BYTES} | "
+                f"1 | {ACTIVATION_BYTES} |") in table
 
 
 def test_dump_traces_without_backward(tmp_path):
@@ -85,7 +93,7 @@ def test_dump_traces_without_backward(tmp_path):
     for r, res in enumerate(results):
         assert set(res["texts"]) == {f"rank{r}_forward.py", f"rank{r}_collectives.md"}
         assert res["backward"] == []
-        assert res["forward"] == [ALL_REDUCE_ROW]
+        assert res["forward"] == [FORWARD_ROW]
         assert not (tmp_path / f"rank{r}_backward.py").exists()
         assert _functions(res["texts"][f"rank{r}_forward.py"]) == ["computation"]
         assert "| backward" not in res["texts"][f"rank{r}_collectives.md"]
@@ -108,6 +116,6 @@ def _unlowered_tables(executors_name: str) -> dict:
 def test_table_of_thunder_tp_symbols_without_comm_executor():
     # comm executor not listed: thunder_tp's symbols stay in the final traces (no torchex lowering) and count too
     res = run_ranks(_unlowered_tables, 2, "defaults")[0]
-    assert "tp_reduce_from_tp" in res["symbols"] and ALL_REDUCE not in res["symbols"], res
-    assert res["forward"] == [ALL_REDUCE_ROW], res
-    assert res["backward"] == [ALL_REDUCE_ROW], res
+    assert "tp_reduce_from_tp" in res["symbols"] and ALL_REDUCE_IMPL not in res["symbols"], res
+    assert res["forward"] == [FORWARD_ROW], res
+    assert res["backward"] == [BACKWARD_ROW], res

@@ -25,7 +25,7 @@ from tests.litgpt_models import VOCAB, expected_counts
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
 from thunder_tp.execution.cuda_graphs import split_at_communication
 from thunder_tp.execution.whole_step import compiled_whole, whole_program
-from thunder_tp.generate import Decoder
+from thunder_tp.generation import Decoder
 from thunder_tp.thunder_internals.computation import computation_and_inputs
 
 

@@ -15,7 +15,9 @@ import torch
 from litgpt import GPT, Config
 
 from tests.dist import REPO_ROOT, free_port, run_ranks
-from thunder_tp.generate import main, prefill_chunks
+from thunder_tp.debug import totals
+from thunder_tp.generate import main
+from thunder_tp.generation import prefill_chunks
 
 SENTENCES = ["the llama eats grass and hay", "a tensor is split over the ranks", "every rank holds its heads",
              "the cache grows one token at a time", "what food do llamas eat"]
@@ -67,7 +69,7 @@ def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
     assert tp_report["warm_up_s"] > 0 and single["warm_up_s"] is None  # compiled before timing; eager compiles nothing
     assert "Compiled in" in tp.stdout and "Time to first token" in tp.stdout, tp.stdout
     assert tp_report["kv_cache_bytes_per_rank"] * 2 == single["kv_cache_bytes_per_rank"]
-    counts = {row["kind"]: row["count"] for row in tp_report["decode_step_collectives"]}
+    counts = {kind: t["count"] for kind, t in totals(tp_report["decode_step_collectives"]).items()}
     assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts
     prompt_length = len(tp_report["samples"][0]["prompt_ids"])
     assert tp_report["compiles"] == len(set(prefill_chunks(prompt_length)) | {1}), tp_report["compiles"]
@@ -118,14 +120,14 @@ def test_cli_tp2_bf16_with_sampling(tmp_path):
     context = len(report["samples"][0]["prompt_ids"]) + 8
     full_cache = 2 * config.n_layer * config.n_query_groups * context * config.head_size * 2  # k and v, 2-byte bf16
     assert report["kv_cache_bytes_per_rank"] * 2 == full_cache, report["kv_cache_bytes_per_rank"]
-    counts = {row["kind"]: row["count"] for row in report["decode_step_collectives"]}
+    counts = {kind: t["count"] for kind, t in totals(report["decode_step_collectives"]).items()}
     assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts
 
 
 def _prompt_of_rank() -> str:
     import torch.distributed as dist
 
-    from thunder_tp.generate import GenerateError, check_same_prompt
+    from thunder_tp.generation import GenerateError, check_same_prompt
 
     check_same_prompt(torch.tensor([5, 7, 9]))  # alike: nothing
     try:
@@ -139,3 +141,23 @@ def test_different_prompts_raise_on_every_rank():
     for m in run_ranks(_prompt_of_rank, 2, timeout=120):
         assert "the prompt: 1 of 2 tensors differ across the ranks" in m and "token ids" in m, m
         assert "the same --prompt" in m, m
+
+
+def test_help_shows_every_default_without_importing_torch():
+    """--help is answered before anything heavy is imported (neither torch nor Thunder), with each default shown."""
+    code = ("import sys, runpy; sys.argv = ['thunder_tp.generate', '--help']\n"
+            "try:\n    runpy.run_module('thunder_tp.generate', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'torch not imported')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert out.stdout.rstrip().endswith("torch not imported"), out.stdout + out.stderr
+    for shown in ("--temperature TEMPERATURE", "0 is greedy (default: 0.8)", "(default: bf16-true)",
+                  "(default: auto)"):
+        assert shown in " ".join(out.stdout.split()), out.stdout
+
+
+def test_the_cli_lists_every_decode_step_strategy():
+    from thunder_tp.execution.decode_step import STRATEGIES
+    from thunder_tp.generate import DECODE_STEPS
+
+    assert tuple(DECODE_STEPS) == tuple(STRATEGIES)

@@ -1,20 +1,14 @@
-"""thunder_tp: tensor parallelism for Lightning Thunder."""
+"""thunder_tp: tensor parallelism for Lightning Thunder.
+
+The public names load on first use (PEP 562): ``import thunder_tp`` imports neither torch nor Thunder, so that a
+command line's ``--help`` (``python -m thunder_tp.generate --help``) answers at once. Reading any of them loads the
+whole API (``thunder_tp.api``): Thunder's import-time warnings quieted first, the model families registered.
+"""
+
+import sys
+import types
 
 from thunder_tp.thunder_internals import quiet  # noqa: F401, I001  (first: filters the warning importing Thunder raises)
-from thunder_tp import plans
-from thunder_tp.annotate import annotate
-from thunder_tp.clipping import clip_grad_norm_
-from thunder_tp.debug import collectives_table, dump_traces
-from thunder_tp.executor import executors
-from thunder_tp.execution.decode_step import DecodeStep
-from thunder_tp.layouts import Partial, Replicate, Shard
-from thunder_tp.mesh import Mesh, init_mesh, parallelize
-from thunder_tp.one_rank import one_rank
-from thunder_tp.simulate import per_rank, simulate
-from thunder_tp.styles import ColwiseParallel, KVCacheParallel, RowwiseParallel, SequenceParallel
-from thunder_tp.transform import TensorParallel
-from thunder_tp import models  # noqa: F401  (model families register their lookasides and rules)
-from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward)
 
 __all__ = [
     "ColwiseParallel",
@@ -39,3 +33,29 @@ __all__ = [
     "plans",
     "simulate",
 ]
+
+
+def __getattr__(name: str):
+    """A public name, from the whole API, loaded once."""
+    if name not in __all__:
+        raise AttributeError(f"module 'thunder_tp' has no attribute {name!r}")
+    from thunder_tp import api
+
+    globals().update({public: getattr(api, public) for public in __all__})
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """The package, whose public functions keep their names when submodules of the same names load (`simulate`,
+    `one_rank`, `annotate`): `thunder_tp.simulate(...)` is the function whatever was imported first."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if not (isinstance(value, types.ModuleType) and name in __all__ and name != "plans"):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

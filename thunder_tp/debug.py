@@ -3,8 +3,9 @@
     jm = thunder.jit(model, transforms=[TensorParallel(plan)], executors=thunder_tp.executors())
     loss = jm(x); loss.backward()
     thunder_tp.dump_traces(jm, "traces")          # every rank: traces/rank{r}_forward.py, ...
-    thunder_tp.collectives_table(thunder.last_traces(jm)[-1])
-    # [{'kind': 'all_reduce', 'group_size': 2, 'bytes_per_call': 65536, 'count': 1, 'total_bytes': 65536}]
+    print(thunder_tp.collectives_table(thunder.last_traces(jm)[-1]))
+    # issued by                      kind        group  bytes/call  count  total bytes
+    # net2: partial sums reduced     all_reduce      2       65536      1        65536
 
 Collectives are found among the top-level bound symbols of a trace (the fusion executor never puts one
 inside a fusion region):
@@ -18,7 +19,9 @@ inside a fusion region):
   exchange of counts, dispatch and combine, each an all_to_all; its bytes are this rank's pairs' rows, which its
   dispatch sends and its combine receives).
 
-Sizes are per rank: the trace is the rank's local program, so its proxies have local shapes.
+Sizes are per rank: the trace is the rank's local program, so its proxies have local shapes. Each collective
+thunder_tp inserted says which module it serves and what it does (``thunder_tp.collectives.labels``); the table
+names blocks' modules with ``*`` for the layer (one row for all blocks), the dump's header each call exactly.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_tp.collectives import COLLECTIVE_KINDS, ISSUED_INSIDE
+from thunder_tp.collectives.labels import label_of, layers_globbed
 from thunder_tp.reshard import nbytes
 from thunder_tp.simulate import is_simulating
 
-__all__ = ["collective_calls", "collective_kind", "collectives_table", "dump_traces", "format_table", "totals"]
+__all__ = ["CollectivesTable", "collective_calls", "collective_kind", "collectives_table", "dump_traces",
+           "format_table", "totals"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -80,13 +85,20 @@ def _group_size(group: Any) -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+#: the label of a collective thunder_tp did not insert (Thunder's DDP / FSDP)
+UNLABELLED = "(data parallelism)"
+
+
 def collective_calls(trace: TraceCtx) -> list[dict]:
-    """Every collective of ``trace`` in program order: kind, group size, bytes, and the bound symbol."""
+    """Every collective of ``trace`` in program order: kind, group size, bytes, the bound symbol, and what issued it
+    (``issued_by``: "module: what it does")."""
     calls = []
     for bsym in trace.bound_symbols:
+        issued_by = label_of(bsym) or UNLABELLED
         if bsym.sym.name in ISSUED_INSIDE:  # an opaque op with collectives inside (expert parallelism's all_to_alls)
             group = _group(bsym)
-            calls += [{"kind": kind, "group_size": _group_size(group), "bytes": moved, "group": group, "bsym": bsym}
+            calls += [{"kind": kind, "group_size": _group_size(group), "bytes": moved, "group": group, "bsym": bsym,
+                       "issued_by": issued_by}
                       for kind, moved in ISSUED_INSIDE[bsym.sym.name](bsym)]
             continue
         kind = collective_kind(bsym)
@@ -98,29 +110,45 @@ def collective_calls(trace: TraceCtx) -> list[dict]:
         group = _group(bsym)
         size = _group_size(group)
         moved = nbytes(tensor) * (size if kind == "all_gather" else 1)  # all_gather: the gathered output
-        calls.append({"kind": kind, "group_size": size, "bytes": moved, "group": group, "bsym": bsym})
+        calls.append({"kind": kind, "group_size": size, "bytes": moved, "group": group, "bsym": bsym,
+                      "issued_by": issued_by})
     return calls
 
 
-def collectives_table(trace: TraceCtx | None) -> list[dict]:
-    """The collectives of a final trace, one row per (kind, group size, bytes per call).
+class CollectivesTable(list):
+    """The rows of :func:`collectives_table` (a list of dicts), printed as an aligned table."""
 
-    Each row: ``kind`` (all_reduce / all_gather / reduce_scatter / broadcast), ``group_size``,
-    ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered output),
-    ``count`` and ``total_bytes``. Rows are in order of first appearance. A kind with calls of several sizes
-    (e.g. activations and a loss-parallel scalar) gets one row per size. ``None`` gives ``[]``.
+    _COLUMNS = (("issued_by", "issued by"), ("kind", "kind"), ("group_size", "group"),
+                ("bytes_per_call", "bytes/call"), ("count", "count"), ("total_bytes", "total bytes"))
+
+    def __str__(self) -> str:
+        if not self:
+            return "(no collectives)"
+        cells = [[title for _, title in self._COLUMNS]] + [[str(row[k]) for k, _ in self._COLUMNS] for row in self]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(self._COLUMNS))]
+        def line(values):
+            aligned = (v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True)))
+            return "  ".join(aligned)
+        return "\n".join(line(values).rstrip() for values in cells)
+
+
+def collectives_table(trace: TraceCtx | None) -> CollectivesTable:
+    """The collectives of a final trace, one row per (what issued them, kind, group size, bytes per call).
+
+    Each row: ``issued_by`` ("module: what it does", a block's module with ``*`` for its layer index, so that one
+    row counts every block's), ``kind`` (all_reduce / all_gather / reduce_scatter / all_to_all / broadcast),
+    ``group_size``, ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered
+    output), ``count`` and ``total_bytes``. Rows are in order of first appearance; ``print`` shows them as a table.
+    ``None`` gives an empty table.
     """
-    if trace is None:
-        return []
     rows: dict[tuple, dict] = {}
-    for call in collective_calls(trace):
-        key = (call["kind"], call["group_size"], call["bytes"])
-        row = rows.setdefault(
-            key, {"kind": key[0], "group_size": key[1], "bytes_per_call": key[2], "count": 0, "total_bytes": 0}
-        )
+    for call in collective_calls(trace) if trace is not None else ():
+        key = (layers_globbed(call["issued_by"]), call["kind"], call["group_size"], call["bytes"])
+        row = rows.setdefault(key, {"issued_by": key[0], "kind": key[1], "group_size": key[2],
+                                    "bytes_per_call": key[3], "count": 0, "total_bytes": 0})
         row["count"] += 1
         row["total_bytes"] += call["bytes"]
-    return list(rows.values())
+    return CollectivesTable(rows.values())
 
 
 def totals(table: Iterable[dict]) -> dict[str, dict[str, int]]:
@@ -136,16 +164,16 @@ def totals(table: Iterable[dict]) -> dict[str, dict[str, int]]:
 def format_table(tables: dict[str, list[dict]]) -> str:
     """A markdown table of ``{pass name: collectives_table}``."""
     lines = [
-        "| pass | kind | group size | bytes per call | count | total bytes |",
-        "|---|---|---:|---:|---:|---:|",
+        "| pass | issued by | kind | group size | bytes per call | count | total bytes |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for name, table in tables.items():
         if not table:
-            lines.append(f"| {name} | (none) | | | 0 | 0 |")
+            lines.append(f"| {name} | | (none) | | | 0 | 0 |")
         for r in table:
             lines.append(
-                f"| {name} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | {r['count']} | "
-                f"{r['total_bytes']} |"
+                f"| {name} | {r['issued_by']} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | "
+                f"{r['count']} | {r['total_bytes']} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -194,7 +222,7 @@ def _header(trace: TraceCtx, text: str, pass_name: str, rank: int, world: int) -
         where = f" over {where}" if where else ""
         lines.append(
             f"#   {name} = {c['bsym'].sym.name}(...): {c['kind']}{where}, group size {c['group_size']}, {c['bytes']} "
-            "bytes"
+            f"bytes; {c['issued_by']}"
         )
     if groups:
         lines.append("# process groups:")

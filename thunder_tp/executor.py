@@ -36,8 +36,10 @@ from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
 from thunder_tp.execution.fallback import RegionBackend, with_fallback
 from thunder_tp.execution.schedule import schedule
+from thunder_tp.families import load_families
 from thunder_tp.propagation.losses import CROSS_ENTROPY_SYMBOLS
 from thunder_tp.simulate import is_simulating
+from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward, traced natively)
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
 
@@ -275,7 +277,9 @@ def executors(backend: Backend = None) -> list[Executor]:
     batch, otherwise Thunder's), thunder_tp's fusion executor; Thunder appends its torch and python executors.
 
     Inside ``thunder_tp.simulate`` (LocalTensor, which no fusion backend can compile): without the fusion executor.
+    The model families register themselves first (lookasides for code Thunder cannot trace).
     """
+    load_families()
     if is_simulating():
         return [ex for ex in _executors(backend) if not isinstance(ex, FusionExecutor)]
     return list(_executors(backend))

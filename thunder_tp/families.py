@@ -1,6 +1,7 @@
 """Model families hook into the core here: what the core must know of a family's models.
 
-The core (TensorParallel, plans.auto) imports no model family. A family's adapter (`thunder_tp.models`) registers
+The core (TensorParallel, plans.auto) imports no model family: the registry loads them (`thunder_tp.models`) on its
+first use, wherever thunder_tp was entered from. A family's adapter registers
 - a `prepare(module)` function, which the core calls on every module it is about to trace, so that a model is traced
   alike whatever made its plan (HF's lookasides, for one);
 - a wrapper rule: which of its modules wrap a layer whose style their own parameters follow (a LoRA pair around its
@@ -9,6 +10,8 @@ The core (TensorParallel, plans.auto) imports no model family. A family's adapte
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +29,15 @@ def register_family(prepare: Prepare) -> Prepare:
     return prepare
 
 
+@functools.cache
+def load_families() -> None:
+    """Import the model-family adapters, which register themselves (lookasides, op rules, preparers), once."""
+    importlib.import_module("thunder_tp.models")
+
+
 def prepare_for_tracing(module: nn.Module) -> None:
     """Let every registered family prepare `module` for tracing (each acts only on its own models)."""
+    load_families()
     for prepare in _preparers:
         prepare(module)
 
@@ -54,4 +64,5 @@ def register_wrapper_rule(rule: WrapperRule) -> WrapperRule:
 
 def wrapper_of(module: nn.Module) -> Wrapper | None:
     """How `module` wraps a layer, if a registered family says it does."""
+    load_families()
     return next((w for rule in _wrapper_rules if (w := rule(module)) is not None), None)

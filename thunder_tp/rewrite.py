@@ -13,8 +13,19 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
+from thunder_tp.collectives.labels import label_collectives
 from thunder_tp.communication import CollectiveSchedule, Need, schedule_collectives
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, full_length, held_chunks, piece_parts
+from thunder_tp.layouts import (
+    REPLICATE,
+    Layout,
+    Partial,
+    Replicate,
+    Shard,
+    TPGroup,
+    full_length,
+    held_chunks,
+    piece_parts,
+)
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import gather_into_tp_region, redistribute
 from thunder_tp.simulate import is_simulating
@@ -28,6 +39,9 @@ class LocalValues:
     layouts: dict[str, Layout]
     schedule: CollectiveSchedule
     values: dict[str, Any] = field(default_factory=dict)
+    #: what each collective is labelled by: the modules of the parameters (proxy name -> parameter name) and the
+    #: logical op that computes each value
+    names: Labels = field(default_factory=lambda: Labels({}, {}))
     #: names of the tp_copy_to_tp outputs whose grads are summed with the others of their dtype (GradSum.coalesced)
     coalesced: set[str] = field(default_factory=set)
     _memo: dict[tuple, TensorProxy] = field(default_factory=dict)
@@ -58,6 +72,40 @@ class LocalValues:
         return copy
 
 
+@dataclass(frozen=True)
+class Labels:
+    """Names for the collectives' labels: each parameter proxy's parameter name, each logical value's producer."""
+
+    parameters: dict[str, str]
+    producers: dict[str, BoundSymbol]
+
+    def module(self, bsym: BoundSymbol | None) -> str | None:
+        """The module whose parameter `bsym` reads (its name without the parameter's), if any."""
+        if bsym is None:
+            return None
+        name = next((self.parameters[t.name] for t in _tensors(bsym) if t.name in self.parameters), None)
+        return None if name is None else name.rpartition(".")[0] or name
+
+    def of_need(self, consumer: BoundSymbol, need: Need, source: Layout) -> str:
+        """`module: role` for the collectives that make `need`'s value for `consumer`: a reduction is named after
+        the module that made the partial sums, anything else after the module that reads the value."""
+        producer = self.producers.get(need.value.name)
+        by = producer if isinstance(source, Partial) and producer is not None else consumer
+        where = self.module(by) or self.module(consumer) or by.sym.name
+        return f"{where}: {_role(source, need.layout, need.into_tp_region)}"
+
+
+def _role(source: Layout, target: Layout, into_tp_region: bool) -> str:
+    if into_tp_region:
+        gathered = "sequence shards gathered into" if isinstance(source, Shard) else "input of"
+        return f"{gathered} the TP region (its grad summed)"
+    if isinstance(source, Partial):
+        return "partial sums reduced" if isinstance(target, Replicate) else f"partial sums reduce-scattered ({target})"
+    if isinstance(source, Shard) and isinstance(target, Replicate):
+        return f"shards gathered ({source})"
+    return f"{source} made {target}"
+
+
 def coalesce_replicated_copies(bsyms: list[BoundSymbol], coalesced: set[str], tp: TPGroup) -> list[BoundSymbol]:
     """The copies into the TP region of values computed from the trace's inputs alone (`coalesced`: replicated
     parameters used by sharded compute: norm weights and row biases under SP, per-head q/k norm weights, routers,
@@ -75,6 +123,8 @@ def coalesce_replicated_copies(bsyms: list[BoundSymbol], coalesced: set[str], tp
     moved = _ancestors([c.args[0] for copies in groups.values() for c in copies], producers)
     merged = [C.tp_copy_all_to_tp.bind([c.args[0] for c in copies], tp.group, output=tuple(c.output for c in copies))
               for copies in groups.values()]
+    for bsym, copies in zip(merged, groups.values(), strict=True):
+        label_collectives([bsym], f"replicated parameters: the grads of {len(copies)} summed")
     dropped = moved | {id(c) for copies in groups.values() for c in copies}
     first = next(i for i, b in enumerate(bsyms) if b.sym.id != prims.PrimIDs.UNPACK_TRIVIAL)
     rest = [b for b in bsyms[first:] if id(b) not in dropped]
@@ -101,13 +151,16 @@ def _tensors(bsym) -> list[TensorProxy]:
     return [x for x in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(x, TensorProxy)]
 
 
-def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: TPGroup) -> TraceCtx:
+def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: TPGroup,
+            parameters: dict[str, str] | None = None) -> TraceCtx:
     """The local program of `trace`: each step re-run on local pieces, with the communication `schedule_collectives`
-    derives; outputs returned Replicate."""
+    derives, each collective labelled with the module it serves (`parameters`: proxy name -> parameter name);
+    outputs returned Replicate."""
     ret = trace.bound_symbols[-1]
     assert ret.sym.id == prims.PrimIDs.RETURN, "a computation trace ends with its return"
     schedule = schedule_collectives(trace, steps, layouts, tp, training=True)
-    local = LocalValues(tp, layouts, schedule)
+    producers = {o.name: step.bsym for step in steps for o in _outputs(step.bsym)}
+    local = LocalValues(tp, layouts, schedule, names=Labels(dict(parameters or {}), producers))
     new = from_trace(trace)
     with tracectx(new):
         for bsym in trace.bound_symbols:
@@ -116,11 +169,17 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
                 local.values[bsym.output.name] = bsym.output
         unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
         for t in schedule.replica_sums:  # in the inputs' order: the same on every rank
+            emitted_from = len(new.bound_symbols)
             local.values[t.name], copy = replica_grads_summed(local.values[t.name], layouts[t.name], tp)
             local.coalesced.add(copy.name)
+            owner = local.names.parameters.get(t.name, t.name)
+            label_collectives(new.bound_symbols[emitted_from:], f"{owner}: grads of its replicated chunks summed")
         for step, needs in zip(steps, schedule.needs, strict=True):
             _emit(step, needs, local)
-        prims.python_return(*_returned_values(ret.args, local, unpacked))
+        emitted_from = len(new.bound_symbols)
+        returned = _returned_values(ret.args, local, unpacked)
+        label_collectives(new.bound_symbols[emitted_from:], "the program's output: made whole")
+        prims.python_return(*returned)
     new.bound_symbols = coalesce_replicated_copies(new.bound_symbols, local.coalesced, tp)
     new.set_provenance(TraceProvenance("thunder_tp: tensor-parallel rewrite"))
     return new
@@ -211,7 +270,7 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     flat, spec = tree_flatten((bsym.args, bsym.kwargs))
     needed = iter(needs)
     local_flat = [
-        _local_input(next(needed), local, checkpointed) if isinstance(x, TensorProxy)
+        _local_input(bsym, next(needed), local, checkpointed) if isinstance(x, TensorProxy)
         else local.values.get(x.name, x) if isinstance(x, Proxy)
         else x
         for x in flat
@@ -219,6 +278,8 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     args, kwargs = tree_unflatten(local_flat, spec)
     emitted_from = len(get_tracectx().bound_symbols)
     result = (strategy.local or bsym.sym)(*args, **kwargs)
+    where = local.names.module(bsym) or bsym.sym.name
+    label_collectives(get_tracectx().bound_symbols[emitted_from:], f"{where}: {bsym.sym.name} computed on shards")
     for logical, value in zip(outputs, tree_flatten(result)[0], strict=True):
         if isinstance(logical, Proxy):
             local.values[logical.name] = value
@@ -226,12 +287,15 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
         _recompute_in_backward(get_tracectx().bound_symbols[emitted_from:], outputs, local)
 
 
-def _local_input(need: Need, local: LocalValues, checkpointed: bool) -> TensorProxy:
-    """The input `need` asks for; for a checkpointed op, the collectives that make it are recomputed in the backward
-    when the value itself is (computed inside the checkpointed region), and kept when it comes from outside (an
-    embedding's all_reduce feeding the first checkpointed block is not re-issued)."""
+def _local_input(consumer: BoundSymbol, need: Need, local: LocalValues, checkpointed: bool) -> TensorProxy:
+    """The input `need` asks for, its collectives labelled; for a checkpointed op, the collectives that make it are
+    recomputed in the backward when the value itself is (computed inside the checkpointed region), and kept when it
+    comes from outside (an embedding's all_reduce feeding the first checkpointed block is not re-issued)."""
     emitted_from = len(get_tracectx().bound_symbols)
     value = local.get(need)
+    emitted = get_tracectx().bound_symbols[emitted_from:]
+    if emitted:
+        label_collectives(emitted, local.names.of_need(consumer, need, local.layouts[need.value.name]))
     if checkpointed and ProxyTag.RECOMPUTE_IN_BACKWARD in need.value.tags:
         recompute_in_backward(get_tracectx().bound_symbols[emitted_from:])
     return value

@@ -233,7 +233,7 @@ class TensorParallel(Transform):
         sharded = {name: layout for name, layout in layouts.items()
                    if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not is_simulating())}
         localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank)
-        local = rewrite(logical, steps, propagation.layouts, self.tp)
+        local = rewrite(logical, steps, propagation.layouts, self.tp, param_names)
         return prologue, recompute_matmul_inputs(local), epilogue
 
     def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
