@@ -1,182 +1,172 @@
-"""Compile time: the first training step of a litgpt model (pythia-14m's config at ``--layers`` layers) through
-thunder_tp at TP = the world size against plain ``thunder.jit`` of the same model on one device, in one run, and the
-share of it that thunder_tp's own passes take.
+"""Compile time against depth: the first training step of a litgpt model at several depths, one device and TP, each
+in a fresh process with Inductor's caches empty, then again in a second process on those caches.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_compile --layers 2 8
+    python -m benchmarks.bench_compile --layers 2 8 32                 # one device and TP=2 (2 gloo ranks)
+    python -m benchmarks.bench_compile --layers 2 8 --compile_once false   # every block interpreted and compiled
 
-For each depth every rank first compiles its own one-device copy (side by side, so that both runs load the machine
-alike), then the TP model over the ranks; both with thunder_tp's executors (``--executors default``: Thunder's),
-Inductor's caches off (each compile cold). A step is litgpt pretrain's: forward (the model returns logits), the
-cross-entropy outside, backward, an AdamW step. Reported, each rank's slowest: ``thunder.jit`` (for TP also the plan
-and the sharding of the parameters), the first step (Thunder's interpretation and passes, ours, autodiff, the fusion
-executor's compiles, which Thunder's torch_compile executor makes at each region's first run, and the run), a
-compiled step (the median of ``--steps`` more), the fusion regions Inductor compiled (TP has more: every collective
-ends one), and thunder_tp's passes: the plan (``plans.litgpt``), ``TensorParallel.transform_module`` (plan checks,
-sharding) and its trace pass ``transform_traces_pre_prologue`` (constraints, propagation, prologue, rewrite), timed
-around those entry points. Compilation = jit + first step - a compiled step.
-``--profile DIR`` writes rank 0's cProfile of the TP jit and first step (``DIR/tp{layers}.prof``).
+For each (mode, depth) a process jits pythia-14m's config at that depth with thunder_tp's executors and takes a
+training step (litgpt pretrain's: forward, the cross-entropy outside, backward, an AdamW step) and ``--steps`` more;
+TP runs under torchrun over ``--tp`` gloo ranks with ``plans.litgpt``. Each starts with an empty
+``TORCHINDUCTOR_CACHE_DIR`` of its own; with ``--second`` the same command runs once more on that directory (a
+restart, another rank's or the next job's first step). Reported per run, the slowest rank's: jit + first step -
+a compiled step (the compilation), CPU seconds of that (the process's and its compiler children's: what a loaded
+machine does not inflate), a compiled step, the regions Dynamo compiled, and the repeated blocks traced once
+(interpreted / replayed); then the ratios the compile-once work is judged by: each depth's compilation against the
+shallowest's, and the second process's against the first's.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
-os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # a cold compile every time
-
 import argparse
-import contextlib
-import cProfile
-import functools
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-from benchmarks.lib.harness import EXECUTORS, init_distributed, log, pin_to_core, random_batch, slowest_rank, write_json
-
-#: TensorParallel's entry points whose time is thunder_tp's own passes
-PASSES = ("transform_module", "transform_traces_pre_prologue")
+from benchmarks.lib.harness import write_json
 
 
-def timed_passes() -> dict[str, float]:
-    """Seconds spent in each of TensorParallel's PASSES from now on (they accumulate in the returned dict)."""
-    from thunder_tp.transform import TensorParallel
+def child(args: argparse.Namespace) -> None:
+    """One run: this process (one device) or this rank (TP)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.nn.functional as F
 
-    spent = dict.fromkeys(PASSES, 0.0)
-    for name in PASSES:
-        method = getattr(TensorParallel, name)
+    from benchmarks.lib.harness import init_distributed, pin_to_core, random_batch, slowest_rank
 
-        @functools.wraps(method)
-        def timing(self, *args, _method=method, _name=name, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _method(self, *args, **kwargs)
-            finally:
-                spent[_name] += time.perf_counter() - start
+    pin_to_core()
+    torch.set_num_threads(1)
+    rank, world, device = init_distributed()
+    cpu_start, start = _cpu_seconds(), time.perf_counter()
+    jm, model = _jitted(args, device)
+    optimizer = torch.optim.AdamW(jm.parameters(), lr=1e-4)
+    idx, targets = random_batch(args.batch, args.seq, model.config.vocab_size, seed=0, device=device)
 
-        setattr(TensorParallel, name, timing)
-    return spent
+    def step() -> None:
+        logits = jm(idx)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    first_s, cpu_s = time.perf_counter() - start, _cpu_seconds() - cpu_start
+    steps = []
+    for _ in range(args.steps):
+        begin = time.perf_counter()
+        step()
+        steps.append(time.perf_counter() - begin)
+    step_s = statistics.median(steps)
+    first_s, cpu_s, step_s = slowest_rank([first_s, cpu_s, step_s])
+    if rank == 0:
+        print(json.dumps(_figures(model, first_s, cpu_s, step_s)), flush=True)
 
 
-def first_steps(build: Callable[[], tuple[torch.nn.Module, dict[str, float]]], batch, steps: int,
-                profile: Path | None) -> dict:
-    """Seconds of jit (``build``: the jitted model and its own timings), of the first training step and of a compiled
-    one (the median of `steps`), and the fusion regions Inductor compiled."""
+def _jitted(args: argparse.Namespace, device):
+    import thunder
+    import torch
+    from litgpt import GPT, Config
+
+    import thunder_tp
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name(args.model_name, n_layer=args.child_layers)).to(device)
+    transforms = [thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))] if args.child == "tp" else []
+    return thunder.jit(model, transforms=transforms, executors=thunder_tp.executors(),
+                       compile_once=args.compile_once), model
+
+
+def _figures(model, first_s: float, cpu_s: float, step_s: float) -> dict:
     from torch._dynamo.utils import counters
 
-    idx, targets = batch
-    regions = counters["stats"]["unique_graphs"]
-    with _profiled(profile):
-        start = time.perf_counter()
-        jm, inside = build()
-        jitted = time.perf_counter()
-        optimizer = torch.optim.AdamW(jm.parameters(), lr=1e-4)
-        _step(jm, optimizer, idx, targets)
-        first = time.perf_counter()
-    compiled = []
-    for _ in range(steps):
-        start_step = time.perf_counter()
-        _step(jm, optimizer, idx, targets)
-        compiled.append(time.perf_counter() - start_step)
-    return {"jit_s": jitted - start, "first_step_s": first - jitted, "step_s": statistics.median(compiled),
-            "regions": counters["stats"]["unique_graphs"] - regions, **inside}
+    from thunder_tp.repeated_blocks import stats_of
+
+    stats = stats_of(model)
+    return {"compile_s": first_s - step_s, "compile_cpu_s": cpu_s, "step_s": step_s,
+            "regions": counters["stats"]["unique_graphs"], "blocks_interpreted": stats.interpreted,
+            "blocks_replayed": stats.replayed}
 
 
-def _step(jm, optimizer, idx, targets) -> None:
-    logits = jm(idx)
-    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
-@contextlib.contextmanager
-def _profiled(path: Path | None) -> Iterator[None]:
-    if path is None:
-        yield
-        return
-    profiler = cProfile.Profile()
-    profiler.enable()
-    try:
-        yield
-    finally:
-        profiler.disable()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        profiler.dump_stats(path)
+def run(mode: str, layers: int, cache: Path, args: argparse.Namespace) -> dict:
+    """One (mode, depth) run in a new process (torchrun for TP) on Inductor cache directory `cache`."""
+    command = [sys.executable, "-m", "benchmarks.bench_compile", "--child", mode, "--child_layers", str(layers),
+               "--model_name", args.model_name, "--batch", str(args.batch), "--seq", str(args.seq),
+               "--steps", str(args.steps), "--compile_once", str(args.compile_once).lower()]
+    if mode == "tp":
+        command[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.tp), "--master-addr",
+                        "127.0.0.1", "--master-port", str(_free_port()), "-m", "benchmarks.bench_compile"]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
+               TORCHINDUCTOR_COMPILE_THREADS="1")
+    out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} at {layers} layers failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--modes", nargs="+", choices=["one_device", "tp"], default=["one_device", "tp"])
+    p.add_argument("--tp", type=int, default=2, help="ranks of the TP runs")
     p.add_argument("--model_name", default="pythia-14m")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=3, help="compiled steps after the first (their median is reported)")
-    p.add_argument("--executors", choices=["thunder", "default"], default="thunder")
-    p.add_argument("--profile", type=Path, default=None)
+    p.add_argument("--compile_once", type=lambda s: s.lower() == "true", default=True,
+                   help="thunder.jit(..., compile_once=...): false interprets every block, compiles every region")
+    p.add_argument("--second", action="store_true", help="each run again in a second process on its warm caches")
     p.add_argument("--json_path", type=Path, default=None)
+    p.add_argument("--child", choices=["one_device", "tp"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child_layers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    pin_to_core()
-    torch.set_num_threads(1)
-    rank, world, device = init_distributed()
-    passes = timed_passes()
-    results = {}
-    for layers in args.layers:
-        results[layers] = compare_at(layers, args, passes, device)
-        log(rank, _row(layers, world, results[layers]["one_device"], results[layers]["tp"]))
-    if rank == 0 and args.json_path is not None:
-        write_json(args.json_path, {"model": args.model_name, "world": world, "executors": args.executors,
+    if args.child is not None:
+        child(args)
+        return
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as caches:
+        for mode in args.modes:
+            for layers in args.layers:
+                cache = Path(caches) / f"{mode}{layers}"
+                runs = {"first": run(mode, layers, cache, args)}
+                if args.second:
+                    runs["second"] = run(mode, layers, cache, args)
+                results.setdefault(mode, {})[layers] = runs
+                print(_row(mode, layers, runs, results[mode]), flush=True)
+    if args.json_path is not None:
+        write_json(args.json_path, {"model": args.model_name, "tp": args.tp, "compile_once": args.compile_once,
                                     "batch": [args.batch, args.seq], "results": results})
 
 
-def compare_at(layers: int, args: argparse.Namespace, passes: dict[str, float], device: torch.device) -> dict:
-    """The one-device and the TP figures of the model at `layers` layers (each rank's slowest)."""
-    import thunder
-    from litgpt import GPT, Config
-
-    import thunder_tp
-
-    config = Config.from_name(args.model_name, n_layer=layers)
-    executors = EXECUTORS["thunder_default" if args.executors == "default" else "thunder"]()
-    batch = random_batch(args.batch, args.seq, config.vocab_size, seed=0, device=device)
-
-    def one_device() -> tuple[torch.nn.Module, dict[str, float]]:
-        torch.manual_seed(0)
-        return thunder.jit(GPT(config).to(device), executors=executors), {}
-
-    def tensor_parallel() -> tuple[torch.nn.Module, dict[str, float]]:
-        torch.manual_seed(0)
-        model = GPT(config).to(device)
-        start = time.perf_counter()
-        plan = thunder_tp.plans.litgpt(model)
-        planned = time.perf_counter() - start
-        transform = thunder_tp.TensorParallel(plan)
-        return thunder.jit(model, transforms=[transform], executors=executors), {"plan_s": planned}
-
-    single = first_steps(one_device, batch, args.steps, None)
-    passes.update(dict.fromkeys(PASSES, 0.0))
-    profile = args.profile / f"tp{layers}.prof" if args.profile is not None and dist.get_rank() == 0 else None
-    tp = first_steps(tensor_parallel, batch, args.steps, profile) | {f"{name}_s": s for name, s in passes.items()}
-    return {name: dict(zip(r, slowest_rank(list(r.values())), strict=True))
-            for name, r in (("one_device", single), ("tp", tp))}
-
-
-def _row(layers: int, world: int, single: dict, tp: dict) -> str:
-    """One depth's figures, and thunder_tp's passes against the rest of the TP compile."""
-    compile_one, compile_tp = (r["jit_s"] + r["first_step_s"] - r["step_s"] for r in (single, tp))
-    ours = tp["plan_s"] + sum(tp[f"{name}_s"] for name in PASSES)
-    return (f"{layers} layers: one device: jit {single['jit_s']:.2f} s, first step {single['first_step_s']:.1f} s, "
-            f"step {single['step_s']:.2f} s, {single['regions']:.0f} regions; TP={world}: jit {tp['jit_s']:.2f} s, "
-            f"first step {tp['first_step_s']:.1f} s, step {tp['step_s']:.2f} s, {tp['regions']:.0f} regions; "
-            f"compilation TP/one device {compile_tp / compile_one:.2f}x; thunder_tp's passes {ours:.2f} s (plan "
-            f"{tp['plan_s']:.2f}, transform_module {tp['transform_module_s']:.2f}, trace pass "
-            f"{tp['transform_traces_pre_prologue_s']:.2f}) = {ours / compile_tp:.1%} of the TP compilation, "
-            f"{ours / (compile_tp - ours):.1%} on top of the rest")
+def _row(mode: str, layers: int, runs: dict, by_depth: dict) -> str:
+    first = runs["first"]
+    shallowest = by_depth[min(by_depth)]["first"]
+    text = (f"{mode} {layers} layers: compilation {first['compile_s']:.1f} s ({first['compile_cpu_s']:.1f} s CPU; "
+            f"x{first['compile_s'] / shallowest['compile_s']:.2f} of {min(by_depth)} layers, CPU "
+            f"x{first['compile_cpu_s'] / shallowest['compile_cpu_s']:.2f}), step {first['step_s'] * 1e3:.0f} ms, "
+            f"{first['regions']} regions compiled, blocks interpreted / replayed {first['blocks_interpreted']} / "
+            f"{first['blocks_replayed']}")
+    if "second" in runs:
+        second = runs["second"]
+        ratio, cpu_ratio = (second[k] / first[k] for k in ("compile_s", "compile_cpu_s"))
+        text += (f"; second process {second['compile_s']:.1f} s ({second['compile_cpu_s']:.1f} s CPU: "
+                 f"x{ratio:.2f}, CPU x{cpu_ratio:.2f})")
+    return text
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from thunder.executors.torch_compile import torch_compile_xentropy_ex
 
 from tests.dist import REPO_ROOT, assert_close, run_ranks
 from thunder_tp.collectives import comm_executor
+from thunder_tp.execution.complex_grads import complex_grads_executor
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
 from thunder_tp.executor import (
@@ -216,7 +217,7 @@ def test_swallowed_communication_is_detected():
 
 def test_executors_list():
     exs = executors()
-    assert exs[:3] == [comm_executor, cpu_attention_executor, cuda_attention_executor]
+    assert exs[:4] == [complex_grads_executor, comm_executor, cpu_attention_executor, cuda_attention_executor]
     assert exs[-1] is fusion_executor() is thunder.extend.get_executor(FUSION_EXECUTOR_NAME)
     beside_nvfuser = [torch_compile_xentropy_ex] if exs[-1].nvfuser is not None else []
     assert [e for e in exs if isinstance(e, thunder.extend.FusionExecutor)] == [*beside_nvfuser, exs[-1]]

@@ -20,21 +20,24 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.compile_data import get_compile_option
+from thunder.core.proxies import Proxy, TensorProxy, unvariableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.executors import nvfuserex
-from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_xentropy_ex
+from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled, torch_compile_xentropy_ex
 from thunder.executors.torchex import ex as pytorch_ex
 from thunder.executors.utils import Region
 from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_executors, register_executor
 
+from thunder_tp import repeated_blocks  # noqa: F401  (repeated blocks traced once, in jits with these executors)
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
 from thunder_tp.execution.complex_grads import complex_grads_executor, touches_complex
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
 from thunder_tp.execution.fallback import RegionBackend, with_fallback
+from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
 from thunder_tp.propagation.losses import CROSS_ENTROPY_SYMBOLS
@@ -84,6 +87,9 @@ def _outputs_proxies(bsym: BoundSymbol) -> bool:
     return outputs and all(map(_outputs_proxies, bsym.subsymbols))
 
 
+#: the torch.compile callable of every canonical Inductor region made in this process
+COMPILED_REGIONS = CompiledRegions()
+
 #: the ids of the symbols that Inductor lowers even where nvFuser fuses (kept whole until then: torchex runs their
 #: decompositions inside the region)
 INDUCTOR_ONLY = frozenset(sym.id for sym in CROSS_ENTROPY_SYMBOLS)
@@ -117,13 +123,16 @@ class InductorFusionExecutor(TorchCompileExecutor):
         return super().can_fuse(bsym)
 
     def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
-        """Thunder's torch.compile region, named ``{region_name}{fusion_counter}``."""
-        fusion = super().fuse(region, fusion_counter)
-        name = f"{self.region_name}{fusion_counter}"
-        if name == fusion.sym.name:
-            return fusion
-        return self.register_temporary_operation(name, fusion._call_ctx[fusion.sym.name], inputs=list(fusion.args),
-                                                 outputs=list(fusion.output), bsyms=list(fusion.subsymbols))
+        """Thunder's torch.compile region, named ``{region_name}{fusion_counter}``; its callable made once per
+        canonical region (``execution/region_cache.py``: the same region of every block is compiled once)."""
+        inputs = [unvariableify(x) for x in region.inputs]
+        outputs = [unvariableify(x) for x in region.outputs]
+        fullgraph = get_compile_option("torch_compile_fullgraph", "Whether to enable `fullgraph` from `torch.compile`.")
+        key = self.mode, fullgraph, canonical_form(region.bound_symbols, inputs, outputs)
+        compiled = COMPILED_REGIONS.get(key, lambda: make_compiled(region.bound_symbols, inputs, outputs,
+                                                                   mode=self.mode))
+        return self.register_temporary_operation(f"{self.region_name}{fusion_counter}", compiled, inputs=inputs,
+                                                 outputs=outputs, bsyms=list(region.bound_symbols))
 
 
 class TPFusionExecutor(FusionExecutor):

@@ -5,7 +5,9 @@ first use, wherever thunder_tp was entered from. A family's adapter registers
 - a `prepare(module)` function, which the core calls on every module it is about to trace, so that a model is traced
   alike whatever made its plan (HF's lookasides, for one);
 - a wrapper rule: which of its modules wrap a layer whose style their own parameters follow (a LoRA pair around its
-  base Linear), so that the automatic plan decides the two together.
+  base Linear), so that the automatic plan decides the two together;
+- index attributes: attributes that number its blocks and that their forward does not read (litgpt's `block_idx`),
+  so that blocks differing only in them are traced once (`thunder_tp.repeated_blocks`).
 """
 
 from __future__ import annotations
@@ -66,3 +68,19 @@ def wrapper_of(module: nn.Module) -> Wrapper | None:
     """How `module` wraps a layer, if a registered family says it does."""
     load_families()
     return next((w for rule in _wrapper_rules if (w := rule(module)) is not None), None)
+
+
+_index_attributes: set[tuple[str, str]] = set()
+
+
+def register_index_attribute(package: str, name: str) -> None:
+    """Attribute `name` of the modules of classes from `package` (a module-name prefix) numbers a block and is read
+    only where it is built."""
+    _index_attributes.add((package, name))
+
+
+def is_index_attribute(module: nn.Module, name: str) -> bool:
+    """Whether a registered family says attribute `name` of `module` only numbers it."""
+    load_families()
+    owner = type(module).__module__
+    return any(name == n and owner.startswith(p) for p, n in _index_attributes)

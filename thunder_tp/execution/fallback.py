@@ -17,6 +17,10 @@ What is a backend error (``is_backend_error``), and what is the program's:
 - Never: out of memory, and everything else: a shape, index or value error raised by an op, an interrupt.
 The program's errors propagate unchanged. A backend error whose next backend then raises one of the program's
 propagates that one (the program's error, as the next backend reports it), and the region keeps its backend.
+
+Regions of one canonical form (``execution/region_cache.py``: the same code on inputs of the same metadata, e.g. the
+same region of every block) share one ``FallbackRegion``, in the process: they run one compiled callable (one
+compilation for all of them, whatever the backend), and a region rejected in one block falls back once for all.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.executors.torch_compile import make_compiled
 from thunder.extend import FusionExecutor
 
-__all__ = ["BACKEND_NAMES", "FallbackRegion", "RegionBackend", "RegionFallbackWarning", "is_backend_error",
-           "with_fallback"]
+from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
+
+__all__ = ["BACKEND_NAMES", "SHARED_REGIONS", "FallbackRegion", "RegionBackend", "RegionFallbackWarning",
+           "is_backend_error", "with_fallback"]
 
 RegionBackend = Literal["nvfuser", "inductor", "torch"]
 
@@ -76,10 +82,11 @@ class FallbackRegion:
                  inputs: Sequence[Proxy], outputs: Sequence[Proxy]):
         self.name, self.backend, self.call = name, backend, call
         self.bsyms, self.inputs, self.outputs = tuple(bsyms), tuple(inputs), tuple(outputs)
+        #: what the trace calls: the current lowering, or on a backend error the next
+        self.callable = self._callable()
 
-    def callable(self) -> Callable:
-        """What the trace calls: the current lowering, or on a backend error the next (a closure: about 0.15 us per
-        call, a class's ``__call__`` twice that)."""
+    def _callable(self) -> Callable:
+        """A closure (about 0.15 us per call, a class's ``__call__`` twice that)."""
 
         def call(*args):
             try:
@@ -141,8 +148,13 @@ def _ops(bsyms: Sequence[BoundSymbol]) -> str:
     return ", ".join(names[:_OPS_NAMED]) + more
 
 
+#: the FallbackRegion of every canonical region of this process (regions alike share it: one compilation)
+SHARED_REGIONS = CompiledRegions()
+
+
 def with_fallback(trace: TraceCtx, backends: Mapping[FusionExecutor, RegionBackend]) -> TraceCtx:
-    """``trace`` with every region of ``backends`` (executor -> its kind) called through a ``FallbackRegion``."""
+    """``trace`` with every region of ``backends`` (executor -> its kind) called through a ``FallbackRegion``, one
+    per canonical region."""
     guarded = from_trace(trace)
     guarded.bound_symbols = [_guarded(b, backends[b.sym.executor]) if b.sym.is_fusion and b.sym.executor in backends
                              else b for b in trace.bound_symbols]
@@ -151,9 +163,12 @@ def with_fallback(trace: TraceCtx, backends: Mapping[FusionExecutor, RegionBacke
 
 
 def _guarded(region: BoundSymbol, backend: RegionBackend) -> BoundSymbol:
-    """``region`` bound to a new fusion symbol of the same name and executor, whose callable falls back."""
+    """``region`` bound to a new fusion symbol of the same name and executor, whose callable falls back: the
+    FallbackRegion of its canonical form (made from the first region of that form)."""
     name = region.sym.name
     inputs, outputs = list(region.args), list(region.output)
-    fallback = FallbackRegion(name, backend, region._call_ctx[name], region.subsymbols, inputs, outputs)
-    return region.sym.executor.register_temporary_operation(name, fallback.callable(), inputs=inputs,
+    key = backend, canonical_form(region.subsymbols, inputs, outputs)
+    fallback = SHARED_REGIONS.get(key, lambda: FallbackRegion(name, backend, region._call_ctx[name],
+                                                              region.subsymbols, inputs, outputs))
+    return region.sym.executor.register_temporary_operation(name, fallback.callable, inputs=inputs,
                                                             outputs=outputs, bsyms=list(region.subsymbols))

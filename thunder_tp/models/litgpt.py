@@ -13,6 +13,9 @@ it is traced as one `moe_layer` op (`thunder_tp.models.moe`).
 LoRA. A `litgpt.lora.LoRALinear`'s pair follows the style of its base `linear` (`LoRAPairParallel`), and the family
 tells the automatic plan so (a wrapper rule), which decides the two together.
 
+Repeated blocks. `block_idx` only numbers a block: litgpt reads it where it builds one (its sliding-window flag
+is an attribute of its own), so blocks traced once (`thunder_tp.repeated_blocks`) ignore it.
+
 So a plain `thunder.jit` of such models traces once thunder_tp is imported.
 """
 
@@ -26,7 +29,7 @@ from thunder.core.dtypes import to_torch_dtype
 from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
 
-from thunder_tp.families import Wrapper, register_wrapper_rule
+from thunder_tp.families import Wrapper, register_index_attribute, register_wrapper_rule
 from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
 from thunder_tp.styles import ColwiseParallel, RowwiseParallel, Style
@@ -117,6 +120,9 @@ try:
     from litgpt.model import KVCache, LLaMAMoE
 except ImportError:  # litgpt is optional: without it there is nothing to divert
     KVCache = LLaMAMoE = LoRALinear = None
+
+
+register_index_attribute("litgpt.", "block_idx")
 
 
 @register_wrapper_rule

@@ -1,0 +1,180 @@
+"""A model's repeated blocks traced once (thunder_tp.repeated_blocks) and its regions compiled once
+(thunder_tp.execution.region_cache): the same program as interpreting every block, bit for bit, under TP too; the
+number of compiled regions does not grow with the depth."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import thunder_tp
+from tests.generation import MAX_SEQ, greedy, models_with_cache
+from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch
+from tests.tp_checks import FAST_EXECUTORS
+from thunder_tp.repeated_blocks import TraceStats, stats_of
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not dist.is_initialized(), "these tests simulate ranks in this process"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _config(layers: int, **overrides):
+    from litgpt import Config
+
+    sizes = {"block_size": SEQ, "vocab_size": VOCAB, "padded_vocab_size": VOCAB, "n_layer": layers}
+    return Config(**(CONFIGS["llama"] | sizes | overrides))
+
+
+def _train_step(model: nn.Module, once: bool, transforms=(), executors=FAST_EXECUTORS) -> dict:
+    jm = thunder.jit(model, transforms=list(transforms), executors=executors, compile_once=once)
+    loss = jm(*batch(0))
+    loss.backward()
+    return {"jm": jm, "loss": loss.detach(), "grads": {n: p.grad for n, p in jm.named_parameters()},
+            "stats": stats_of(model)}
+
+
+def _both(make_model, **kwargs) -> tuple[dict, dict]:
+    """One training step with every block interpreted, and with repeated blocks traced once; the same weights."""
+    torch.manual_seed(0)
+    reference = make_model()
+    runs = []
+    for once in (False, True):
+        model = make_model()
+        model.load_state_dict(reference.state_dict())
+        runs.append(_train_step(model, once, **kwargs))
+    return runs[0], runs[1]
+
+
+def _assert_same(interpreted: dict, once: dict) -> None:
+    assert torch.equal(once["loss"], interpreted["loss"])
+    assert once["grads"].keys() == interpreted["grads"].keys()
+    for name, grad in interpreted["grads"].items():
+        assert torch.equal(once["grads"][name], grad), name
+
+
+def test_the_first_two_blocks_are_interpreted_the_rest_replayed_bit_for_bit():
+    """4 blocks: the first interpreted and recorded, the second interpreted and checked against it, the last two
+    appended from the recording; loss and every grad equal to interpreting each block, bit for bit."""
+    interpreted, once = _both(lambda: GPTWithLoss(_config(4)))
+    assert interpreted["stats"] == TraceStats(0, 0) and once["stats"] == TraceStats(interpreted=2, replayed=2)
+    _assert_same(interpreted, once)
+
+
+def test_simulated_tp_sp_loss_parallel_gives_the_same_program():
+    """TP + SP + loss parallel on 2 simulated ranks, 4 blocks: every rank's loss and grads, and the collectives
+    (each labelled with its own block's module), those of interpreting every block."""
+    runs = []
+    for once in (False, True):
+        torch.manual_seed(0)
+        model = GPTWithLoss(_config(4))
+        with thunder_tp.simulate(world_size=2):
+            plan = thunder_tp.plans.litgpt(model, **MODES["tp_sp"], loss_parallel=True)
+            run = _train_step(model, once, transforms=[thunder_tp.TensorParallel(plan)],
+                              executors=thunder_tp.executors())
+            run["tables"] = [thunder_tp.collectives_table(t[-1]) for t in
+                             (thunder.last_traces(run["jm"]), thunder.last_backward_traces(run["jm"]))]
+            run["labels"] = sorted({c["issued_by"] for c in thunder_tp.debug.collective_calls(
+                thunder.last_traces(run["jm"])[-1])})
+        runs.append(run)
+    interpreted, once = runs
+    assert once["stats"].replayed == 2
+    assert torch.equal(thunder_tp.per_rank(once["loss"])[1], thunder_tp.per_rank(interpreted["loss"])[1])
+    for name, grad in interpreted["grads"].items():
+        for rank, piece in thunder_tp.per_rank(grad).items():
+            assert torch.equal(thunder_tp.per_rank(once["grads"][name])[rank], piece), (name, rank)
+    assert once["tables"] == interpreted["tables"] and once["labels"] == interpreted["labels"]
+    assert any("transformer.h.3." in label for label in once["labels"]), once["labels"]
+
+
+def test_generation_with_a_kv_cache_gives_the_same_tokens():
+    """A KV cache written in place by every block: prefill and greedy decode steps with blocks traced once give the
+    tokens and logits of interpreting every block."""
+    config = _config(4, block_size=MAX_SEQ)
+    tokens = []
+    for once in (False, True):
+        reference, model = models_with_cache(config, batch=1)
+        jm = thunder.jit(model, executors=FAST_EXECUTORS, compile_once=once)
+        tokens.append(greedy(jm, torch.tensor([[1, 5, 9, 2]]), steps=3))
+        assert stats_of(model).replayed == (2 if once else 0)
+    assert torch.equal(tokens[0][0], tokens[1][0])
+    for a, b in zip(tokens[0][1], tokens[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_huggingface_decoder_layers_called_with_keywords_are_traced_once():
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import make_config
+
+    def make_model():
+        config = make_config("llama")
+        config.num_hidden_layers = 4
+        return thunder_tp.plans.hf.CausalLMLoss(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64))
+
+    torch.manual_seed(0)
+    reference = make_model()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    runs = []
+    for once in (False, True):
+        model = make_model()
+        model.load_state_dict(reference.state_dict())
+        jm = thunder.jit(model, executors=FAST_EXECUTORS, compile_once=once)
+        loss = jm(ids, ids)
+        loss.backward()
+        runs.append({"loss": loss.detach(), "grads": {n: p.grad for n, p in jm.named_parameters()},
+                     "stats": stats_of(model)})
+    assert runs[1]["stats"].replayed == 2
+    _assert_same(*runs)
+
+
+class _Scaled(nn.Module):
+    """A block whose forward reads state no key sees (a list attribute): its likes are not one program."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.linear, self.factor = nn.Linear(8, 8), [factor]
+
+    def forward(self, x):
+        return self.linear(x) * self.factor[0]
+
+
+def test_blocks_that_differ_where_the_key_cannot_see_are_interpreted_each():
+    """The second block's program differs from the first's: every block is interpreted, the result eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Scaled(float(i + 1)) for i in range(4)))
+    x = torch.randn(2, 8)
+    jm = thunder.jit(model, executors=FAST_EXECUTORS)
+    torch.testing.assert_close(jm(x), model(x), rtol=0, atol=0)
+    assert stats_of(model) == TraceStats(interpreted=4, replayed=0)
+
+
+def test_compiled_regions_do_not_grow_with_depth():
+    """Inductor regions (thunder_tp.executors()): the regions compiled for a 3-block and a 5-block model of other
+    widths are as many (the blocks' regions compiled once for all blocks)."""
+    from thunder_tp.executor import COMPILED_REGIONS
+
+    compiled = []
+    for layers, width in ((3, 32), (5, 48)):
+        config = _config(layers, n_embd=width, head_size=width // 8, intermediate_size=2 * width)
+        before = COMPILED_REGIONS.compiles
+        torch.manual_seed(0)
+        run = _train_step(GPTWithLoss(config), True, executors=thunder_tp.executors())
+        assert run["stats"].replayed == layers - 2
+        compiled.append(COMPILED_REGIONS.compiles - before)
+    assert compiled[0] == compiled[1], compiled
+
+
+def test_the_switch_turns_it_off():
+    torch.manual_seed(0)
+    run = _train_step(GPTWithLoss(_config(3)), False)
+    assert dataclasses.astuple(run["stats"]) == (0, 0)
