@@ -25,7 +25,9 @@ MIN_CHUNK_ROWS = 4
 @dataclass(frozen=True)
 class Costs:
     """One transfer's latency and bus bandwidth on the group; the matmul rate, one call's fixed cost and, on a GPU,
-    the output tile and the units (SMs) that run tiles at once (0: no wave quantization)."""
+    the output tile and the units (SMs) that run tiles at once (0: no wave quantization); ``concurrent``: the share
+    of a transfer during which this rank computes on (1: NCCL on its own stream; 0: a transport whose threads need
+    the rank's core)."""
 
     latency_s: float
     bus_bytes_per_s: float
@@ -33,6 +35,11 @@ class Costs:
     matmul_call_s: float
     tile: int = 0
     units: int = 0
+    concurrent: float = 1.0
+
+    def busy_s(self, comm_s: float) -> float:
+        """What a transfer of ``comm_s`` takes from this rank's compute."""
+        return (1.0 - self.concurrent) * comm_s
 
     def collective_s(self, kind: str, nbytes: float, size: int) -> float:
         """A ring collective of ``nbytes`` (the full tensor) over ``size`` ranks."""
@@ -74,10 +81,12 @@ class Linears:
         return inputs + (pieces - 1) * len(self.shapes) * c.matmul_call_s
 
 
-# NCCL on NVLink: the projection's H100 figures (benchmarks/projection/alpha_beta.py, LINKS["h100_nvlink"]);
-# gloo on this project's CPU: docs/results.md (a 2 MiB all_reduce after a matmul 3.8 ms; small ones 1.3-1.6 ms after
-# a matmul: latency ~1 ms, ~0.8 GB/s)
+# NCCL on NVLink: the projection's H100 figures (benchmarks/projection/alpha_beta.py, LINKS["h100_nvlink"]), its own
+# stream; gloo on this project's CPU: docs/results.md (a 2 MiB all_reduce after a matmul 3.8 ms; small ones 1.3-1.6 ms
+# after a matmul: latency ~1 ms, ~0.8 GB/s), its threads on the rank's core (a rank's step spends 34-36 ms of CPU in
+# them; the decomposed benchmark Llama step measured 1.11-1.13x the whole one's: docs/results.md)
 _LINKS = {"nccl": (22e-6, 370e9), "gloo": (1.0e-3, 0.8e9)}
+_CONCURRENT = {"nccl": 1.0, "gloo": 0.0}
 # dense matmul rates in full waves: H100-class bf16 / fp16, and fp32 without TF32; one core of this project's CPU
 # (AVX-512, docs/results.md: the single device's 29 forward matmuls at 93 GFLOP/s in fp32)
 _RATES = {"cuda": {torch.bfloat16: 700e12, torch.float16: 700e12, None: 50e12},
@@ -98,7 +107,8 @@ def device_costs(backend: str, device_type: str, dtype: torch.dtype) -> Costs:
     if backend not in _LINKS:
         backend = "nccl" if device_type == "cuda" else "gloo"
     rates = _RATES[device_type]
-    return Costs(*_LINKS[backend], rates.get(dtype, rates[None]), _MATMUL_CALL_S[device_type], *_WAVES[device_type])
+    return Costs(*_LINKS[backend], rates.get(dtype, rates[None]), _MATMUL_CALL_S[device_type], *_WAVES[device_type],
+                 _CONCURRENT[backend])
 
 
 # --- the two pipelines --------------------------------------------------------------------------------------------
@@ -128,15 +138,16 @@ def compute_after_receive(piece_s: float, comm_s: float, count: int, local: bool
 def gather_pays(c: Costs, size: int, nbytes: int, linears: Linears) -> bool:
     """all_gather -> matmuls: the local chunk's matmuls, then each peer's as it arrives."""
     whole = compute_after_receive(linears.piece_s(c, 1), c.collective_s("all_gather", nbytes, size), 1, False)
-    pieces = compute_after_receive(linears.piece_s(c, size), c.send_s(nbytes / size), size - 1, True)
+    send = c.send_s(nbytes / size)
+    pieces = compute_after_receive(linears.piece_s(c, size) + c.busy_s(send), send, size - 1, True)
     return pieces + linears.backward_extra_s(c, size) < whole
 
 
 def scatter_pays(c: Costs, size: int, nbytes: int, linears: Linears) -> bool:
     """matmul -> reduce_scatter: each peer's rows computed and sent, this rank's own last."""
     whole = send_after_compute(linears.piece_s(c, 1), c.collective_s("reduce_scatter", nbytes, size), 1)
-    piece = linears.piece_s(c, size)
-    pieces = send_after_compute(piece, c.send_s(nbytes / size), size - 1, tail_s=piece)
+    piece, send = linears.piece_s(c, size), c.send_s(nbytes / size)
+    pieces = send_after_compute(piece + c.busy_s(send), send, size - 1, tail_s=piece)
     return pieces + linears.backward_extra_s(c, size) < whole
 
 
@@ -147,11 +158,14 @@ def reduce_chunks(c: Costs, size: int, nbytes: int, linears: Linears, *, backwar
 
     def total(k: int) -> float:
         comm = c.collective_s("all_reduce", nbytes / k, size)
+        busy = c.busy_s(comm) if k > 1 else 0.0  # what the transfers overlapping a piece take from it
         if not backward:
-            return send_after_compute(linears.piece_s(c, k), comm, k) + linears.backward_extra_s(c, k)
+            piece = linears.piece_s(c, k) + busy
+            return send_after_compute(piece, comm, k) - busy + linears.backward_extra_s(c, k)
         transposed = Linears(linears.rows, tuple((n, k_in) for k_in, n in linears.shapes))
         forward_extra = k * linears.piece_s(c, k) - linears.piece_s(c, 1)
-        return send_after_compute(transposed.piece_s(c, k), comm, k, linears.weight_grads_s(c, k)) + forward_extra
+        piece = transposed.piece_s(c, k) + busy
+        return send_after_compute(piece, comm, k, linears.weight_grads_s(c, k)) + forward_extra
 
     counts = [k for k in range(2, MAX_CHUNKS + 1) if linears.rows % k == 0 and linears.rows // k >= MIN_CHUNK_ROWS]
     if not counts:
