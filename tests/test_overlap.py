@@ -8,8 +8,15 @@ import torch
 import thunder_tp
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
 from tests.dist import run_ranks
-from tests.litgpt_models import GPTWithLoss, batch, make_config
-from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards, rank_and_size
+from tests.generation import PROMPT, gen_config, greedy, models_with_cache
+from tests.litgpt_models import VOCAB, GPTWithLoss, batch, expected_counts, make_config
+from tests.tp_checks import (
+    FAST_EXECUTORS,
+    assert_close_scaled,
+    assert_grads_are_shards,
+    collective_counts,
+    rank_and_size,
+)
 from thunder_tp import TensorParallel
 from thunder_tp.debug import collective_calls
 from thunder_tp.execution import overlap_cost
@@ -111,6 +118,35 @@ def test_decomposed_program_matches_the_whole_and_one_device(name, sequence_para
 def test_decomposed_program_at_four_ranks(sequence_parallel):
     tables = run_ranks(_decomposed_against_whole, 4, "benchmark", sequence_parallel)[0]
     _check_pieces(tables, 4, sequence_parallel, layers=2)
+
+
+def _generation_with_everything_decomposed() -> dict:
+    """Greedy generation with overlap="always": the prefill's all_reduces come in chunks, a decode step's one token
+    is not cut (Megatron's decode minimum); the tokens and logits of one device."""
+    _, size = rank_and_size()
+    config = gen_config("gqa")
+    reference, model = models_with_cache(config, 2)
+    tp = TensorParallel(thunder_tp.plans.litgpt(model), overlap="always")
+    jm = thunder.jit(model, transforms=[tp], executors=FAST_EXECUTORS)
+    prompt = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        jm(prompt, torch.arange(PROMPT))
+    prefill = collective_counts(thunder.last_traces(jm)[-1])
+    for block in jm.transformer.h:  # a fresh cache for the generation
+        block.attn.kv_cache.reset_parameters()
+    want_tokens, want_logits = greedy(reference, prompt, 4)
+    tokens, logits = greedy(jm, prompt, 4)
+    assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
+    for got, want in zip(logits, want_logits, strict=True):
+        assert_close_scaled(got, want, rtol=1e-6, atol=1e-6, what="logits")
+    return {"prefill": prefill, "decode": collective_counts(thunder.last_traces(jm)[-1]),
+            "minimum": expected_counts(config, "tp", size)[0]}
+
+
+def test_decode_steps_are_not_decomposed():
+    counts = run_ranks(_generation_with_everything_decomposed, 2)[0]
+    assert counts["decode"] == counts["minimum"], counts
+    assert counts["prefill"]["all_reduce"] > counts["minimum"]["all_reduce"], counts
 
 
 def test_cost_model_decomposes_only_where_it_pays():
