@@ -25,7 +25,7 @@ from thunder_tp.execution import overlap_cost
 SMALL_LLAMA = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab=128, ffn_hidden=64, max_seq=16)
 #: tolerance (of a grad's largest entry) against the undecomposed program and against one device: float64 through
 #: and through; litgpt's RMSNorm computes in float32 (a different rounding of its input shows up to ~5e-7)
-TOLERANCES = {"benchmark": (1e-12, 1e-9), "litgpt": (1e-6, 1e-5)}
+TOLERANCES = {"benchmark": (1e-12, 1e-9), "litgpt": (1e-6, 1e-5), "fused": (1e-8, 1e-7)}  # fused: Inductor
 
 
 def _models(name: str, sequence_parallel: bool):
@@ -58,12 +58,12 @@ def _kinds(trace) -> dict:
     return counts
 
 
-def _decomposed_against_whole(name: str, sequence_parallel: bool, executors=None) -> dict:
+def _decomposed_against_whole(name: str, sequence_parallel: bool, fused: bool = False) -> dict:
     """One training step of the model undecomposed and decomposed (overlap "never" / "always") and on one device:
-    loss and every grad; each pass's collectives."""
+    loss and every grad; each pass's collectives. ``fused``: thunder_tp's fusion executor (Inductor; its schedule)."""
     rank, size = rank_and_size()
     make, plan, (idx, targets) = _models(name, sequence_parallel)
-    to_whole, to_one_device = TOLERANCES[name]
+    to_whole, to_one_device = TOLERANCES["fused" if fused else name]
     torch.manual_seed(0)
     reference = make()
     results, grads = {}, {}
@@ -71,7 +71,7 @@ def _decomposed_against_whole(name: str, sequence_parallel: bool, executors=None
         model = make()
         model.load_state_dict(reference.state_dict())
         transform = TensorParallel(plan, overlap=overlap)
-        jm = thunder.jit(model, transforms=[transform], executors=executors or FAST_EXECUTORS)
+        jm = thunder.jit(model, transforms=[transform], executors=thunder_tp.executors() if fused else FAST_EXECUTORS)
         loss = jm(idx, targets)
         loss.backward()
         grads[overlap] = {n: p.grad for n, p in jm.named_parameters()}
@@ -110,6 +110,13 @@ def _check_pieces(tables: dict, size: int, sequence_parallel: bool, layers: int)
 ])
 def test_decomposed_program_matches_the_whole_and_one_device(name, sequence_parallel):
     tables = run_ranks(_decomposed_against_whole, 2, name, sequence_parallel)[0]
+    _check_pieces(tables, 2, sequence_parallel, layers=2)
+
+
+@pytest.mark.slow  # the same programs through Inductor's fusions and the fusion executor's schedule (compiles)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_decomposed_program_through_the_fusion_executor(sequence_parallel):
+    tables = run_ranks(_decomposed_against_whole, 2, "benchmark", sequence_parallel, fused=True)[0]
     _check_pieces(tables, 2, sequence_parallel, layers=2)
 
 

@@ -105,7 +105,8 @@ def collective_calls(trace: TraceCtx) -> list[dict]:
 def collectives_table(trace: TraceCtx | None) -> list[dict]:
     """The collectives of a final trace, one row per (kind, group size, bytes per call).
 
-    Each row: ``kind`` (all_reduce / all_gather / reduce_scatter / broadcast), ``group_size``,
+    Each row: ``kind`` (all_reduce / all_gather / reduce_scatter / broadcast / all_to_all; send_recv for a piece of
+    a collective decomposed for overlap: one rank's bytes to one peer), ``group_size``,
     ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered output),
     ``count`` and ``total_bytes``. Rows are in order of first appearance. A kind with calls of several sizes
     (e.g. activations and a loss-parallel scalar) gets one row per size. ``None`` gives ``[]``.
