@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode_modes", default="d,e,f", help="decode modes ('' for none)")
     p.add_argument("--plan", choices=list(PLANS), default="tp_sp_lp",
                    help="training: TP, with sequence parallel (sp) and/or loss parallel (lp)")
+    p.add_argument("--overlap", choices=["auto", "always", "never"], default="auto",
+                   help="training: thunder_tp's collectives decomposed for overlap (TensorParallel(overlap=...))")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1, help="training rows per step")
     p.add_argument("--context", type=int, default=1024, help="decode: cached positions")
@@ -194,7 +196,7 @@ def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: in
     def measure() -> dict:
         cfg = llama_config(dims, depth, args.seq)
         torch.manual_seed(0)  # the same weights in every mode: (a) and (b) compute the same loss
-        model = mode.build(cfg, device, DTYPES[args.dtype], args.quick, plan=args.plan)
+        model = mode.build(cfg, device, DTYPES[args.dtype], args.quick, plan=args.plan, overlap=args.overlap)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         batch = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
         result = timed_training(model, batch, optimizer, args.steps, args.warmup, device)

@@ -100,7 +100,8 @@ def _parameter_types(jm) -> dict[str, DistParallelType]:
 # --- the training comparison --------------------------------------------------------------------------
 
 
-def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer: int = 2, helper: bool = False):
+def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer: int = 2, helper: bool = False,
+           overlap: str = "auto", sequence_parallel: bool = False):
     """TP (+ DDP/FSDP) on a (dp x tp) mesh vs single device on the whole batch; returns collective counts."""
     mesh = thunder_tp.init_mesh(dp=dp, tp=tp_size)
     config = _llama(n_layer)
@@ -108,13 +109,13 @@ def _train(dp: int, tp_size: int, kind: str | None, fused: bool = False, n_layer
     reference = GPTWithLoss(config)
     model = GPTWithLoss(config)
     model.load_state_dict(reference.state_dict())
-    plan = thunder_tp.plans.litgpt(model)
+    plan = thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel)
     executors = thunder_tp.executors() if fused else FAST_EXECUTORS
     if helper:
         jm = thunder_tp.parallelize(model, plan, mesh, data_parallel=kind, executors=executors)
         tp = jm._lc_transforms[0]
     else:
-        tp = thunder_tp.TensorParallel(plan, process_group=mesh.tp_group)
+        tp = thunder_tp.TensorParallel(plan, process_group=mesh.tp_group, overlap=overlap)
         transforms = [tp] + ([_dp_transform(kind, mesh)] if kind else [])
         jm = thunder.jit(model, executors=executors, transforms=transforms)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -178,6 +179,13 @@ def test_tp_inside_fsdp_matches_single_device():
     n = info["n_params"]
     assert info["forward"] == {**forward, "dp all_gather": n}, info["forward"]  # one all_gather per parameter
     assert info["backward"] == {**backward, "dp reduce_scatter": n}, info["backward"]  # one reduce_scatter each
+
+
+@pytest.mark.slow  # the decomposition itself: test_overlap; here its pieces on the TP subgroups of a 2-D mesh
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_collectives_decomposed_for_overlap_inside_data_parallelism(kind):
+    info = run_ranks(_train, WORLD, 2, 2, kind, overlap="always", sequence_parallel=True)[0]
+    assert info["forward"].get("tp send_recv", 0) > 0 and info["backward"].get("tp send_recv", 0) > 0, info
 
 
 @pytest.mark.slow  # TP on 4 ranks: test_litgpt's TP=4 case; parallelize(): test_fsdp_only_on_a_tp1_mesh

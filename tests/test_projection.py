@@ -29,6 +29,17 @@ def test_ring_formulas():
     assert link.seconds("all_reduce", 8e6, 1) == 0.0  # a group of one rank moves nothing
 
 
+def test_a_shift_is_one_peer_transfer():
+    """A decomposed collective's piece (send_recv: one rank's bytes to one peer) at the all_gather's numbers, or at
+    its own once given them."""
+    link = _link()
+    assert link.seconds("send_recv", 8e6, 4) == pytest.approx(1e-3 + 8e-3)
+    own = link.overridden("send_recv.latency_us=8")
+    assert own.seconds("send_recv", 8e6, 4) == pytest.approx(8e-6 + 8e-3)
+    assert own.seconds("all_gather", 8e6, 4) == link.seconds("all_gather", 8e6, 4)
+    assert "send_recv" in own.table() and "send_recv" not in link.table()
+
+
 def test_overrides_and_their_errors():
     link = projection.LINKS["h100_nvlink"].overridden("all_reduce.latency_us=18, all.bus_gbps=350")
     assert link.latency_s["all_reduce"] == pytest.approx(18e-6) and link.latency_s["all_gather"] == pytest.approx(22e-6)

@@ -136,9 +136,10 @@ def collectives_table(trace: TraceCtx | None) -> CollectivesTable:
     """The collectives of a final trace, one row per (what issued them, kind, group size, bytes per call).
 
     Each row: ``issued_by`` ("module: what it does", a block's module with ``*`` for its layer index, so that one
-    row counts every block's), ``kind`` (all_reduce / all_gather / reduce_scatter / all_to_all / broadcast),
-    ``group_size``, ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered
-    output), ``count`` and ``total_bytes``. Rows are in order of first appearance; ``print`` shows them as a table.
+    row counts every block's), ``kind`` (all_reduce / all_gather / reduce_scatter / all_to_all / broadcast;
+    send_recv for a piece of a collective decomposed for overlap: one rank's bytes to one peer), ``group_size``,
+    ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered output),
+    ``count`` and ``total_bytes``. Rows are in order of first appearance; ``print`` shows them as a table.
     ``None`` gives an empty table.
     """
     rows: dict[tuple, dict] = {}

@@ -20,6 +20,8 @@ from thunder_tp.dtensor_styles import read_plan
 from thunder_tp.execution.agreement import CompileAgreement
 from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
+from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
+from thunder_tp.execution.overlap_cost import Costs
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
 from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import (
@@ -71,6 +73,11 @@ class TensorParallel(Transform):
     `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs (one small all_gather) and all
     raise if they differ (thunder_tp.execution.divergence): before every "training" call (autograd on) and the first
     call without autograd (the default), before "every" call, the "first" call only, or "never".
+    `overlap`: the collectives next to the matmuls that produce or consume them (all_gather -> matmul and matmul ->
+    reduce_scatter under SP, matmul -> all_reduce and the backward's input-grad all_reduce without) decomposed into
+    pieces that overlap those matmuls (thunder_tp.execution.overlap), forward and backward: "auto" where the cost
+    model says it pays (the default), "always" wherever the shapes allow, "never"; or the cost model's constants
+    (`thunder_tp.execution.overlap_cost.Costs`: a link and a matmul rate) to decide as "auto" for another machine.
     """
 
     def __init__(
@@ -80,11 +87,15 @@ class TensorParallel(Transform):
         *,
         example_inputs: tuple[tuple, dict] | None = None,
         check_inputs: Literal["training", "every", "first", "never"] = "training",
+        overlap: Mode = "auto",
     ):
         if check_inputs not in CHECK_INPUTS:
             raise ValueError(
                 f"thunder_tp.TensorParallel: check_inputs must be one of {CHECK_INPUTS}, got {check_inputs!r}"
             )
+        if not isinstance(overlap, Costs) and overlap not in MODES:
+            raise ValueError(f"thunder_tp.TensorParallel: overlap must be one of {MODES}, got {overlap!r}")
+        self.overlap = overlap
         self.plan = _checked_plan(plan, example_inputs)
         self.check_inputs = check_inputs
         self.example_inputs = example_inputs
@@ -234,7 +245,8 @@ class TensorParallel(Transform):
                    if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not is_simulating())}
         localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank)
         local = rewrite(logical, steps, propagation.layouts, self.tp, param_names)
-        return prologue, recompute_matmul_inputs(local), epilogue
+        # the chains feeding matmuls are tagged first: a decomposition reads them through its chunks' views
+        return prologue, decompose_for_overlap(recompute_matmul_inputs(local), self.tp, self.overlap), epilogue
 
     def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
         """The end of a compile: every rank of the TP group compiled, or all raise (thunder_tp.execution.agreement)."""

@@ -38,7 +38,8 @@ PLANS = {"tp": (False, False), "tp_sp": (True, False), "tp_lp": (False, True), "
 @dataclass(frozen=True)
 class RankMode:
     """A way to run one rank: ``build(config, device, dtype, quick)`` gives the module (training modes take the
-    plan's name too, ``plan=``); ``cuda_only`` modes skip on the CPU with ``skip_reason``."""
+    plan's name too, ``plan=``, and thunder_tp's ``overlap=``); ``cuda_only`` modes skip on the CPU with
+    ``skip_reason``."""
 
     key: str
     description: str
@@ -90,8 +91,8 @@ def llama_on_meta(cfg: LlamaConfig, dtype: torch.dtype) -> nn.Module:
 
 
 def _thunder_training(backend: str | None) -> Callable[..., nn.Module]:
-    def build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool, plan: str = "tp_sp_lp"
-              ) -> nn.Module:
+    def build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool, plan: str = "tp_sp_lp",
+              overlap: str = "auto") -> nn.Module:
         import thunder
 
         import thunder_tp
@@ -99,15 +100,16 @@ def _thunder_training(backend: str | None) -> Callable[..., nn.Module]:
         executors = thunder_default_executors() if quick else thunder_tp.executors(backend)
         sequence_parallel, loss_parallel = PLANS[plan]
         plan = thunder_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        tp = thunder_tp.TensorParallel(per_layer_keys_dropped(plan, cfg.n_layers))
+        tp = thunder_tp.TensorParallel(per_layer_keys_dropped(plan, cfg.n_layers), overlap=overlap)
         return thunder.jit(llama_on_meta(cfg, dtype), transforms=[tp, random_weights(device)], executors=executors)
 
     return build
 
 
 def _dtensor_training(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, quick: bool,
-                      plan: str = "tp_sp_lp") -> nn.Module:
-    """torchtitan's TP plan on the Llama (with loss parallel: the targets replicated as DTensors), compiled."""
+                      plan: str = "tp_sp_lp", overlap: str = "auto") -> nn.Module:
+    """torchtitan's TP plan on the Llama (with loss parallel: the targets replicated as DTensors), compiled
+    (``overlap`` is thunder_tp's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from thunder.core.proxies import TensorProxy
@@ -34,6 +34,8 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: a decomposed collective's piece: one rank's bytes to one peer (thunder_tp's shifts); priced if a link names it
+SEND_RECV = "send_recv"
 MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "torch_linear", "torch_matmul"}
 #: symbols that only name or forward an issued collective's handle (thunder_tp's tp_name_work)
 PASS_THROUGH = {"tp_name_work"}
@@ -52,10 +54,14 @@ class Link:
     latency_after_idle: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def seconds(self, kind: str, nbytes: float, group_size: int, idle_s: float | None = None) -> float:
-        """One collective's time (ring formulas; all_to_all and broadcast priced as an all_gather); ``idle_s``: how
-        long the link was idle before it (used where the link's latency depends on it)."""
+        """One collective's time (ring formulas; all_to_all and broadcast priced as an all_gather; a send_recv, one
+        rank's ``nbytes`` to one peer, at its own numbers if the link has them, else the all_gather's: the same
+        link); ``idle_s``: how long the link was idle before it (used where the link's latency depends on it)."""
         if group_size <= 1:
             return 0.0
+        if kind == SEND_RECV:
+            numbers = SEND_RECV if SEND_RECV in self.latency_s else "all_gather"
+            return self.latency(numbers, idle_s) + nbytes / self.bus_bytes_per_s[numbers]
         kind = kind if kind in KINDS else "all_gather"
         factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
         return self.latency(kind, idle_s) + factor * nbytes / self.bus_bytes_per_s[kind]
@@ -83,9 +89,12 @@ class Link:
                 raise ValueError(f"--link_override: {item!r} is not kind.latency_us=X or kind.bus_gbps=Y "
                                  f"(kinds: {', '.join(KINDS)}, all)") from None
             kinds = KINDS if kind == "all" else (kind,)
-            if not set(kinds) <= set(KINDS) or what not in ("latency_us", "bus_gbps"):
-                raise ValueError(f"--link_override: unknown {key!r}; use <{'|'.join(KINDS)}|all>.<latency_us|bus_gbps>")
+            if not set(kinds) <= {*KINDS, SEND_RECV} or what not in ("latency_us", "bus_gbps"):
+                raise ValueError(f"--link_override: unknown {key!r}; use "
+                                 f"<{'|'.join((*KINDS, SEND_RECV))}|all>.<latency_us|bus_gbps>")
             for k in kinds:
+                if k not in latency:  # a kind the link prices as another until given numbers of its own
+                    latency[k], bandwidth[k] = latency["all_gather"], bandwidth["all_gather"]
                 if what == "latency_us":
                     latency[k] = number * 1e-6
                     idle.pop(k, None)
@@ -98,7 +107,7 @@ class Link:
         """The parameters as a markdown table with their sources."""
         lines = [f"alpha-beta parameters ({self.name}):", "", "| kind | latency (µs) | bus bandwidth (GB/s) | source |",
                  "|---|---:|---:|---|"]
-        for k in KINDS:
+        for k in (k for k in (*KINDS, SEND_RECV) if k in self.latency_s):
             source = "; ".join(s for key, s in self.sources.items() if key.startswith(k) or key == "all")
             latency = f"{self.latency_s[k] * 1e6:.1f}"
             if self.latency_after_idle.get(k):
@@ -150,14 +159,15 @@ def _attention_flops(bsym: BoundSymbol) -> float:
     return 2.5 * flops if "backward" in bsym.sym.name else flops
 
 
-def flops(bsym: BoundSymbol) -> float:
-    """Matmul and attention FLOPs of a bound symbol (its subsymbols' for a fusion region or a composite)."""
+def flops(bsym: BoundSymbol, matmul: Callable[[BoundSymbol], float] = _matmul_flops) -> float:
+    """Matmul and attention FLOPs of a bound symbol (its subsymbols' for a fusion region or a composite); ``matmul``:
+    what a matmul counts (its FLOPs, or FLOP-equivalents of a model that prices small ones dearer)."""
     name = bsym.sym.name
     if name in MATMULS:
-        return _matmul_flops(bsym)
+        return matmul(bsym)
     if "scaled_dot_product" in name or "sdpa" in name:
         return _attention_flops(bsym)
-    return sum(flops(s) for s in bsym.subsymbols)
+    return sum(flops(s, matmul) for s in bsym.subsymbols)
 
 
 # --- one pass on the link --------------------------------------------------------------------------------------
@@ -184,9 +194,11 @@ def _names(proxies: Iterable) -> set[str]:
     return {p.name for p in proxies if hasattr(p, "name")}
 
 
-def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: Link) -> PassProjection:
+def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: Link,
+                 weigh: Callable[[BoundSymbol], float] = flops) -> PassProjection:
     """The pass's time with the collectives of ``trace`` on ``link``, without and with the overlap its schedule
-    allows; ``compute_s``: the pass's measured compute (under the fake group: no communication)."""
+    allows; ``compute_s``: the pass's measured compute (under the fake group: no communication), shared among its
+    symbols by ``weigh`` (matmul and attention FLOPs)."""
     from thunder_tp.debug import collective_calls
 
     if trace is None:
@@ -197,7 +209,7 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
         comm = sum(r["seconds"] for r in records)
         return PassProjection(compute_s, comm, compute_s + comm, compute_s + comm, records)
     calls = {id(c["bsym"]): c for c in collective_calls(trace)}
-    share = _compute_shares(trace, calls, compute_s)
+    share = _compute_shares(trace, calls, compute_s, weigh)
     clock = link_free = 0.0
     pending: dict[str, dict] = {}  # a name carrying an issued collective -> its record
     records = []
@@ -224,10 +236,11 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
     return PassProjection(compute_s, comm, serial, min(max(clock, link_free), serial), records)
 
 
-def _compute_shares(trace: TraceCtx, calls: dict, compute_s: float) -> dict[int, float]:
-    """Each non-collective top-level symbol's share of the pass's compute: by matmul and attention FLOPs, or
-    evenly where the pass has none."""
-    weights = {id(b): flops(b) for b in trace.bound_symbols if id(b) not in calls}
+def _compute_shares(trace: TraceCtx, calls: dict, compute_s: float,
+                    weigh: Callable[[BoundSymbol], float]) -> dict[int, float]:
+    """Each non-collective top-level symbol's share of the pass's compute: by ``weigh`` (matmul and attention
+    FLOPs), or evenly where the pass has none."""
+    weights = {id(b): weigh(b) for b in trace.bound_symbols if id(b) not in calls}
     total = sum(weights.values())
     if total == 0:
         weights, total = dict.fromkeys(weights, 1.0), float(len(weights) or 1)

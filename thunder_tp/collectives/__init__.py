@@ -4,11 +4,13 @@
     distributed   their synchronous torch.distributed implementations; work handles whose failure names them
     lowering      how `comm_executor` runs them: async torchex prims + wait, local ops the fusion executor claims
     packing       blocked shards packed into / out of the dim-0 order of torch.distributed's collectives
+    shift         a cyclic shift over the group (send to rank + step, receive from rank - step): decomposed collectives
     exchange      all_to_alls with uneven split sizes (expert parallelism's dispatch and combine) inside opaque ops
 """
 
 from thunder_tp.collectives import lowering  # noqa: F401  (importing it registers the symbols' executions)
 from thunder_tp.collectives.distributed import gather_full, gather_shards
+from thunder_tp.collectives.shift import tp_shift
 from thunder_tp.collectives.symbols import (
     COLLECTIVE_KINDS,
     COMM_IDS,
@@ -48,5 +50,6 @@ __all__ = [
     "tp_reduce_from_tp",
     "tp_reduce_scatter",
     "tp_scatter",
+    "tp_shift",
     "tp_to_partial",
 ]

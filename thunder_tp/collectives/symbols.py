@@ -93,6 +93,9 @@ COLLECTIVE_KINDS: dict[str, str] = {
     "tp_reduce_scatter": "reduce_scatter",
     "tp_all_to_all": "all_to_all",
     "tp_all_to_all_start": "all_to_all",
+    # a decomposed all_gather / reduce_scatter's pieces (collectives/shift.py): each rank's bytes to one peer
+    "tp_shift": "send_recv",
+    "tp_shift_start": "send_recv",
 }
 
 #: opaque ops that issue collectives inside them (expert parallelism's exchanges, whose sizes depend on the data):
