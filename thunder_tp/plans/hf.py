@@ -72,7 +72,8 @@ def hf(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         plan[_name_of(model, head)] = ColwiseParallel(output_layout=None if loss_parallel else REPLICATE)
-    plan |= {name: FeatureShardedNorm() for name in _all_head_norms(model)}
+    heads = FeatureShardedNorm(unit=_head_dim(model), groups=_kv_heads(config))  # split like the heads they norm
+    plan |= {name: heads for name in _all_head_norms(model)}
     if sequence_parallel:
         plan |= {name: SequenceParallel(SEQUENCE_DIM) for name in _residual_norms(model)}
     return {prefix + name: style for name, style in plan.items()}
@@ -186,7 +187,9 @@ def _fixed(config, name: str, kind: str) -> str:
 def _style(model: nn.Module, name: str, kind: str, block_output: Layout | None) -> Style | None:
     """The thunder_tp style of one module of HF's plan."""
     if kind == "row":
-        return RowwiseParallel(output_layout=block_output)
+        if not _reads_heads(model, name):
+            return RowwiseParallel(output_layout=block_output)
+        return RowwiseParallel(output_layout=block_output, unit=_head_dim(model), groups=_kv_heads(model.config))
     if kind == "sp":
         return SequenceParallel(SEQUENCE_DIM)
     if kind == "replicate":
@@ -201,11 +204,26 @@ def _head_style(model: nn.Module, name: str) -> ColwiseParallel | None:
         return None
     config = model.config
     kv = _HEAD_PROJECTIONS[last]
-    heads = config.num_attention_heads
-    if kv:
-        heads = getattr(config, "num_key_value_heads", None) or heads
+    heads = _kv_heads(config) if kv else config.num_attention_heads
     features = model.get_submodule(name).out_features
-    return ColwiseParallel(blocks=(features,), unit=features // heads, replicable=(kv,))
+    return ColwiseParallel(blocks=(features,), unit=features // heads, replicable=(kv,), groups=_kv_heads(config))
+
+
+def _kv_heads(config) -> int:
+    """The number of K/V heads (each shared by the same number of query heads)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _head_dim(model: nn.Module) -> int:
+    """The size of one attention head."""
+    config = model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _reads_heads(model: nn.Module, name: str) -> bool:
+    """Whether a row-parallel projection reads the attention heads (a sibling of the q / fused qkv projection)."""
+    parent = model.get_submodule(name.rpartition(".")[0])
+    return any(hasattr(parent, projection) for projection in _HEAD_PROJECTIONS)
 
 
 def _parallel_residual(config) -> bool:
