@@ -26,9 +26,11 @@ from thunder_tp.collectives.symbols import (
     tp_gather_to_tp,
     tp_padded_piece,
     tp_padding_filled,
+    tp_placed,
     tp_reduce_from_tp,
     tp_reduce_scatter,
     tp_scatter,
+    tp_taken,
     tp_to_partial,
 )
 
@@ -50,8 +52,10 @@ __all__ = [
     "tp_gather_to_tp",
     "tp_padded_piece",
     "tp_padding_filled",
+    "tp_placed",
     "tp_reduce_from_tp",
     "tp_reduce_scatter",
     "tp_scatter",
+    "tp_taken",
     "tp_to_partial",
 ]
