@@ -96,8 +96,8 @@ def test_tp(tmp_path):
     assert per_iter["backward"]["by_kind"] == {"all_reduce": {"count": 3, "bytes": 3 * ACTIVATION}}, per_iter
     for name, count in (("forward", 2), ("backward", 3)):
         rows = [r for r in res["collectives"]["tables"][name] if r["kind"] == "all_reduce"]
-        assert rows == [{"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION, "count": count,
-                         "total_bytes": count * ACTIVATION}], rows
+        assert rows == [{"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION, "padding_per_call": 0,
+                         "count": count, "total_bytes": count * ACTIVATION}], rows
     # --dump_thunder_traces: every rank wrote its files, one line says where, the summary ends the output
     assert "traces of every rank written to" in output and "def backward_fn" not in output, output[-4000:]
     assert output.index("traces of every rank written to") < output.index("Model name:"), output[-4000:]

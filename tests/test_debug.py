@@ -13,8 +13,8 @@ from tests.tp_checks import FAST_EXECUTORS
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
 ALL_REDUCE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
 # the MLP's one collective per pass: the row-parallel output's all_reduce (forward), the input grad's (backward)
-ALL_REDUCE_ROW = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
-                  "total_bytes": ACTIVATION_BYTES}
+ALL_REDUCE_ROW = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "padding_per_call": 0,
+                  "count": 1, "total_bytes": ACTIVATION_BYTES}
 
 
 def _functions(text: str) -> list[str]:
@@ -75,9 +75,9 @@ def test_dump_traces_and_collectives_table(tmp_path):
         assert sum(f"{ALL_REDUCE}(" in line for line in backward.splitlines() if not line.startswith("#")) == 1
 
         table = res["texts"][f"rank{r}_collectives.md"]
-        assert "| pass | kind | group size | bytes per call | count | total bytes |" in table
-        assert f"| forward | all_reduce | 2 | {ACTIVATION_BYTES} | 1 | {ACTIVATION_BYTES} |" in table
-        assert f"| backward | all_reduce | 2 | {ACTIVATION_BYTES} | 1 | {ACTIVATION_BYTES} |" in table
+        assert "| pass | kind | group size | bytes per call | of which padding | count | total bytes |" in table
+        assert f"| forward | all_reduce | 2 | {ACTIVATION_BYTES} | 0 | 1 | {ACTIVATION_BYTES} |" in table
+        assert f"| backward | all_reduce | 2 | {ACTIVATION_BYTES} | 0 | 1 | {ACTIVATION_BYTES} |" in table
 
 
 def test_dump_traces_without_backward(tmp_path):

@@ -53,9 +53,14 @@ PLANS = {
 }
 
 
+def _forward_table(jm) -> list[dict]:
+    return thunder_tp.collectives_table(thunder.last_traces(jm)[-1])
+
+
 def _mlp(plan_name: str) -> dict:
     plan = PLANS[plan_name][0]
-    return compare_with_single_device(_model, _inputs, thunder_tp.TensorParallel(plan), rtol=1e-12, atol=1e-12)
+    return compare_with_single_device(_model, _inputs, thunder_tp.TensorParallel(plan), rtol=1e-12, atol=1e-12,
+                                      inspect=_forward_table)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -65,6 +70,10 @@ def test_mlp_whose_features_no_size_divides(world, plan):
     _, forward, backward = PLANS[plan]
     assert info["forward"] == forward, info
     assert info["backward"] == backward, info
+    if plan == "gathered":  # pieces padded to the longest: 37 features as 19 + 19 (13 * 3), 23 as 12 + 12 (8 * 3)
+        entry = SEQ * BATCH * 8  # bytes of one feature of every token, float64
+        padding = [row["padding_per_call"] for row in info["inspected"] if row["kind"] == "all_gather"]
+        assert sorted(padding) == sorted(entry * (-n % world) for n in (FFN, HIDDEN)), info["inspected"]
 
 
 @pytest.mark.parametrize("plan", PLANS)

@@ -157,3 +157,19 @@ def test_more_ranks_than_heads_is_refused_naming_the_sizes_that_work():
         with thunder_tp.simulate(world_size=8):
             thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model))])
     assert tp_sizes(config) == [1, 2, 3, 4]
+
+
+def test_sequence_parallel_with_fewer_tokens_than_ranks_runs_as_tp():
+    """A sequence the ranks do not divide is split unevenly (test_qwen_heads_at_tp3_on_three_ranks: 16 tokens as
+    6, 5, 5); one shorter than the ranks cannot give each a token: the norms then run replicated and the block
+    reduces as under TP (Megatron's all_reduces), still exact."""
+    reference, model = _pair("qwen28")
+    idx, targets = (t[:, :2] for t in batch(0))
+    expected = reference(idx, targets)
+    with thunder_tp.simulate(world_size=3):
+        jm = thunder.jit(model, transforms=[TensorParallel(thunder_tp.plans.litgpt(model, sequence_parallel=True))],
+                         executors=thunder_tp.executors())
+        loss = jm(idx, targets)
+        for rank, value in thunder_tp.per_rank(loss).items():
+            assert_close_scaled(value, expected, rtol=0, atol=ATOL["RMSNorm"], what=f"loss of simulated rank {rank}")
+        assert collective_counts(thunder.last_traces(jm)[-1]) == expected_counts(_config("qwen28"), "tp", 3)[0]

@@ -81,13 +81,16 @@ def _group_size(group: Any) -> int:
 
 
 def collective_calls(trace: TraceCtx) -> list[dict]:
-    """Every collective of ``trace`` in program order: kind, group size, bytes, and the bound symbol."""
+    """Every collective of ``trace`` in program order: kind, group size, bytes (the padding of unequal pieces
+    included, and apart: ``padding``), and the bound symbol."""
+    padding = {b.args[0].name: b.args[4] for b in trace.bound_symbols if b.sym.name == "tp_name_work" and
+               len(b.args) > 4}
     calls = []
     for bsym in trace.bound_symbols:
         if bsym.sym.name in ISSUED_INSIDE:  # an opaque op with collectives inside (expert parallelism's all_to_alls)
             group = _group(bsym)
-            calls += [{"kind": kind, "group_size": _group_size(group), "bytes": moved, "group": group, "bsym": bsym}
-                      for kind, moved in ISSUED_INSIDE[bsym.sym.name](bsym)]
+            calls += [{"kind": kind, "group_size": _group_size(group), "bytes": moved, "padding": 0, "group": group,
+                       "bsym": bsym} for kind, moved in ISSUED_INSIDE[bsym.sym.name](bsym)]
             continue
         kind = collective_kind(bsym)
         if kind is None:
@@ -98,7 +101,9 @@ def collective_calls(trace: TraceCtx) -> list[dict]:
         group = _group(bsym)
         size = _group_size(group)
         moved = nbytes(tensor) * (size if kind == "all_gather" else 1)  # all_gather: the gathered output
-        calls.append({"kind": kind, "group_size": size, "bytes": moved, "group": group, "bsym": bsym})
+        padded = padding.get(getattr(bsym.output, "name", None), 0)
+        calls.append({"kind": kind, "group_size": size, "bytes": moved, "padding": padded, "group": group,
+                      "bsym": bsym})
     return calls
 
 
@@ -107,17 +112,17 @@ def collectives_table(trace: TraceCtx | None) -> list[dict]:
 
     Each row: ``kind`` (all_reduce / all_gather / reduce_scatter / broadcast), ``group_size``,
     ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered output),
-    ``count`` and ``total_bytes``. Rows are in order of first appearance. A kind with calls of several sizes
+    ``padding_per_call`` (how many of those bytes pad shorter pieces to the longest: a size that does not divide a
+    dim), ``count`` and ``total_bytes``. Rows are in order of first appearance. A kind with calls of several sizes
     (e.g. activations and a loss-parallel scalar) gets one row per size. ``None`` gives ``[]``.
     """
     if trace is None:
         return []
     rows: dict[tuple, dict] = {}
     for call in collective_calls(trace):
-        key = (call["kind"], call["group_size"], call["bytes"])
-        row = rows.setdefault(
-            key, {"kind": key[0], "group_size": key[1], "bytes_per_call": key[2], "count": 0, "total_bytes": 0}
-        )
+        key = (call["kind"], call["group_size"], call["bytes"], call["padding"])
+        row = rows.setdefault(key, {"kind": key[0], "group_size": key[1], "bytes_per_call": key[2],
+                                    "padding_per_call": key[3], "count": 0, "total_bytes": 0})
         row["count"] += 1
         row["total_bytes"] += call["bytes"]
     return list(rows.values())
@@ -136,16 +141,16 @@ def totals(table: Iterable[dict]) -> dict[str, dict[str, int]]:
 def format_table(tables: dict[str, list[dict]]) -> str:
     """A markdown table of ``{pass name: collectives_table}``."""
     lines = [
-        "| pass | kind | group size | bytes per call | count | total bytes |",
-        "|---|---|---:|---:|---:|---:|",
+        "| pass | kind | group size | bytes per call | of which padding | count | total bytes |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for name, table in tables.items():
         if not table:
-            lines.append(f"| {name} | (none) | | | 0 | 0 |")
+            lines.append(f"| {name} | (none) | | | | 0 | 0 |")
         for r in table:
             lines.append(
-                f"| {name} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | {r['count']} | "
-                f"{r['total_bytes']} |"
+                f"| {name} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | {r['padding_per_call']} | "
+                f"{r['count']} | {r['total_bytes']} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -45,10 +45,22 @@ def _kind(module: nn.Module, style: str) -> str:
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if is_conv1d(module):
+        return "conv1d"
     raise TypeError(
-        f"{style} supports nn.Linear and nn.Embedding, not {type(module).__name__}; "
+        f"{style} supports nn.Linear, nn.Embedding and transformers' Conv1D, not {type(module).__name__}; "
         "annotate its parameters with thunder_tp.annotate or leave the module out of the plan"
     )
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is HF transformers' Conv1D (GPT-2's linear layer: weight (in, out), y = addmm(b, x, w))."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def _features_dims(module: nn.Module) -> tuple[int, int]:
+    """The weight dims of a linear layer's output and input features: nn.Linear's (0, 1), Conv1D's (1, 0)."""
+    return (1, 0) if is_conv1d(module) else (0, 1)
 
 
 def _read_layouts(style: Style, input_layouts: object, output_layouts: object, natural_output: Layout) -> None:
@@ -129,10 +141,12 @@ class ColwiseParallel(Style):
         if _kind(module, "ColwiseParallel") == "embedding":
             return {"weight": Shard(1)}
         self._check_units(size)
-        splits = tuple(self._splits(size)) or (Split(module.out_features // self.unit, self.groups).normal(size),)
+        out_dim = _features_dims(module)[0]
+        features = module.weight.shape[out_dim]
+        splits = tuple(self._splits(size)) or (Split(features // self.unit, self.groups).normal(size),)
         blocks = self.blocks if len(self.blocks or ()) > 1 else None  # one block: a plain split (by whole units)
-        layout = canonical(Shard(0, blocks, splits), module.out_features, size)
-        layouts = {"weight": layout}
+        layout = canonical(Shard(0, blocks, splits), features, size)
+        layouts = {"weight": layout.moved(out_dim)}
         if module.bias is not None:
             layouts["bias"] = layout
         return layouts
@@ -165,8 +179,10 @@ class RowwiseParallel(Style):
         """Layout of each of the module's own parameters."""
         if _kind(module, "RowwiseParallel") == "embedding":
             return {"weight": Shard(0)}
-        split = Split(module.in_features // self.unit, self.groups).normal(size)
-        layouts: dict[str, Layout] = {"weight": canonical(Shard(1, splits=(split,)), module.in_features, size)}
+        in_dim = _features_dims(module)[1]
+        features = module.weight.shape[in_dim]
+        split = Split(features // self.unit, self.groups).normal(size)
+        layouts: dict[str, Layout] = {"weight": canonical(Shard(in_dim, splits=(split,)), features, size)}
         if module.bias is not None:
             layouts["bias"] = REPLICATE
         return layouts

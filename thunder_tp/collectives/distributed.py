@@ -150,7 +150,8 @@ class NamedWork:
             ) from e
 
 
-def name_work(future: tuple, kind: str, a: torch.Tensor, group: dist.ProcessGroup) -> tuple:
-    """Thunder's (work, result) future with its work handle named."""
+def name_work(future: tuple, kind: str, a: torch.Tensor, group: dist.ProcessGroup, padding: int = 0) -> tuple:
+    """Thunder's (work, result) future with its work handle named (`padding`: the bytes of it that pad unequal
+    pieces to the longest, for the trace tables)."""
     work, result = future
     return NamedWork(work, kind, a, group), result

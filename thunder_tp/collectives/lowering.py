@@ -80,8 +80,8 @@ def _async_all_gather(a: TensorProxy, dim: int, pieces: Pieces, group: dist.Proc
     if not is_even(pieces):  # every rank's piece as long as the longest (on every rank, even where it is that long)
         a = padded_piece(a, dim, pieces[dist.get_rank(group)], padded_lengths(pieces), ltorch)
     padded = tp_pack(a, 0, None)
-    gathered = wait_prim_impl(tp_name_work(all_gather_prim_impl(padded, group, True, None), "all_gather", padded,
-                                           group))
+    future = all_gather_prim_impl(padded, group, True, None)
+    gathered = wait_prim_impl(tp_name_work(future, "all_gather", padded, group, padding_bytes(padded, dim, pieces)))
     if dim == 0 and is_plain(pieces):
         return gathered
     return tp_unpack(gathered, dim, pieces, tuple(padded.shape))
@@ -95,7 +95,7 @@ def _async_reduce_scatter(a: TensorProxy, dim: int, pieces: Pieces, group: dist.
 
     packed = tp_pack(a, dim, pieces)
     future = reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None)
-    out = wait_prim_impl(tp_name_work(future, "reduce_scatter", packed, group))
+    out = wait_prim_impl(tp_name_work(future, "reduce_scatter", packed, group, padding_bytes(a, dim, pieces)))
     if dim == 0 and is_plain(pieces):
         return out
     shape = list(a.shape)
@@ -104,6 +104,14 @@ def _async_reduce_scatter(a: TensorProxy, dim: int, pieces: Pieces, group: dist.
     if is_even(pieces):
         return padded
     return trimmed_piece(padded, dim, pieces[dist.get_rank(group)], padded_lengths(pieces), ltorch)
+
+
+def padding_bytes(t: TensorProxy, dim: int, pieces: Pieces) -> int:
+    """Bytes of the padding in a collective of every rank's piece of `pieces` (each block padded to rank 0's), `t` a
+    piece or the whole (for the size of one entry of `dim`)."""
+    padded = sum(padded_lengths(pieces))
+    missing = sum(padded - sum(length for _, length in chunks) for chunks in pieces)
+    return t.numel // t.shape[dim] * missing * t.dtype.bytes
 
 
 def _async_all_to_all(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:

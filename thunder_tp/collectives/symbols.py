@@ -133,7 +133,7 @@ tp_all_to_all_start = comm_executor.register_operator(
     "tp_all_to_all_start", meta=lambda packed, group: FutureTensorProxy(like=packed), fn=D.all_to_all_start
 )
 tp_name_work = comm_executor.register_operator(
-    "tp_name_work", meta=lambda future, kind, a, group: FutureTensorProxy(like=future), fn=D.name_work
+    "tp_name_work", meta=lambda future, kind, a, group, padding=0: FutureTensorProxy(like=future), fn=D.name_work
 )
 
 # --- the rank inside traced programs ------------------------------------------------------------------------
