@@ -63,9 +63,13 @@ def _mlp(plan_name: str) -> dict:
                                       inspect=_forward_table)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("plan", PLANS)
-def test_mlp_whose_features_no_size_divides(world, plan):
+#: the default run: each plan once; the other world sizes slow-marked (the same collectives, other piece lengths)
+CASES = [(p, w) if (p, w) in {("megatron", 3), ("gathered", 2), ("scattered", 3)} else
+         pytest.param(p, w, marks=pytest.mark.slow) for p in PLANS for w in (2, 3)]
+
+
+@pytest.mark.parametrize("plan,world", CASES)
+def test_mlp_whose_features_no_size_divides(plan, world):
     info = run_ranks(_mlp, world, plan)[0]
     _, forward, backward = PLANS[plan]
     assert info["forward"] == forward, info
@@ -76,7 +80,11 @@ def test_mlp_whose_features_no_size_divides(world, plan):
         assert sorted(padding) == sorted(entry * (-n % world) for n in (FFN, HIDDEN)), info["inspected"]
 
 
-@pytest.mark.parametrize("plan", PLANS)
+#: the gathered and scattered plans' collectives on padded pieces run by default on real ranks
+SIMULATED = ["megatron", *(pytest.param(p, marks=pytest.mark.slow) for p in ("gathered", "scattered"))]
+
+
+@pytest.mark.parametrize("plan", SIMULATED)
 def test_mlp_simulated_at_tp8(plan):
     """8 simulated ranks: every rank's piece padded to the longest in the one simulated program; the grads each
     rank's true piece."""

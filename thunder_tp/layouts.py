@@ -59,11 +59,13 @@ class Split:
 
     def normal(self, size: int) -> Split:
         """The same cut in one form per cut: whole groups per rank as groups of one unit; replicated groups as
-        replicated units."""
+        replicated units; groups whose units fall as a balanced split of all units would as ungrouped units."""
         groups = self.groups or self.units
         if groups >= size or (groups == self.units and not self.replicated):
             return Split(groups)
-        return Split(groups, replicated=True) if self.replicated else self
+        if self.replicated:
+            return Split(groups, replicated=True)
+        return Split(self.units) if self.unit_ranges(size) == Split(self.units).unit_ranges(size) else self
 
 
 def balanced(n: int, parts: int) -> list[tuple[int, int]]:
