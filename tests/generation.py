@@ -59,9 +59,11 @@ def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None,
     return torch.stack(tokens, 1), history
 
 
-def local_cache_shapes(config: Config, batch: int, size: int) -> dict[str, tuple[int, ...]]:
-    """Each rank's K/V cache: its K/V heads, or the one head its query heads share."""
-    heads = config.n_query_groups // size if config.n_query_groups >= size else 1
+def local_cache_shapes(config: Config, batch: int, size: int, rank: int) -> dict[str, tuple[int, ...]]:
+    """Rank `rank`'s K/V cache: its K/V heads (a balanced share: the first ranks one more where the size does not
+    divide them), or the one head its query heads share."""
+    base, extra = divmod(config.n_query_groups, size)
+    heads = base + (rank < extra) if base else 1
     return {f"transformer.h.{i}.attn.kv_cache.{kv}": (batch, heads, _cache_length(config, i), config.head_size)
             for i in range(config.n_layer) for kv in "kv"}
 

@@ -54,6 +54,20 @@ def make_model(name: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(make_config(name), torch_dtype=torch.float64)
 
 
+#: HF GPT-2 (Conv1D layers, fused q|k|v, learned positions, tied head; no tp_plan in its config: plans.hf has one),
+#: with a vocabulary no TP size divides, as GPT-2's 50,257; dropout off, so that TP and one device compute alike
+GPT2 = dict(vocab_size=VOCAB + 1, n_positions=64, n_embd=32, n_layer=LAYERS, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0)
+
+
+def make_gpt2() -> torch.nn.Module:
+    """A float64 GPT2LMHeadModel of the GPT2 config, seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(**GPT2)).to(torch.float64)
+
+
 def batch(seed: int = 0, length: int = SEQ) -> torch.Tensor:
     """Random token ids (also the labels: HF shifts them inside its loss)."""
     return torch.randint(0, VOCAB, (BATCH, length), generator=torch.Generator().manual_seed(seed))

@@ -97,7 +97,8 @@ def test_tp(tmp_path):
     for name, count in (("forward", 2), ("backward", 3)):
         rows = [r for r in res["collectives"]["tables"][name] if r["kind"] == "all_reduce"]
         assert sum(r["count"] for r in rows) == count, rows
-        assert all(r["group_size"] == 2 and r["bytes_per_call"] == ACTIVATION for r in rows), rows
+        assert all(r["group_size"] == 2 and r["bytes_per_call"] == ACTIVATION and r["padding_per_call"] == 0
+                   for r in rows), rows
         assert all(".transformer." in r["issued_by"] or "lm_head" in r["issued_by"] for r in rows), rows  # modules
     # --dump_thunder_traces: every rank wrote its files, one line says where, the summary ends the output
     assert "traces of every rank written to" in output and "def backward_fn" not in output, output[-4000:]

@@ -117,6 +117,38 @@ def test_resume_at_another_tp_size(saved, world, tmp_path):
     torch.testing.assert_close(_resume_plain(resave), expected, rtol=RTOL, atol=0)
 
 
+# --- uneven shards: a TP size that divides neither the heads nor the features nor the vocabulary ------------------
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp3(tmp_path_factory) -> tuple[str, list[float]]:
+    """At TP 3: 4 query heads 2 / 1 / 1 (the first K/V head on rank 0 alone, the second on ranks 1 and 2), the MLP's 256
+    features and the vocabulary 86 / 85 / 85."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "tp3")
+    losses = run_ranks(_train_save_continue, 3, path)
+    assert losses[0] == losses[1] == losses[2]
+    return path, losses[0]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: another even size, as 2
+def test_saved_at_tp3_resumes_at_another_tp_size(saved_at_tp3, world):
+    """DCP describes each piece by its offsets in the full tensor, so pieces of any lengths load at any TP size."""
+    path, expected = saved_at_tp3
+    for losses in run_ranks(_resume, world, path):
+        torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
+    torch.testing.assert_close(_resume_plain(path), expected, rtol=RTOL, atol=0)
+
+
+@pytest.mark.slow  # test_saved_at_tp3_resumes_at_another_tp_size covers uneven pieces on either side of a load
+def test_saved_at_tp4_resumes_at_tp3(saved, tmp_path):
+    """The TP 2 checkpoint saved again at TP 4 (each K/V head on 2 ranks), resumed at TP 3 (uneven pieces)."""
+    path, expected = saved
+    at_tp4 = str(tmp_path / "tp4")
+    run_ranks(_resume, 4, path, False, False, at_tp4)
+    for losses in run_ranks(_resume, 3, at_tp4):
+        torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0)
+
+
 def test_resume_meta_device_model(saved):
     path, expected = saved
     for losses in run_ranks(_resume, 2, path, True):

@@ -212,15 +212,15 @@ def _conflicting():
     return model
 
 
-def _not_divisible():
-    return MLP(ffn=510)
+def _too_narrow():
+    return MLP(ffn=3)  # 3 features over 4 ranks: one would hold none (510 would split 128, 128, 127, 127)
 
 
 def _bad_inputs():
     return {
         "unmatched": _error(MLP, {"fc3": ColwiseParallel()}),
         "unmatched_glob": _error(MLP, {"layers.*.fc1": ColwiseParallel()}),
-        "not_divisible": _error(_not_divisible, PLAN),
+        "too_narrow": _error(_too_narrow, PLAN),
         "unsupported": _error(lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU()), {"1": ColwiseParallel()}),
         "conflict": _error(_conflicting, PLAN),
     }
@@ -230,8 +230,8 @@ def test_bad_inputs_give_clear_errors():
     errors = run_ranks(_bad_inputs, 4)[0]
     assert "'fc3' matches no module" in errors["unmatched"] and "fc1" in errors["unmatched"], errors
     assert "'layers.*.fc1' matches no module" in errors["unmatched_glob"], errors
-    assert "'fc1.weight'" in errors["not_divisible"] and "510" in errors["not_divisible"], errors
-    assert "not divisible by the TP group size 4" in errors["not_divisible"], errors
+    assert "'fc1.weight'" in errors["too_narrow"] and "dim 0 of size 3" in errors["too_narrow"], errors
+    assert "cannot be split over 4 ranks" in errors["too_narrow"], errors
     assert "ReLU" in errors["unsupported"] and "nn.Linear" in errors["unsupported"], errors
     assert "ROW_WISE" in errors["conflict"] and "fc1.weight" in errors["conflict"], errors
 

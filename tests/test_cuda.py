@@ -115,7 +115,7 @@ def test_litgpt_tp_on_one_gpu_matches_single_device(mode, backend, dtype):
 
 def _generate_on_shared_gpu(arch: str, backend: str, dtype: torch.dtype = torch.float32) -> dict:
     """Greedy generation with the KV cache sharded, on cuda:0, against the full model there (sdpa)."""
-    _, size = rank_and_size()
+    rank, size = rank_and_size()
     config = gen_config(arch)
     device = _gpu()
     reference, model = models_with_cache(config, 2, dtype, device)
@@ -130,7 +130,7 @@ def _generate_on_shared_gpu(arch: str, backend: str, dtype: torch.dtype = torch.
     return {"same_tokens": _same_tokens(tokens, expected_tokens, logits, expected_logits, dtype),
             "decode_counts": decode_counts,
             "minimum": expected_counts(config, "tp", size)[0],
-            "cache_shapes_sharded": shapes == local_cache_shapes(config, 2, size),
+            "cache_shapes_sharded": shapes == local_cache_shapes(config, 2, size, rank),
             "cache_misses": thunder.cache_misses(jm)}
 
 

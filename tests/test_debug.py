@@ -13,7 +13,8 @@ from tests.tp_checks import FAST_EXECUTORS
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
 ALL_REDUCE_IMPL = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
 # the MLP's one collective per pass: the row-parallel output's all_reduce (forward), the input grad's (backward)
-ALL_REDUCE = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "count": 1,
+ALL_REDUCE = {"kind": "all_reduce", "group_size": 2, "bytes_per_call": ACTIVATION_BYTES, "padding_per_call": 0,
+              "count": 1,
               "total_bytes": ACTIVATION_BYTES}
 FORWARD_ROW = {"issued_by": "fc2: partial sums reduced", **ALL_REDUCE}
 BACKWARD_ROW = {"issued_by": "fc1: input of the TP region (its grad summed)", **ALL_REDUCE}
@@ -81,11 +82,12 @@ def test_dump_traces_and_collectives_table(tmp_path):
         assert sum(f"{ALL_REDUCE_IMPL}(" in line for line in backward.splitlines() if not line.startswith("#")) == 1
 
         table = res["texts"][f"rank{r}_collectives.md"]
-        assert "| pass | issued by | kind | group size | bytes per call | count | total bytes |" in table
-        assert (f"| forward | fc2: partial sums reduced | all_reduce | 2 | {ACTIVATION_BYTES} | 1 | "
+        assert ("| pass | issued by | kind | group size | bytes per call | of which padding | count | total bytes |"
+                in table)
+        assert (f"| forward | fc2: partial sums reduced | all_reduce | 2 | {ACTIVATION_BYTES} | 0 | 1 | "
                 f"{ACTIVATION_BYTES} |") in table
         assert (f"| backward | fc1: input of the TP region (its grad summed) | all_reduce | 2 | {ACTIVATION_BYTES} | "
-                f"1 | {ACTIVATION_BYTES} |") in table
+                f"0 | 1 | {ACTIVATION_BYTES} |") in table
 
 
 def test_dump_traces_without_backward(tmp_path):

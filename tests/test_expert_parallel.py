@@ -244,7 +244,7 @@ def test_simulated_ep8_matches_single_device():
             if isinstance(layout, StackShard):  # simulated ranks hold every expert, zeros but the owner's
                 want = full.grad if rank == layout.owner(8) else torch.zeros_like(full.grad)
             else:
-                want = thunder_tp.layouts.shard_tensor(full.grad, layout or thunder_tp.Replicate(), rank, 8)
+                want = thunder_tp.pieces.shard_tensor(full.grad, layout or thunder_tp.Replicate(), rank, 8)
             assert_close_scaled(piece, want, rtol=RTOL, atol=ATOL, what=f"grad of {name} on simulated rank {rank}")
     assert forward["all_to_all"] == 3 * LAYERS, forward
 

@@ -18,7 +18,8 @@ def _checkpointed_step(name: str) -> dict:
     import thunder_tp
     from tests.litgpt_models import GPTWithLoss, batch, expected_counts, make_config
     from thunder_tp.fabric.model import checkpoint_activations
-    from thunder_tp.layouts import REPLICATE, shard_tensor
+    from thunder_tp.layouts import REPLICATE
+    from thunder_tp.pieces import shard_tensor
 
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)

@@ -20,7 +20,8 @@ def _lora_step(enable: str) -> dict:
     from litgpt.lora import GPT, mark_only_lora_as_trainable
 
     import thunder_tp
-    from thunder_tp.layouts import REPLICATE, shard_tensor
+    from thunder_tp.layouts import REPLICATE
+    from thunder_tp.pieces import shard_tensor
 
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)

@@ -131,7 +131,8 @@ def _state_from_before_setup() -> list[str]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from thunder_tp.layouts import REPLICATE, shard_tensor
+    from thunder_tp.layouts import REPLICATE
+    from thunder_tp.pieces import shard_tensor
     from thunder_tp.transform import TensorParallel
 
     f = fabric_loops.fabric(FAST, fabric_loops.Losses(), precision="32-true")

@@ -38,7 +38,7 @@ def _jit(model: GPT) -> torch.nn.Module:
 
 def _generate_and_compare(arch: str, batch: int) -> dict:
     """Greedy tokens and logits against one device, decode collectives per step, cache shapes."""
-    _, size = rank_and_size()
+    rank, size = rank_and_size()
     config = gen_config(arch)
     reference, model = models_with_cache(config, batch)
     jm = _jit(model)
@@ -54,7 +54,7 @@ def _generate_and_compare(arch: str, batch: int) -> dict:
     minimum = expected_counts(config, "tp", size)[0]
     assert all(counts == minimum for counts in decode_counts), (decode_counts, minimum)
     shapes = {n: tuple(b.shape) for n, b in jm.named_buffers() if ".kv_cache." in n}
-    assert shapes == local_cache_shapes(config, batch, size), shapes
+    assert shapes == local_cache_shapes(config, batch, size, rank), shapes
     return {"cache_misses": thunder.cache_misses(jm)}
 
 
@@ -75,6 +75,12 @@ def test_greedy_generation_matches_single_device(arch):
 @pytest.mark.parametrize("arch", ["gqa", "mqa"])
 def test_greedy_generation_at_tp4(arch):
     run_ranks(_generate_and_compare, 4, arch, 1)
+
+
+def test_greedy_generation_at_tp3():
+    """8 query heads in 4 K/V groups over 3 ranks: whole groups 2, 1, 1 with their query heads 4, 2, 2, and each
+    rank's cache of its K/V heads; the MLP's 128 features and the vocabulary split unevenly too."""
+    run_ranks(_generate_and_compare, 3, "gqa", 1)
 
 
 @pytest.mark.slow

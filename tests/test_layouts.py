@@ -11,11 +11,15 @@ from thunder_tp.layouts import (
     Partial,
     Replicate,
     Shard,
+    Split,
+    balanced,
+    canonical,
     check_shardable,
+    held_chunks,
     local_shape,
-    shard_tensor,
-    unshard_tensor,
+    rank_pieces,
 )
+from thunder_tp.pieces import shard_chunks, shard_tensor, unshard_tensor
 from thunder_tp.propagation.views import _getitem_map, view_groups
 from thunder_tp.reshard import redistribute_cost
 
@@ -31,16 +35,58 @@ def test_blocked_shard_takes_a_chunk_of_every_block():
 def test_plain_shard_round_trip_and_local_shape():
     full = torch.randn(6, 8)
     pieces = [shard_tensor(full, Shard(1), r, 4) for r in range(4)]
-    assert pieces[0].shape == local_shape(full.shape, Shard(1), 4) == (6, 2)
+    assert pieces[0].shape == local_shape(full.shape, Shard(1), 4, 0) == (6, 2)
     assert torch.equal(unshard_tensor(pieces, Shard(1)), full)
     assert torch.equal(unshard_tensor([full, full], Partial()), 2 * full)
 
 
+def test_uneven_shard_is_balanced_and_round_trips():
+    """A size that does not divide the dim: pieces differ by at most one entry, the longer first (not torch.chunk's
+    ceil-sized pieces, which leave the last ranks short or empty: 9 over 4 would be 3, 3, 3, 0)."""
+    full = torch.arange(10.0).reshape(10, 1)
+    pieces = [shard_tensor(full, Shard(0), r, 4) for r in range(4)]
+    assert [p.shape[0] for p in pieces] == [3, 3, 2, 2] == [local_shape((10, 1), Shard(0), 4, r)[0] for r in range(4)]
+    assert torch.equal(unshard_tensor(pieces, Shard(0)), full)
+    assert balanced(9, 4) == [(0, 3), (3, 2), (5, 2), (7, 2)]
+    padded = shard_tensor(full, Shard(0), 3, 4, padded=True)
+    assert padded.flatten().tolist() == [8, 9, 0]  # a simulation's piece: padded to the longest (rank 0's)
+    check_shardable((510, 8), Shard(0), 4, "w")  # 128, 128, 127, 127
+
+
+def test_head_splits_keep_whole_heads_and_their_kv_groups():
+    """28 query heads in 4 K/V groups: at TP 8 each group's 7 heads over its 2 ranks (4 + 3) with the K/V head held by
+    both; at TP 3 whole groups (2, 1, 1), their query heads with them; rank 0 always holds a longest piece."""
+    q = Split(28, 4)
+    assert [c for _, c in q.unit_ranges(8)] == [4, 3, 4, 3, 4, 3, 4, 3]
+    assert Split(4, replicated=True).unit_ranges(8) == [(g, 1) for g in range(4) for _ in range(2)]
+    assert q.unit_ranges(3) == [(0, 14), (14, 7), (21, 7)] and Split(4).unit_ranges(3) == [(0, 2), (2, 1), (3, 1)]
+    assert [c for _, c in Split(9, 3).unit_ranges(8)] == [2, 1, 1, 1, 1, 1, 1, 1]  # extra ranks on the last groups
+    for units, groups, size in [(28, 4, 8), (28, 4, 3), (28, 4, 6), (9, 3, 8), (15, 5, 8), (40, 10, 4), (71, 1, 8)]:
+        counts = [c for _, c in Split(units, groups).unit_ranges(size)]
+        assert counts[0] == max(counts) and sum(counts) == units, (units, groups, size, counts)
+    kv = Split(4, replicated=True)
+    layout = Shard(0, blocks=(28, 4, 4), splits=(q, kv, kv))
+    assert held_chunks(layout, 36, 1, 8) == [(4, 3), (28, 1), (32, 1)]
+    full = torch.arange(36.0).reshape(36, 1)
+    assert torch.equal(unshard_tensor([shard_tensor(full, layout, r, 8) for r in range(8)], layout), full)
+    assert shard_chunks((36, 1), layout, 1, 8) == [((4, 0), (3, 1)), ((28, 0), (1, 1)), ((32, 0), (1, 1))]
+    assert rank_pieces(layout, 36, 8)[0] == ((0, 4), (28, 1), (32, 1))
+
+
+def test_canonical_layouts_compare_equal_where_they_split_alike():
+    assert canonical(Shard(1, splits=(Split(12, 12),)), 12, 8) == Shard(1)  # 2,2,2,2,1,1,1,1 heads: the default
+    assert canonical(Shard(1, splits=(Split(12),)), 48, 8) == Shard(1, splits=(Split(12),))  # whole 4-wide heads
+    assert canonical(Shard(1, splits=(Split(28, 4),)), 28, 3) == canonical(Shard(1, splits=(Split(4),)), 28, 3)
+    assert canonical(Shard(0, splits=(Split(8, 2),)), 64, 4) == Shard(0)  # even: the default
+
+
 def test_check_shardable_names_the_problem():
-    with pytest.raises(ValueError, match=r"w: dim 0 of size 510 is not divisible by the TP group size 4"):
-        check_shardable((510, 8), Shard(0), 4, "w")
-    with pytest.raises(ValueError, match="block of size 6"):
-        check_shardable((14,), Shard(0, (8, 6)), 4, "qkv")
+    with pytest.raises(ValueError, match=r"w: dim 0 of size 3 cannot be split over 4 ranks"):
+        check_shardable((3, 8), Shard(0), 4, "w")
+    with pytest.raises(ValueError, match="block of size 2"):
+        check_shardable((14,), Shard(0, (12, 2)), 4, "qkv")
+    with pytest.raises(ValueError, match=r"4 units \(e.g. heads\), fewer than 8 ranks need"):
+        check_shardable((16,), Shard(0, splits=(Split(4),)), 8, "q")
     with pytest.raises(ValueError, match="Partial"):
         Partial("max")
 

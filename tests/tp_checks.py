@@ -12,7 +12,8 @@ import torch.distributed as dist
 import thunder_tp
 from thunder_tp.collectives import comm_executor
 from thunder_tp.execution.complex_grads import complex_grads_executor
-from thunder_tp.layouts import REPLICATE, Layout, shard_tensor
+from thunder_tp.layouts import REPLICATE, Layout
+from thunder_tp.pieces import shard_tensor
 
 #: complex arithmetic's grads, the comm executor and Thunder's defaults: no Inductor compile, so correctness tests
 #: stay fast on CPU; the fusion executor is exercised by tests/test_executor.py and the TP tests that pass

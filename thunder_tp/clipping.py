@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from thunder_tp.layouts import REPLICATE, Layout, Shard, StackShard, full_length, group_device, held_chunks
+from thunder_tp.layouts import REPLICATE, Layout, Shard, StackShard, group_device, rank_pieces
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]
@@ -29,6 +29,7 @@ class _Groups:
     """Where a module's gradients are split: the TP group (with its parameters' layouts) and FSDP's group."""
 
     layouts: dict[str, Layout]
+    full_shapes: dict[str, torch.Size]  # of each parameter, by its plain name
     tp_group: dist.ProcessGroup | None
     tp_rank: int
     tp_size: int
@@ -89,8 +90,9 @@ def _groups_of(module: nn.Module) -> _Groups:
     tp = next((t for t in transforms if isinstance(t, TensorParallel)), None)
     fsdp = next((t for t in transforms if isinstance(t, FSDPTransform)), None)
     if tp is None:
-        return _Groups({}, None, 0, 1, fsdp)
-    return _Groups(tp.parameter_layouts, tp.tp.group, tp.tp.rank, tp.tp.size, fsdp)
+        return _Groups({}, {}, None, 0, 1, fsdp)
+    shapes = {name: p.shape for name, p in original_module(module).named_parameters()}
+    return _Groups(tp.parameter_layouts, shapes, tp.tp.group, tp.tp.rank, tp.tp.size, fsdp)
 
 
 def _named_grads(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -114,7 +116,7 @@ def _counted_parts(name: str, grad: torch.Tensor, groups: _Groups) -> list[torch
     layout = groups.layouts.get(name, REPLICATE)
     rows = _fsdp_rows(name, groups)
     held = grad.shape[0] if rows is None else rows[2]  # length of dim 0 of the TP piece
-    dim, segments = _segments(layout, grad, held, groups)
+    dim, segments = _segments(layout, grad, held, groups, groups.full_shapes.get(name))
     if rows is None:
         return [grad.narrow(dim, start, length) for start, length in segments]
     first, end, _ = rows
@@ -140,7 +142,8 @@ def _fsdp_rows(name: str, groups: _Groups) -> tuple[int, int, int] | None:
     return first, max(first, min(first + shard_shape[0], piece_shape[0])), piece_shape[0]
 
 
-def _segments(layout: Layout, grad: torch.Tensor, held: int, groups: _Groups) -> tuple[int, list[tuple[int, int]]]:
+def _segments(layout: Layout, grad: torch.Tensor, held: int, groups: _Groups,
+              full_shape: torch.Size | None) -> tuple[int, list[tuple[int, int]]]:
     """(dim, [(start, length)]) of the TP piece that this rank counts, in the piece's coordinates along its split
     dim: each chunk on its first holder; a replicated tensor on TP rank 0; a StackShard tensor (an expert) where it is
     (the other ranks hold nothing of it, or in a simulation zeros). `held`: the piece's length of dim 0."""
@@ -149,12 +152,10 @@ def _segments(layout: Layout, grad: torch.Tensor, held: int, groups: _Groups) ->
     if not isinstance(layout, Shard):
         return 0, [] if groups.tp_rank else [(0, held)]
     dim = layout.dim % grad.ndim
-    local_n = held if dim == 0 else grad.shape[dim]
-    full = full_length(layout, local_n, groups.tp_size)
+    every = rank_pieces(layout, full_shape[dim], groups.tp_size)
     segments, offset = [], 0
-    for (_, length), replicas in zip(held_chunks(layout, full, groups.tp_rank, groups.tp_size), layout.block_replicas(),
-                                     strict=True):
-        if groups.tp_rank % replicas == 0:
-            segments.append((offset, length))
-        offset += length
+    for i, chunk in enumerate(every[groups.tp_rank]):
+        if next(r for r, chunks in enumerate(every) if chunks[i] == chunk) == groups.tp_rank:  # its first holder
+            segments.append((offset, chunk[1]))
+        offset += chunk[1]
     return dim, segments

@@ -21,7 +21,7 @@ from thunder.core.trace import TraceCtx
 from thunder_tp.annotate import tp_annotate
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
-from thunder_tp.reshard import ALPHA_BYTES, collective_cost, collective_kind, nbytes
+from thunder_tp.reshard import ALPHA_BYTES, collective_bytes, collective_cost, collective_kind, nbytes, wire_bytes
 from thunder_tp.thunder_internals.prologue import flat_args
 
 #: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)
@@ -54,11 +54,17 @@ class Redistribution:
     src: Layout
     dst: Layout
     needs_grad: bool
+    size: int
 
     @property
     def forward(self) -> str | None:
         """The collective it issues (None: nothing, or a local slice)."""
-        return collective_kind(self.src, self.dst)
+        return collective_kind(self.src, self.dst, self.value.shape, self.size)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the collective each way, the padding of uneven pieces included."""
+        return collective_bytes(self.src, self.dst, self.value, self.size)
 
     @property
     def backward(self) -> str | None:
@@ -81,6 +87,7 @@ class GradSum:
     value: TensorProxy
     gathered: bool = False
     coalesced: bool = False
+    layout: Layout = REPLICATE  # the value's own (a gathered value's Shard: its gather's padding is priced)
 
     @property
     def backward(self) -> str:
@@ -145,9 +152,9 @@ class CollectiveSchedule:
         size = self.tp.size
         for r in self.redistributions.values():
             if r.forward:
-                comm.add(r.forward, nbytes(r.value), size)
+                comm.add(r.forward, r.bytes, size)
             if r.backward:
-                comm.add(r.backward, nbytes(r.value), size, backward=True)
+                comm.add(r.backward, r.bytes, size, backward=True)
         for kind, full_bytes in self.issued:
             comm.add(kind, full_bytes, size)
         for kind, full_bytes in self.issued_backward:
@@ -155,9 +162,9 @@ class CollectiveSchedule:
         coalesced: set = set()
         for s in self.grad_sums.values():
             if s.gathered:  # the gather is the grad sum's own: forward all_gather, backward reduce_scatter
-                comm.add("all_gather", nbytes(s.value), size)
+                comm.add("all_gather", wire_bytes(s.value, s.layout, size), size)
             if not s.coalesced:
-                comm.add(s.backward, nbytes(s.value), size, backward=True)
+                comm.add(s.backward, wire_bytes(s.value, s.layout, size), size, backward=True)
                 continue
             first = s.value.dtype not in coalesced
             coalesced.add(s.value.dtype)
@@ -191,7 +198,7 @@ def schedule_collectives(
     schedule.returned = [r[-1] for r in returned_reads]
     every.extend(n for r in returned_reads for n in r)
     schedule.replica_sums = [t for t in inputs if t.name in schedule.needs_grad and _replicated_chunks(layouts[t.name])]
-    schedule.redistributions = _redistributions(every, layouts, schedule.needs_grad)
+    schedule.redistributions = _redistributions(every, layouts, schedule.needs_grad, tp.size)
     schedule.grad_sums = _grad_sums(every, layouts, from_inputs)
     schedule.grad_sums |= {t.name: GradSum(t, coalesced=True) for t in schedule.replica_sums}
     schedule.issued = [issue for step in steps if _tensors(step.bsym.output) for issue in step.strategy.issues]
@@ -215,7 +222,7 @@ def _step_reads(step: Step, schedule: CollectiveSchedule) -> list[list[Need]]:
             for t, r in zip(tensors, required, strict=True)]
 
 
-def _redistributions(needs: list[Need], layouts: dict[str, Layout], needs_grad: set[str]) -> dict:
+def _redistributions(needs: list[Need], layouts: dict[str, Layout], needs_grad: set[str], size: int) -> dict:
     """One redistribution per (value, layout) that some need asks for in another layout than the value's, but for
     a value that a grad sum gathers (below)."""
     found: dict[tuple[str, Layout], Redistribution] = {}
@@ -223,7 +230,7 @@ def _redistributions(needs: list[Need], layouts: dict[str, Layout], needs_grad: 
         src = layouts[n.value.name]
         if src != n.layout and not _gathered_into_region(n, needs, layouts):
             found.setdefault((n.value.name, n.layout),
-                             Redistribution(n.value, src, n.layout, n.value.name in needs_grad))
+                             Redistribution(n.value, src, n.layout, n.value.name in needs_grad, size))
     return found
 
 
@@ -234,7 +241,7 @@ def _grad_sums(needs: list[Need], layouts: dict[str, Layout], from_inputs: set[s
         if n.into_tp_region and n.value.name not in sums:
             gathered = _gathered_into_region(n, needs, layouts)
             whole = n.value.name in from_inputs and layouts[n.value.name] == n.layout  # needs no communication
-            sums[n.value.name] = GradSum(n.value, gathered, not gathered and whole)
+            sums[n.value.name] = GradSum(n.value, gathered, not gathered and whole, layouts[n.value.name])
     return sums
 
 

@@ -90,16 +90,17 @@ UNLABELLED = "(data parallelism)"
 
 
 def collective_calls(trace: TraceCtx) -> list[dict]:
-    """Every collective of ``trace`` in program order: kind, group size, bytes, the bound symbol, and what issued it
-    (``issued_by``: "module: what it does")."""
+    """Every collective of ``trace`` in program order: kind, group size, bytes (the padding of unequal pieces
+    included, and apart: ``padding``), the bound symbol, and what issued it (``issued_by``: "module: what it does")."""
+    padding = {b.args[0].name: b.args[4] for b in trace.bound_symbols if b.sym.name == "tp_name_work" and
+               len(b.args) > 4}
     calls = []
     for bsym in trace.bound_symbols:
         issued_by = label_of(bsym) or UNLABELLED
         if bsym.sym.name in ISSUED_INSIDE:  # an opaque op with collectives inside (expert parallelism's all_to_alls)
             group = _group(bsym)
-            calls += [{"kind": kind, "group_size": _group_size(group), "bytes": moved, "group": group, "bsym": bsym,
-                       "issued_by": issued_by}
-                      for kind, moved in ISSUED_INSIDE[bsym.sym.name](bsym)]
+            calls += [{"kind": kind, "group_size": _group_size(group), "bytes": moved, "padding": 0, "group": group,
+                       "bsym": bsym, "issued_by": issued_by} for kind, moved in ISSUED_INSIDE[bsym.sym.name](bsym)]
             continue
         kind = collective_kind(bsym)
         if kind is None:
@@ -110,8 +111,9 @@ def collective_calls(trace: TraceCtx) -> list[dict]:
         group = _group(bsym)
         size = _group_size(group)
         moved = nbytes(tensor) * (size if kind == "all_gather" else 1)  # all_gather: the gathered output
-        calls.append({"kind": kind, "group_size": size, "bytes": moved, "group": group, "bsym": bsym,
-                      "issued_by": issued_by})
+        padded = padding.get(getattr(bsym.output, "name", None), 0)
+        calls.append({"kind": kind, "group_size": size, "bytes": moved, "padding": padded, "group": group,
+                      "bsym": bsym, "issued_by": issued_by})
     return calls
 
 
@@ -119,7 +121,8 @@ class CollectivesTable(list):
     """The rows of :func:`collectives_table` (a list of dicts), printed as an aligned table."""
 
     _COLUMNS = (("issued_by", "issued by"), ("kind", "kind"), ("group_size", "group"),
-                ("bytes_per_call", "bytes/call"), ("count", "count"), ("total_bytes", "total bytes"))
+                ("bytes_per_call", "bytes/call"), ("padding_per_call", "padding"), ("count", "count"),
+                ("total_bytes", "total bytes"))
 
     def __str__(self) -> str:
         if not self:
@@ -139,14 +142,16 @@ def collectives_table(trace: TraceCtx | None) -> CollectivesTable:
     row counts every block's), ``kind`` (all_reduce / all_gather / reduce_scatter / all_to_all / broadcast;
     send_recv for a piece of a collective decomposed for overlap: one rank's bytes to one peer), ``group_size``,
     ``bytes_per_call`` (bytes of the communicated tensor on this rank; for all_gather the gathered output),
-    ``count`` and ``total_bytes``. Rows are in order of first appearance; ``print`` shows them as a table.
+    ``padding_per_call`` (how many of those bytes pad shorter pieces to the longest: a size that does not divide a
+    dim), ``count`` and ``total_bytes``. Rows are in order of first appearance; ``print`` shows them as a table.
     ``None`` gives an empty table.
     """
     rows: dict[tuple, dict] = {}
     for call in collective_calls(trace) if trace is not None else ():
-        key = (layers_globbed(call["issued_by"]), call["kind"], call["group_size"], call["bytes"])
+        key = (layers_globbed(call["issued_by"]), call["kind"], call["group_size"], call["bytes"], call["padding"])
         row = rows.setdefault(key, {"issued_by": key[0], "kind": key[1], "group_size": key[2],
-                                    "bytes_per_call": key[3], "count": 0, "total_bytes": 0})
+                                    "bytes_per_call": key[3], "padding_per_call": key[4], "count": 0,
+                                    "total_bytes": 0})
         row["count"] += 1
         row["total_bytes"] += call["bytes"]
     return CollectivesTable(rows.values())
@@ -165,15 +170,16 @@ def totals(table: Iterable[dict]) -> dict[str, dict[str, int]]:
 def format_table(tables: dict[str, list[dict]]) -> str:
     """A markdown table of ``{pass name: collectives_table}``."""
     lines = [
-        "| pass | issued by | kind | group size | bytes per call | count | total bytes |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| pass | issued by | kind | group size | bytes per call | of which padding | count | total bytes |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for name, table in tables.items():
         if not table:
-            lines.append(f"| {name} | | (none) | | | 0 | 0 |")
+            lines.append(f"| {name} | | (none) | | | | 0 | 0 |")
         for r in table:
             lines.append(
                 f"| {name} | {r['issued_by']} | {r['kind']} | {r['group_size']} | {r['bytes_per_call']} | "
+                f"{r['padding_per_call']} | "
                 f"{r['count']} | {r['total_bytes']} |"
             )
     return "\n".join(lines) + "\n"

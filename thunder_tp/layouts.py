@@ -21,37 +21,92 @@ class Replicate:
 
 
 @dataclass(frozen=True)
-class Shard:
-    """Each rank holds one contiguous chunk of `dim`.
+class Split:
+    """How one block of a sharded dim is cut over the ranks: into `units` whole units (e.g. attention heads, each
+    block length / units long) in `groups` equal runs of consecutive units (the query heads of one K/V head; None:
+    every unit is its own group).
 
-    `blocks` describes a fused dim made of several blocks (e.g. q|k|v): each block is chunked
-    separately and a rank holds the concatenation of its chunk of every block.
-    `replicas` (one per block, or one for an unblocked dim): a block with r replicas is cut into
-    size/r chunks and rank i holds chunk i // r, so r consecutive ranks hold copies of the same chunk
-    (K/V heads shared by the query heads of several ranks). None: every block has 1 replica.
+    With at least as many groups as ranks, each rank holds a run of whole groups, balanced (the first ranks one group
+    more). With fewer groups than ranks, the ranks are spread over the groups (the last groups one rank more) and the
+    ranks of a group split its units, balanced; `replicated`: they each hold all of them (K/V heads that the query
+    heads of several ranks share). Either way rank 0 holds a longest piece (a simulation pads every piece to it).
+    """
+
+    units: int
+    groups: int | None = None
+    replicated: bool = False
+
+    def __repr__(self) -> str:
+        extra = "" if self.groups is None else f" in {self.groups} groups"
+        return f"Split({self.units} units{extra}{', replicated' if self.replicated else ''})"
+
+    def unit_ranges(self, size: int) -> list[tuple[int, int]]:
+        """(first unit, number of units) that each rank holds, in rank order."""
+        groups = self.groups or self.units
+        per_group = self.units // groups
+        if groups >= size or (self.groups is None and not self.replicated):
+            return [(first * per_group, count * per_group) for first, count in balanced(groups, size)]
+        base, extra = divmod(size, groups)
+        ranges = []
+        for group in range(groups):
+            ranks = base + (group >= groups - extra)
+            first = group * per_group
+            if self.replicated:
+                ranges += [(first, per_group)] * ranks
+            else:
+                ranges += [(first + start, count) for start, count in balanced(per_group, ranks)]
+        return ranges
+
+    def normal(self, size: int) -> Split:
+        """The same cut in one form per cut: whole groups per rank as groups of one unit; replicated groups as
+        replicated units; groups whose units fall as a balanced split of all units would as ungrouped units."""
+        groups = self.groups or self.units
+        if groups >= size or (groups == self.units and not self.replicated):
+            return Split(groups)
+        if self.replicated:
+            return Split(groups, replicated=True)
+        return Split(self.units) if self.unit_ranges(size) == Split(self.units).unit_ranges(size) else self
+
+
+def balanced(n: int, parts: int) -> list[tuple[int, int]]:
+    """(start, length) of `parts` consecutive pieces of `n` whose lengths differ by at most one, the longer first
+    (numpy's array_split; torch.chunk would give ceil-sized pieces and leave the last ranks short or empty)."""
+    base, extra = divmod(n, parts)
+    return [(i * base + min(i, extra), base + (i < extra)) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Each rank holds a piece of `dim`: by default a balanced run of it (lengths differ by at most one, the longer on
+    the first ranks), which is torch.chunk's piece wherever the size divides the dim.
+
+    `blocks` describes a fused dim made of several blocks (e.g. q|k|v): each block is split separately and a rank
+    holds the concatenation of its piece of every block. `splits` (one per block, or one for an unblocked dim; None
+    for a block split by default): a block split by whole units (`Split`: attention heads, K/V heads held by several
+    ranks). A Shard with splits describes one TP size: the one its style made it for.
     """
 
     dim: int
     blocks: tuple[int, ...] | None = None
-    replicas: tuple[int, ...] | None = None
+    splits: tuple[Split | None, ...] | None = None
 
     def __repr__(self) -> str:
         extra = "" if self.blocks is None else f", blocks={self.blocks}"
-        extra += "" if self.replicas is None else f", replicas={self.replicas}"
+        extra += "" if self.splits is None else f", splits={self.splits}"
         return f"Shard({self.dim}{extra})"
 
     def moved(self, dim: int) -> Shard:
         """The same split on another dim (views, permutations, reductions move the sharded dim)."""
-        return Shard(dim, self.blocks, self.replicas)
+        return Shard(dim, self.blocks, self.splits)
 
-    def block_replicas(self) -> tuple[int, ...]:
-        """Replicas of each block (of the one block when unblocked)."""
-        return self.replicas or (1,) * len(self.blocks or (0,))
+    def block_splits(self) -> tuple[Split | None, ...]:
+        """The split of each block (of the one block when unblocked); None: the default."""
+        return self.splits or (None,) * len(self.blocks or (0,))
 
     @property
     def is_replicated(self) -> bool:
-        """Whether some chunk is held by more than one rank."""
-        return any(r > 1 for r in self.block_replicas())
+        """Whether some piece is held by more than one rank."""
+        return any(s is not None and s.replicated for s in self.block_splits())
 
 
 @dataclass(frozen=True)
@@ -116,7 +171,8 @@ def normalize(layout: Layout, ndim: int) -> Layout:
 
 
 def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) -> None:
-    """Raise a ValueError naming `what` if `layout` cannot split a tensor of `shape` over `size` ranks."""
+    """Raise a ValueError naming `what` if `layout` cannot split a tensor of `shape` over `size` ranks: a dim or block
+    too short to give every rank a piece, or units (heads) that do not cut it."""
     if isinstance(layout, StackShard) and layout.count % size:
         raise ValueError(
             f"{what}: one of {layout.count} stacked tensors (experts) held whole by one rank each, which {size} ranks "
@@ -131,123 +187,101 @@ def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) 
     blocks = layout.blocks or (n,)
     if sum(blocks) != n:
         raise ValueError(f"{what}: blocks {layout.blocks} do not add up to dim {layout.dim} of size {n}")
-    replicas = layout.block_replicas()
-    if len(replicas) != len(blocks) or any(size % r for r in replicas):
-        raise ValueError(f"{what}: {layout} needs one replica count per block, each dividing the TP size {size}")
-    for b, r in zip(blocks, replicas, strict=True):
-        if b % (size // r):
-            part = f"block of size {b} in dim {layout.dim}" if layout.blocks else f"dim {layout.dim} of size {n}"
-            split = f"the TP group size {size}" if r == 1 else f"{size // r} ({r} replicas on {size} ranks)"
-            raise ValueError(
-                f"{what}: {part} is not divisible by {split}; "
-                f"choose a TP size that divides {b} or leave this tensor replicated"
-            )
-
-
-def local_size(n: int, layout: Shard, size: int) -> int:
-    """Length of one rank's piece of the sharded dim (of full length n)."""
-    return sum(length for _, length in held_chunks(layout, n, 0, size))
-
-
-def local_shape(shape: Sequence[int], layout: Layout, size: int, rank: int | None = None) -> tuple[int, ...]:
-    """Shape of one rank's piece (the same on every rank, but for a StackShard: then `rank`'s)."""
-    out = list(shape)
-    if isinstance(layout, Shard):
-        out[layout.dim] = local_size(out[layout.dim], layout, size)
-    if isinstance(layout, StackShard):
-        if rank is None:
-            raise ValueError(f"the shape of a {layout} piece depends on the rank; pass rank=")
-        out[0] = out[0] if rank == layout.owner(size) else 0
-    return tuple(out)
-
-
-def local_blocks(
-    blocks: tuple[int, ...] | None, size: int, replicas: tuple[int, ...] | None = None
-) -> tuple[int, ...] | None:
-    """Sizes of one rank's chunk of each block."""
-    if blocks is None:
-        return None
-    return tuple(length for _, length in held_chunks(Shard(0, blocks, replicas), sum(blocks), 0, size))
+    splits = layout.block_splits()
+    if len(splits) != len(blocks):
+        raise ValueError(f"{what}: {layout} needs one split per block")
+    for block, split in zip(blocks, splits, strict=True):
+        part = f"block of size {block} in dim {layout.dim}" if layout.blocks else f"dim {layout.dim} of size {n}"
+        if split is None:
+            if block < size:
+                raise ValueError(f"{what}: {part} cannot be split over {size} ranks (each needs at least one entry); "
+                                 f"use at most {block} ranks or leave this tensor replicated")
+            continue
+        if block % split.units or split.units % (split.groups or split.units):
+            raise ValueError(f"{what}: {split} does not cut the {part} into whole units")
+        if any(count == 0 for _, count in split.unit_ranges(size)):
+            raise ValueError(f"{what}: the {part} is {split.units} units (e.g. heads), fewer than {size} ranks need "
+                             "(each at least one); use fewer ranks or leave this tensor replicated")
 
 
 def held_chunks(layout: Shard, n: int, rank: int, size: int) -> list[tuple[int, int]]:
-    """(start, length) in the full dim of each piece `rank` holds, in the order of its local piece."""
+    """(start, length) in the full dim (of length n) of each block's piece that `rank` holds, in block order (the
+    order of its local piece)."""
     chunks, start = [], 0
-    for block, r in zip(layout.blocks or (n,), layout.block_replicas(), strict=True):
-        length = block * r // size
-        chunks.append((start + (rank // r) * length, length))
+    for block, split in zip(layout.blocks or (n,), layout.block_splits(), strict=True):
+        if split is None:
+            first, length = balanced(block, size)[rank]
+        else:
+            unit = block // split.units
+            first, length = (x * unit for x in split.unit_ranges(size)[rank])
+        chunks.append((start + first, length))
         start += block
     return chunks
 
 
-def full_length(layout: Shard, local_n: int, size: int) -> int:
-    """Length of the full sharded dim, from the length `local_n` of one rank's piece."""
-    return sum(layout.blocks) if layout.blocks else local_n * size // layout.block_replicas()[0]
+#: every rank's chunks of a sharded dim: per rank, per block (start, length) in the full dim (held_chunks of each)
+Pieces = tuple[tuple[tuple[int, int], ...], ...]
 
 
-def _all_chunks(layout: Shard, n: int, size: int) -> list[tuple[int, int]]:
-    """Every (start, length) some rank holds, in order: together they tile the full dim."""
-    return sorted({chunk for rank in range(size) for chunk in held_chunks(layout, n, rank, size)})
+def rank_pieces(layout: Shard, n: int, size: int) -> Pieces:
+    """held_chunks of every rank: what a collective on pieces of `layout` needs to know (plain ints, for traces)."""
+    return tuple(tuple(held_chunks(layout, n, rank, size)) for rank in range(size))
 
 
-def _cat(parts: Sequence, dim: int, ops):
-    return parts[0] if len(parts) == 1 else ops.cat(list(parts), dim)
+def padded_lengths(pieces: Pieces) -> tuple[int, ...]:
+    """The length of each block's piece padded to the longest one: rank 0's (balanced splits put it there)."""
+    return tuple(length for _, length in pieces[0])
 
 
-def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int, ops=torch) -> torch.Tensor:
-    """This rank's piece of a full tensor (meta tensors too; proxies inside a trace with ops=thunder.torch)."""
+def is_even(pieces: Pieces) -> bool:
+    """Whether every rank's piece of every block is as long as every other's (no padding anywhere)."""
+    return all(tuple(length for _, length in chunks) == padded_lengths(pieces) for chunks in pieces)
+
+
+def uneven(layout: Layout, shape: Sequence[int], size: int) -> bool:
+    """Whether the ranks' pieces of a tensor of `shape` in `layout` differ in shape."""
     if isinstance(layout, StackShard):
-        return t if rank == layout.owner(size) else t[:0]
-    if not isinstance(layout, Shard):
-        return t
-    chunks = _all_chunks(layout, t.shape[layout.dim], size)
-    parts = dict(zip(chunks, ops.split(t, [length for _, length in chunks], layout.dim), strict=True))
-    return _cat([parts[c] for c in held_chunks(layout, t.shape[layout.dim], rank, size)], layout.dim, ops)
+        return True
+    return isinstance(layout, Shard) and not is_even(rank_pieces(layout, shape[layout.dim], size))
 
 
-def piece_parts(piece: torch.Tensor, layout: Layout, rank: int, size: int, ops=torch) -> list[torch.Tensor]:
-    """A rank's piece cut into the chunks it holds (views, in held_chunks' order); an unsharded tensor whole."""
+def canonical(layout: Layout, n: int, size: int) -> Layout:
+    """`layout` with each block's split in its normal form, and dropped where it cuts as the default does (so that
+    layouts that split alike compare equal)."""
+    if not isinstance(layout, Shard) or layout.splits is None:
+        return layout
+    splits = []
+    for block, split in zip(layout.blocks or (n,), layout.splits, strict=True):
+        if split is not None and block % split.units == 0:
+            split = split.normal(size)
+            unit = block // split.units
+            if [(s * unit, c * unit) for s, c in split.unit_ranges(size)] == balanced(block, size):
+                split = None
+        splits.append(split)
+    return Shard(layout.dim, layout.blocks, None if all(s is None for s in splits) else tuple(splits))
+
+
+def local_size(n: int, layout: Shard, size: int, rank: int) -> int:
+    """Length of `rank`'s piece of the sharded dim (of full length n)."""
+    return sum(length for _, length in held_chunks(layout, n, rank, size))
+
+
+def local_shape(shape: Sequence[int], layout: Layout, size: int, rank: int) -> tuple[int, ...]:
+    """Shape of `rank`'s piece (in a simulation, rank 0's: the longest, to which every piece is padded)."""
+    out = list(shape)
+    if isinstance(layout, Shard):
+        out[layout.dim] = local_size(out[layout.dim], layout, size, rank)
     if isinstance(layout, StackShard):
-        return [piece] if rank == layout.owner(size) else []
-    if not isinstance(layout, Shard):
-        return [piece]
-    n = full_length(layout, piece.shape[layout.dim], size)
-    return list(ops.split(piece, [length for _, length in held_chunks(layout, n, rank, size)], layout.dim))
+        out[0] = out[0] if rank == layout.owner(size) else 0
+    return tuple(out)
 
 
-def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> list[tuple[tuple[int, ...],
-                                                                                           tuple[int, ...]]]:
-    """(global offsets, sizes) of the slices of the full tensor that make up this rank's piece (held_chunks in
-    every dim); the piece is their concatenation along the layout's dim, in this order."""
-    if isinstance(layout, StackShard):
-        return [((0,) * len(shape), tuple(shape))] if rank == layout.owner(size) else []
-    if not isinstance(layout, Shard):
-        return [((0,) * len(shape), tuple(shape))]
-    dim = layout.dim % len(shape)
-    return [
-        (tuple(start if d == dim else 0 for d in range(len(shape))),
-         tuple(length if d == dim else n for d, n in enumerate(shape)))
-        for start, length in held_chunks(layout, shape[dim], rank, size)
-    ]
-
-
-def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout, ops=torch) -> torch.Tensor:
-    """The full tensor from every rank's piece, in rank order (replicated chunks taken from their first holder;
-    proxies inside a trace with ops=thunder.torch)."""
-    if isinstance(layout, Replicate):
-        return pieces[0]
-    if isinstance(layout, StackShard):
-        return pieces[layout.owner(len(pieces))]
-    if isinstance(layout, Partial):
-        return torch.stack(list(pieces)).sum(0)
-    size = len(pieces)
-    n = full_length(layout, pieces[0].shape[layout.dim], size)
-    parts: dict[tuple[int, int], torch.Tensor] = {}
-    for rank, piece in enumerate(pieces):
-        for chunk, part in zip(held_chunks(layout, n, rank, size), piece_parts(piece, layout, rank, size, ops),
-                               strict=True):
-            parts.setdefault(chunk, part)
-    return _cat([parts[c] for c in sorted(parts)], layout.dim, ops)
+def local_blocks(blocks: tuple[int, ...] | None, splits: tuple[Split | None, ...] | None, size: int,
+                 rank: int) -> tuple[int, ...] | None:
+    """Sizes of `rank`'s piece of each block."""
+    if blocks is None:
+        return None
+    return tuple(length for _, length in held_chunks(Shard(0, blocks, splits), sum(blocks), rank, size))
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:

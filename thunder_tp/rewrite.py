@@ -15,17 +15,8 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracec
 from thunder_tp import collectives as C
 from thunder_tp.collectives.labels import label_collectives
 from thunder_tp.communication import CollectiveSchedule, Need, schedule_collectives
-from thunder_tp.layouts import (
-    REPLICATE,
-    Layout,
-    Partial,
-    Replicate,
-    Shard,
-    TPGroup,
-    full_length,
-    held_chunks,
-    piece_parts,
-)
+from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPGroup, is_even, rank_pieces
+from thunder_tp.pieces import piece_parts
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import gather_into_tp_region, redistribute
 from thunder_tp.simulate import is_simulating
@@ -38,6 +29,8 @@ class LocalValues:
     tp: TPGroup
     layouts: dict[str, Layout]
     schedule: CollectiveSchedule
+    #: the full shapes of the trace's inputs (whose proxies the prologue gave their local shapes)
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     #: what each collective is labelled by: the modules of the parameters (proxy name -> parameter name) and the
     #: logical op that computes each value
@@ -52,6 +45,10 @@ class LocalValues:
             self._memo[need.key] = self._make(need)
         return self._memo[need.key]
 
+    def full_shape(self, t: TensorProxy) -> tuple[int, ...]:
+        """The logical (full) shape of `t`."""
+        return self.input_shapes.get(t.name, tuple(t.shape))
+
     def value_of(self, t: TensorProxy) -> TensorProxy:
         """The local value of logical `t` in its own layout (an annotation's: its input's, made that layout)."""
         alias = self.schedule.aliases.get(t.name)
@@ -62,10 +59,10 @@ class LocalValues:
     def _make(self, need: Need) -> TensorProxy:
         t, group = need.value, self.tp.group
         if not need.into_tp_region:
-            return redistribute(self.value_of(t), self.layouts[t.name], need.layout, group)
+            return redistribute(self.value_of(t), self.layouts[t.name], need.layout, self.full_shape(t), group)
         summed = self.schedule.grad_sums[t.name]
         if summed.gathered:
-            return gather_into_tp_region(self.value_of(t), self.layouts[t.name], group)
+            return gather_into_tp_region(self.value_of(t), self.layouts[t.name], self.full_shape(t), group)
         copy = C.tp_copy_to_tp(self.get(Need(t, need.layout)), group)
         if summed.coalesced:
             self.coalesced.add(copy.name)
@@ -152,15 +149,18 @@ def _tensors(bsym) -> list[TensorProxy]:
 
 
 def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: TPGroup,
-            parameters: dict[str, str] | None = None) -> TraceCtx:
+            input_shapes: dict[str, tuple[int, ...]], arrive_unpadded: frozenset[str] = frozenset(),
+            param_names: dict[str, str] | None = None) -> TraceCtx:
     """The local program of `trace`: each step re-run on local pieces, with the communication `schedule_collectives`
-    derives, each collective labelled with the module it serves (`parameters`: proxy name -> parameter name);
-    outputs returned Replicate."""
+    derives, each collective labelled with the module it serves (`param_names`: proxy name -> parameter name);
+    outputs returned Replicate. `input_shapes`: the full shapes of the inputs, whose proxies have their local shapes
+    already. `arrive_unpadded`: inputs a simulation holds at each rank's true size (the parameters), padded to the
+    longest piece where the program reads them."""
     ret = trace.bound_symbols[-1]
     assert ret.sym.id == prims.PrimIDs.RETURN, "a computation trace ends with its return"
     schedule = schedule_collectives(trace, steps, layouts, tp, training=True)
     producers = {o.name: step.bsym for step in steps for o in _outputs(step.bsym)}
-    local = LocalValues(tp, layouts, schedule, names=Labels(dict(parameters or {}), producers))
+    local = LocalValues(tp, layouts, schedule, input_shapes, names=Labels(dict(param_names or {}), producers))
     new = from_trace(trace)
     with tracectx(new):
         for bsym in trace.bound_symbols:
@@ -168,9 +168,13 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
                 new.bound_symbols.append(bsym.from_bsym())
                 local.values[bsym.output.name] = bsym.output
         unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
+        for name in arrive_unpadded & unpacked.keys() if is_simulating() else ():
+            local.values[name] = padded_on_entry(unpacked[name], layouts[name], input_shapes[name], tp)
         for t in schedule.replica_sums:  # in the inputs' order: the same on every rank
             emitted_from = len(new.bound_symbols)
-            local.values[t.name], copy = replica_grads_summed(local.values[t.name], layouts[t.name], tp)
+            layout = layouts[t.name]
+            n = local.full_shape(t)[layout.dim]
+            local.values[t.name], copy = replica_grads_summed(local.values[t.name], layout, n, tp)
             local.coalesced.add(copy.name)
             owner = local.names.parameters.get(t.name, t.name)
             label_collectives(new.bound_symbols[emitted_from:], f"{owner}: grads of its replicated chunks summed")
@@ -185,56 +189,43 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
     return new
 
 
-def replica_grads_summed(x: TensorProxy, layout: Shard, tp: TPGroup) -> tuple[TensorProxy, TensorProxy]:
-    """`x` unchanged, but in backward each replicated chunk's grad is summed over the ranks that hold it; with the
-    copy into the TP region whose backward sums them.
+def replica_grads_summed(x: TensorProxy, layout: Shard, n: int, tp: TPGroup) -> tuple[TensorProxy, TensorProxy]:
+    """`x` (this rank's piece of a tensor whose sharded dim is `n` long) unchanged, but in backward each replicated
+    chunk's grad is summed over the ranks that hold it; with the copy into the TP region whose backward sums them.
 
-    A chunk held by r ranks (K/V heads shared by the query heads of r ranks) gets a partial grad on each:
+    A chunk held by several ranks (K/V heads shared by the query heads of several ranks) gets a partial grad on each:
     the contributions of that rank's query heads. Every rank writes its replicated chunks into a zero
-    buffer the size of those blocks in full, the buffer is all_reduced over the TP group (the backward
-    of tp_copy_to_tp) and each rank reads its chunks back: one all_reduce per replicated parameter, of
-    the full K/V block (n_query_groups * head_size rows). A sum over each replica subgroup would move
+    buffer the size of those blocks in full (`tp_placed`: at a rank-dependent offset), the buffer is all_reduced over
+    the TP group (the backward of tp_copy_to_tp) and each rank reads its chunks back: one all_reduce per replicated
+    parameter, of the full K/V block (n_query_groups * head_size rows). A sum over each replica subgroup would move
     n_query_groups times fewer bytes but needs a process group per subgroup, created collectively by
     every rank of the world (a problem inside 2-D meshes and simulated ranks); the K/V weight is small
     next to the b*s*h activations of the block's two all_reduces, and weights stay identical on the
     replicas because their grads do.
     """
     dim = layout.dim
-    n = full_length(layout, x.shape[dim], tp.size)
     blocks = layout.blocks or (n,)
-    chunks = held_chunks(layout, n, tp.rank, tp.size)
+    every = rank_pieces(layout, n, tp.size)
     pieces = piece_parts(x, layout, tp.rank, tp.size, ltorch)
-    replicated = [i for i, r in enumerate(layout.block_replicas()) if r > 1]
-    starts = [sum(blocks[:i]) for i in range(len(blocks))]
-    offsets = {i: chunks[i][0] - starts[i] for i in replicated}  # where this rank's chunk sits in its block
-    _check_simulated_offsets(layout, n, tp, replicated)
-    padded = [_zero_padded(pieces[i], dim, offsets[i], blocks[i]) for i in replicated]
-    summed = C.tp_copy_to_tp(ltorch.cat(padded, dim) if len(padded) > 1 else padded[0], tp.group)
+    replicated = [i for i, split in enumerate(layout.block_splits()) if split is not None and split.replicated]
+    block_starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    starts = {i: tuple(chunks[i][0] - block_starts[i] for chunks in every) for i in replicated}
+    placed = [C.tp_placed(pieces[i], dim, starts[i], blocks[i], tp.group) for i in replicated]
+    summed = C.tp_copy_to_tp(ltorch.cat(placed, dim) if len(placed) > 1 else placed[0], tp.group)
     at = 0
     for i in replicated:
-        start = at + offsets[i]
-        pieces[i] = ltorch.getitem(summed, (slice(None),) * dim + (slice(start, start + chunks[i][1]),))
+        block = ltorch.getitem(summed, (slice(None),) * dim + (slice(at, at + blocks[i]),))
+        pieces[i] = C.tp_taken(block, dim, starts[i], every[0][i][1], tp.group)
         at += blocks[i]
     return (ltorch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]), summed
 
 
-def _check_simulated_offsets(layout: Shard, n: int, tp: TPGroup, replicated: list[int]) -> None:
-    """One trace runs for every simulated rank: the replicated chunks' offsets must then be the same on all."""
-    held = [[held_chunks(layout, n, r, tp.size)[i] for i in replicated] for r in range(tp.size)]
-    if is_simulating() and any(h != held[0] for h in held):
-        raise NotImplementedError(
-            f"thunder_tp.simulate: K/V heads replicated over {tp.size} simulated ranks with more than one K/V group "
-            f"({layout}) sum their grads at rank-dependent offsets, which one simulated trace cannot express yet; "
-            "simulate a TP size that divides the K/V groups (or equals the replicas of a single group), or run on "
-            "real ranks"
-        )
-
-
-def _zero_padded(piece: TensorProxy, dim: int, before: int, full: int) -> TensorProxy:
-    """`piece` at offset `before` of a zero tensor `full` long in `dim`."""
-    pad = [0] * (2 * (piece.ndim - dim))
-    pad[-2:] = [before, full - before - piece.shape[dim]]
-    return ltorch.pad(piece, tuple(pad), value=0)
+def padded_on_entry(x: TensorProxy, layout: Layout, shape: tuple[int, ...], tp: TPGroup) -> TensorProxy:
+    """A simulated input held at each rank's true size, padded to the longest piece (its grad trimmed back)."""
+    if not isinstance(layout, Shard):
+        return x
+    every = rank_pieces(layout, int(shape[layout.dim]), tp.size)
+    return x if is_even(every) else C.tp_padded_piece(x, layout.dim, every, tp.group)
 
 
 def _returned_values(args: tuple, local: LocalValues, unpacked: dict[str, Any]) -> tuple:
@@ -329,7 +320,7 @@ def _emit_metadata_query(bsym, local: LocalValues) -> None:
         args, kwargs = tree_map(lambda x: held(x) if isinstance(x, Proxy) else x, (bsym.args, bsym.kwargs))
         result = bsym.sym(*args, **kwargs)
         if is_shape:
-            result = _full_shape(result, local.layouts[tensors[0].name], local.tp)
+            result = _full_shape(result, tensors[0], local)
         for logical, value in zip(tree_flatten(bsym.output)[0], tree_flatten(result)[0], strict=True):
             if isinstance(logical, Proxy):
                 local.values[logical.name] = value
@@ -339,8 +330,11 @@ def _emit_metadata_query(bsym, local: LocalValues) -> None:
             local.values[logical.name] = logical.value
 
 
-def _full_shape(shape: tuple, layout: Layout, tp: TPGroup) -> tuple:
-    """The logical shape of a tensor whose local piece has `shape`."""
+def _full_shape(shape: tuple, logical: TensorProxy, local: LocalValues) -> tuple:
+    """The logical shape of `logical`, whose local piece has `shape` (symbolic dims as the piece has them)."""
+    layout = local.layouts[logical.name]
     if not isinstance(layout, Shard):
         return shape
-    return (*shape[: layout.dim], full_length(layout, shape[layout.dim], tp.size), *shape[layout.dim + 1 :])
+    n = local.full_shape(logical)[layout.dim]
+    n = local.values.get(n.name, n) if isinstance(n, Proxy) else n
+    return (*shape[: layout.dim], n, *shape[layout.dim + 1 :])

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from thunder_tp.layouts import Layout, StackShard, shard_tensor
+from thunder_tp.layouts import Layout, StackShard
+from thunder_tp.pieces import shard_tensor
 from thunder_tp.thunder_internals.private import fake_args_built_under
 
 __all__ = [
@@ -150,9 +151,10 @@ def outside_local_tensors() -> Iterator[None]:
         yield
 
 
-def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int,
-                group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor).
+def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: dist.ProcessGroup | None = None, *,
+                padded: bool = False) -> torch.Tensor:
+    """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor), at
+    its own size, or `padded` to the longest piece as the simulated program computes with it (a KV cache it writes).
 
     A StackShard tensor is held whole by one rank and by no other, but one simulated trace cannot give the ranks
     different shapes: in a simulation the others hold zeros of its full shape instead."""
@@ -161,7 +163,7 @@ def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int,
     if isinstance(layout, StackShard):
         owner = layout.owner(size)
         return for_each_rank(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), group, t.detach())
-    return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size).clone(), group, t.detach())
+    return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), group, t.detach())
 
 
 def check_transforms(model, tp_group: dist.ProcessGroup) -> None:

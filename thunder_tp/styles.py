@@ -18,7 +18,7 @@ from fnmatch import fnmatchcase
 import torch.nn as nn
 from thunder.core.proxies import DistParallelType
 
-from thunder_tp.layouts import PARTIAL, REPLICATE, Layout, Shard, as_layout, check_shardable
+from thunder_tp.layouts import PARTIAL, REPLICATE, Layout, Shard, Split, as_layout, canonical, check_shardable
 
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 
@@ -45,10 +45,22 @@ def _kind(module: nn.Module, style: str) -> str:
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if is_conv1d(module):
+        return "conv1d"
     raise TypeError(
-        f"{style} supports nn.Linear and nn.Embedding, not {type(module).__name__}; "
+        f"{style} supports nn.Linear, nn.Embedding and transformers' Conv1D, not {type(module).__name__}; "
         "annotate its parameters with thunder_tp.annotate or leave the module out of the plan"
     )
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is HF transformers' Conv1D (GPT-2's linear layer: weight (in, out), y = addmm(b, x, w))."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def _features_dims(module: nn.Module) -> tuple[int, int]:
+    """The weight dims of a linear layer's output and input features: nn.Linear's (0, 1), Conv1D's (1, 0)."""
+    return (1, 0) if is_conv1d(module) else (0, 1)
 
 
 def _read_layouts(style: Style, input_layouts: object, output_layouts: object, natural_output: Layout) -> None:
@@ -80,9 +92,12 @@ class ColwiseParallel(Style):
     `blocks`: the output features are fused blocks (e.g. q|k|v) each split separately.
     `input_layout`: what the input is turned into (Replicate: gathered if it arrives sharded).
     `output_layout`: None keeps the output sharded on its last dim.
-    `unit`: features come in indivisible groups of this size (e.g. one attention head).
+    `unit`: features come in indivisible groups of this size (e.g. one attention head); a TP size that does not
+    divide them splits them by whole units, balanced (28 heads over 8 ranks: 4, 4, 4, 4, 3, 3, 3, 3).
+    `groups`: the units of every block come in this many runs that stay together where they can (the query heads
+    that share one K/V head, and the K/V heads themselves): `layouts.Split`.
     `replicable`: per block, whether it may have fewer units than ranks (K/V heads of grouped-query
-    attention): each unit is then held by size/units consecutive ranks, and its grads summed over them.
+    attention): each unit is then held by the ranks whose query heads use it, and its grads summed over them.
     DTensor's names: `output_layouts` (its default Shard(-1) is output_layout=None), `input_layouts` and
     `use_local_output` (accepted; a traced program knows each input's layout, and its values are local pieces).
     """
@@ -92,6 +107,7 @@ class ColwiseParallel(Style):
     blocks: tuple[int, ...] | None = None
     unit: int = 1
     replicable: tuple[bool, ...] | None = None
+    groups: int | None = None
     _: KW_ONLY
     input_layouts: InitVar[object] = None
     output_layouts: InitVar[object] = None
@@ -100,24 +116,24 @@ class ColwiseParallel(Style):
     def __post_init__(self, input_layouts: object, output_layouts: object, use_local_output: bool) -> None:
         _read_layouts(self, input_layouts, output_layouts, natural_output=Shard(-1))
 
-    def _units(self) -> list[tuple[int, bool]]:
+    def _splits(self, size: int) -> list[Split]:
+        """Each block's split on `size` ranks (replicated where a replicable block has fewer groups than ranks)."""
         blocks = self.blocks or ()
-        return [(b // self.unit, r) for b, r in zip(blocks, self.replicable or (False,) * len(blocks), strict=True)]
+        return [Split(b // self.unit, self.groups, replicable and (self.groups or b // self.unit) < size).normal(size)
+                for b, replicable in zip(blocks, self.replicable or (False,) * len(blocks), strict=True)]
 
     def tp_sizes(self, up_to: int) -> list[int]:
-        """The TP sizes (at most `up_to`) over which every block splits into whole units."""
-        return [s for s in range(1, up_to + 1) if all(_splits(u, s, r) for u, r in self._units())]
+        """The TP sizes (at most `up_to`) over which every rank gets at least one whole unit of every block."""
+        return [s for s in range(1, up_to + 1) if all(c for split in self._splits(s) for _, c in split.unit_ranges(s))]
 
     def _check_units(self, size: int) -> None:
-        """Each rank must own whole units (heads) of every block, or one replicated unit of a replicable block."""
-        for units, replicable in self._units():
-            if not _splits(units, size, replicable):
-                also = " nor a multiple of it (K/V heads are then replicated)" if replicable else ""
-                sizes = ", ".join(map(str, self.tp_sizes(max(u for u, _ in self._units()))))
+        """Each rank must get whole units (heads) of every block, at least one."""
+        for split in self._splits(size):
+            if any(count == 0 for _, count in split.unit_ranges(size)):
+                sizes = ", ".join(map(str, self.tp_sizes(size)))
                 raise ValueError(
-                    f"a block of {units} units of {self.unit} features (e.g. attention heads or K/V query groups) "
-                    f"cannot be split over {size} ranks: {size} is not a divisor of {units}{also}; TP sizes that "
-                    f"work for this module: {sizes}"
+                    f"a block of {split.units} units of {self.unit} features (e.g. attention heads) cannot be split "
+                    f"over {size} ranks: every rank needs at least one; TP sizes that work for this module: {sizes}"
                 )
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
@@ -125,18 +141,15 @@ class ColwiseParallel(Style):
         if _kind(module, "ColwiseParallel") == "embedding":
             return {"weight": Shard(1)}
         self._check_units(size)
-        replicas = tuple(size // u if r and u < size else 1 for u, r in self._units())
+        out_dim = _features_dims(module)[0]
+        features = module.weight.shape[out_dim]
+        splits = tuple(self._splits(size)) or (Split(features // self.unit, self.groups).normal(size),)
         blocks = self.blocks if len(self.blocks or ()) > 1 else None  # one block: a plain split (by whole units)
-        layout = Shard(0, blocks, replicas if any(r > 1 for r in replicas) else None)
-        layouts = {"weight": layout}
+        layout = canonical(Shard(0, blocks, splits), features, size)
+        layouts = {"weight": layout.moved(out_dim)}
         if module.bias is not None:
             layouts["bias"] = layout
         return layouts
-
-
-def _splits(units: int, size: int, replicable: bool) -> bool:
-    """Whether `units` split evenly over `size` ranks (or, if replicable, `size` ranks split evenly over them)."""
-    return units % size == 0 or (replicable and size % units == 0)
 
 
 @dataclass(frozen=True)
@@ -145,12 +158,15 @@ class RowwiseParallel(Style):
     nn.Embedding: vocabulary split (weight dim 0).
 
     `output_layout`: where the partial sums are reduced to (Replicate: all_reduce; Shard(1): reduce_scatter; None
-    leaves them Partial). DTensor's names: `output_layouts` (Partial() is output_layout=None), `input_layouts` and
-    `use_local_output` (accepted, as for ColwiseParallel).
+    leaves them Partial). `unit`, `groups`: the input features come in whole units (attention heads), split as the
+    column-parallel layer that produces them splits its output (ColwiseParallel's). DTensor's names: `output_layouts`
+    (Partial() is output_layout=None), `input_layouts` and `use_local_output` (accepted, as for ColwiseParallel).
     """
 
     input_layout: Layout | None = None
     output_layout: Layout | None = REPLICATE
+    unit: int = 1
+    groups: int | None = None
     _: KW_ONLY
     input_layouts: InitVar[object] = None
     output_layouts: InitVar[object] = None
@@ -163,7 +179,10 @@ class RowwiseParallel(Style):
         """Layout of each of the module's own parameters."""
         if _kind(module, "RowwiseParallel") == "embedding":
             return {"weight": Shard(0)}
-        layouts: dict[str, Layout] = {"weight": Shard(1)}
+        in_dim = _features_dims(module)[1]
+        features = module.weight.shape[in_dim]
+        split = Split(features // self.unit, self.groups).normal(size)
+        layouts: dict[str, Layout] = {"weight": canonical(Shard(in_dim, splits=(split,)), features, size)}
         if module.bias is not None:
             layouts["bias"] = REPLICATE
         return layouts
@@ -207,12 +226,20 @@ class SequenceParallel(Style):
 class FeatureShardedNorm(Style):
     """A norm over a feature dim that arrives sharded (OLMo-2's q/k norm over all heads of a column-parallel
     projection): weight and bias split like the features, so each rank normalizes its own features and only
-    the statistics (b*s numbers) are all_reduced; the activations are never gathered.
+    the statistics (b*s numbers) are all_reduced; the activations are never gathered. `unit`, `groups`: the
+    features' heads, split as the projection splits them (ColwiseParallel's).
     """
 
+    unit: int = 1
+    groups: int | None = None
+
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
-        """Every parameter split on its (only) dim (whole heads are checked on the projection)."""
-        return {name: Shard(0) for name, _ in module.named_parameters(recurse=False)}
+        """Every parameter split on its (only) dim like the heads (whole heads are checked on the projection)."""
+        layouts: dict[str, Layout] = {}
+        for name, p in module.named_parameters(recurse=False):
+            split = Split(p.shape[0] // self.unit, self.groups).normal(size)
+            layouts[name] = canonical(Shard(0, splits=(split,)), p.shape[0], size)
+        return layouts
 
 
 @dataclass(frozen=True)
@@ -220,7 +247,7 @@ class KVCacheParallel(Style):
     """A KV cache (litgpt's `KVCache`: buffers `k`, `v` of shape (batch, heads, max_seq_length, head_size)) split
     by heads like the K/V heads of the attention that fills it, so writing new keys and values is local.
 
-    With fewer heads than ranks each head is held by size/heads consecutive ranks (K/V-head replication). A cache
+    With fewer heads than ranks each head is held by the ranks whose query heads use it (K/V-head replication). A cache
     starts empty: each rank's piece is allocated zeroed at its local size on the group's device (also for a
     meta-device model), the module keeps meta-device placeholders of the full size, and its `reset_parameters()`
     zeroes the pieces.
@@ -229,12 +256,12 @@ class KVCacheParallel(Style):
     head_dim: int = 1
 
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
-        """Every buffer split on `head_dim`, each head replicated where there are fewer heads than ranks."""
+        """Every buffer split on `head_dim` as K/V heads are (ColwiseParallel's replicable blocks)."""
         layouts: dict[str, Layout] = {}
         for name, buffer in module.named_buffers(recurse=False):
             heads = buffer.shape[self.head_dim]
-            replicas = size // heads if heads < size and size % heads == 0 else 1
-            layouts[name] = Shard(self.head_dim, replicas=(replicas,) if replicas > 1 else None)
+            split = Split(heads, replicated=heads < size).normal(size)
+            layouts[name] = canonical(Shard(self.head_dim, splits=(split,)), heads, size)
         if not layouts:
             raise TypeError(f"KVCacheParallel applies to a module with cache buffers, {type(module).__name__} has none")
         return layouts

@@ -179,9 +179,10 @@ class TensorParallel(Transform):
             device = group_device(self.tp.group) if full.is_meta else full.device
             if is_simulating():  # a LocalTensor of every simulated rank's piece
                 zeros = torch.zeros(full.shape, dtype=full.dtype, device=device)
-                piece = local_piece(zeros, layout, self.tp.rank, self.tp.size, self.tp.group).clone()
+                piece = local_piece(zeros, layout, self.tp.rank, self.tp.size, self.tp.group, padded=True).clone()
             else:
-                piece = torch.zeros(local_shape(full.shape, layout, self.tp.size), dtype=full.dtype, device=device)
+                piece = torch.zeros(local_shape(full.shape, layout, self.tp.size, self.tp.rank), dtype=full.dtype,
+                                    device=device)
             model.set_buffer(name, piece)
             owner, _, attr = name.rpartition(".")
             placeholder = torch.empty(full.shape, dtype=full.dtype, device="meta")
@@ -207,7 +208,8 @@ class TensorParallel(Transform):
             return self._broadcast_whole(name, value.detach(), layout)
         if not isinstance(layout, Shard) or not isinstance(value, torch.Tensor):
             return value
-        return gather_full(value.detach(), layout, self.tp.group)
+        n = original_module(self._module).get_parameter(name).shape[layout.dim]
+        return gather_full(value.detach(), layout, n, self.tp.group)
 
     def _broadcast_whole(self, name: str, piece: torch.Tensor, layout: StackShard) -> torch.Tensor:
         """A StackShard tensor whole on every rank, from the one rank that holds it."""
@@ -243,8 +245,13 @@ class TensorParallel(Transform):
         # a simulation runs one trace for every rank: StackShard tensors keep their full shape there (local_piece)
         sharded = {name: layout for name, layout in layouts.items()
                    if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not is_simulating())}
-        localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank)
-        local = rewrite(logical, steps, propagation.layouts, self.tp, param_names)
+        parameters = frozenset(p for p, name in param_names.items() if name in self.parameter_layouts)
+        input_shapes = {a.name: tuple(a.shape) for a in flat_args(computation)}
+        # a simulation holds parameters at each rank's true size and pads them where the program reads them: their
+        # shapes differ among the simulated ranks, which one check cannot say
+        localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank,
+                          unchecked=parameters if is_simulating() else frozenset())
+        local = rewrite(logical, steps, propagation.layouts, self.tp, input_shapes, parameters, param_names)
         # the chains feeding matmuls are tagged first: a decomposition reads them through its chunks' views
         return prologue, decompose_for_overlap(recompute_matmul_inputs(local), self.tp, self.overlap), epilogue
 

@@ -100,4 +100,5 @@ def _check_replicas(model: nn.Module) -> None:
     tensors = model_tensors(model)
     group = next((t.group for t in tensors.values()), None)
     if group is not None:
-        check_replicas({n: (t.local, t.layout) for n, t in tensors.items()}, group, "thunder_tp.checkpoint.save")
+        check_replicas({n: (t.local, t.layout, t.global_shape) for n, t in tensors.items()}, group,
+                       "thunder_tp.checkpoint.save")

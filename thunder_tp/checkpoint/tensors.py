@@ -14,7 +14,8 @@ from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from thunder_tp.collectives import gather_full
-from thunder_tp.layouts import REPLICATE, Layout, Shard, piece_parts, shard_chunks, shard_tensor
+from thunder_tp.layouts import REPLICATE, Layout, Shard
+from thunder_tp.pieces import piece_parts, shard_chunks, shard_tensor
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 
 Chunks = list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -78,7 +79,7 @@ class HeldTensor:
                 if view.data_ptr() != source.data_ptr():
                     view.copy_(source)
             if isinstance(self.layout, Shard) and self.layout.is_replicated:
-                full = gather_full(self.local, self.layout, self.group)
+                full = gather_full(self.local, self.layout, self.global_shape[self.layout.dim], self.group)
                 self.local.copy_(shard_tensor(full, self.layout, self.rank, self.size))
 
 

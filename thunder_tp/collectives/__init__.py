@@ -3,7 +3,8 @@
     symbols       the symbols of `comm_executor`, their result shapes and conjugate grads; what is communication
     distributed   their synchronous torch.distributed implementations; work handles whose failure names them
     lowering      how `comm_executor` runs them: async torchex prims + wait, local ops the fusion executor claims
-    packing       blocked shards packed into / out of the dim-0 order of torch.distributed's collectives
+    packing       shards (blocked, uneven: padded) packed into / out of the dim-0 order of torch.distributed's
+                  collectives
     shift         a cyclic shift over the group (send to rank + step, receive from rank - step): decomposed collectives
     exchange      all_to_alls with uneven split sizes (expert parallelism's dispatch and combine) inside opaque ops
 """
@@ -18,16 +19,20 @@ from thunder_tp.collectives.symbols import (
     comm_executor,
     is_communication,
     is_wait,
-    rank_offset,
+    rank_value,
     register_issued_collectives,
     tp_all_to_all,
     tp_copy_all_to_tp,
     tp_copy_to_tp,
     tp_gather,
     tp_gather_to_tp,
+    tp_padded_piece,
+    tp_padding_filled,
+    tp_placed,
     tp_reduce_from_tp,
     tp_reduce_scatter,
     tp_scatter,
+    tp_taken,
     tp_to_partial,
 )
 
@@ -40,16 +45,20 @@ __all__ = [
     "is_wait",
     "gather_full",
     "gather_shards",
-    "rank_offset",
+    "rank_value",
     "register_issued_collectives",
     "tp_all_to_all",
     "tp_copy_all_to_tp",
     "tp_copy_to_tp",
     "tp_gather",
     "tp_gather_to_tp",
+    "tp_padded_piece",
+    "tp_padding_filled",
+    "tp_placed",
     "tp_reduce_from_tp",
     "tp_reduce_scatter",
     "tp_scatter",
     "tp_shift",
+    "tp_taken",
     "tp_to_partial",
 ]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from thunder_tp.collectives.packing import Blocks, pack, unpack
-from thunder_tp.layouts import Shard, local_shape, unshard_tensor
-from thunder_tp.simulate import for_each_rank, is_simulating, local_piece
+from thunder_tp.collectives.packing import pack, unpack
+from thunder_tp.layouts import Pieces, Shard, padded_lengths, rank_pieces
+from thunder_tp.pieces import padded_piece, take_piece, trimmed_piece
+from thunder_tp.simulate import for_each_rank, is_simulating
 
 
 def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -17,34 +18,42 @@ def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def gather_full(a: torch.Tensor, layout: Shard, group: dist.ProcessGroup) -> torch.Tensor:
-    """The full tensor from every rank's piece of `layout` (synchronous; replicated chunks from their first holder)."""
+def gather_full(a: torch.Tensor, layout: Shard, n: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor (its sharded dim `n` long) from every rank's piece of `layout` (synchronous; replicated chunks
+    from their first holder)."""
+    return gather_shards(a, layout.dim, rank_pieces(layout, n, group.size()), group)
+
+
+def gather_shards(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's piece (`pieces`: its chunks; synchronous)."""
     size = group.size()
+    a = padded_piece(a, dim, pieces[dist.get_rank(group)], padded_lengths(pieces)).contiguous()
     out = torch.empty((size * a.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
-    dist.all_gather_into_tensor(out, a.contiguous(), group)
-    return unshard_tensor(out.view(size, *a.shape).unbind(0), layout)
+    dist.all_gather_into_tensor(out, a, group)
+    return unpack(out, dim, pieces, tuple(a.shape))
 
 
-def gather_shards(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
-    """The full tensor from every rank's Shard(dim, blocks) piece (synchronous)."""
-    return gather_full(a, Shard(dim, blocks), group)
-
-
-def reduce_scatter(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's Shard(dim, blocks) piece of the sum over ranks of `a`."""
+def reduce_scatter(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's piece of the sum over ranks of `a`."""
     size = group.size()
-    packed = pack(a, dim, blocks, size)
+    packed = pack(a, dim, pieces)
     out = torch.empty((packed.shape[0] // size, *packed.shape[1:]), dtype=a.dtype, device=a.device)
     dist.reduce_scatter_tensor(out, packed, dist.ReduceOp.SUM, group)
-    return out.view(local_shape(a.shape, Shard(dim), size))
+    shape = list(a.shape)
+    shape[dim] = sum(padded_lengths(pieces))
+    return trimmed_piece(out.view(shape), dim, pieces[dist.get_rank(group)], padded_lengths(pieces))
 
 
 def all_to_all(a: torch.Tensor, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's Shard(dst_dim) piece of the tensor whose Shard(src_dim) pieces the ranks hold (synchronous)."""
+    """This rank's Shard(dst_dim) piece of the tensor whose Shard(src_dim) pieces the ranks hold (synchronous; every
+    piece of both dims equally long)."""
     size = group.size()
-    work, received = all_to_all_start(pack(a, dst_dim, None, size), group)  # chunk r for rank r at dim-0 position r
+    dst_pieces = rank_pieces(Shard(dst_dim), a.shape[dst_dim], size)
+    work, received = all_to_all_start(pack(a, dst_dim, dst_pieces), group)  # chunk r for rank r at dim-0 position r
     work.wait()
-    return unpack(received, src_dim, None, size, local_shape(a.shape, Shard(dst_dim), size))
+    piece = list(a.shape)
+    piece[dst_dim] //= size
+    return unpack(received, src_dim, rank_pieces(Shard(src_dim), a.shape[src_dim] * size, size), tuple(piece))
 
 
 def all_to_all_start(packed: torch.Tensor, group: dist.ProcessGroup) -> tuple:
@@ -54,9 +63,12 @@ def all_to_all_start(packed: torch.Tensor, group: dist.ProcessGroup) -> tuple:
     return name_work((work, received), "all_to_all", packed, group)
 
 
-def local(a: torch.Tensor, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's Shard(dim, blocks) piece of the full `a` (every simulated rank's, in a simulation)."""
-    return local_piece(a, Shard(dim, blocks), dist.get_rank(group), group.size(), group)
+def local(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's piece of the full `a` (every simulated rank's, padded to the longest, in a simulation)."""
+    if not is_simulating():
+        return take_piece(a, dim, pieces[dist.get_rank(group)]).clone()
+    padded = padded_lengths(pieces)
+    return for_each_rank(lambda r, full: take_piece(full, dim, pieces[r], torch, padded).clone(), group, a)
 
 
 def first_rank_only(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -66,9 +78,56 @@ def first_rank_only(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return a.clone() if dist.get_rank(group) == 0 else torch.zeros_like(a)
 
 
-def rank_offset_tensor(like: torch.Tensor, step: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """``rank * step`` as a 0-d tensor of each simulated rank."""
-    return for_each_rank(lambda r: torch.tensor(r * step, dtype=like.dtype, device=like.device), group)
+def rank_value_tensor(like: torch.Tensor, values: tuple[int, ...], group: dist.ProcessGroup) -> torch.Tensor:
+    """``values[rank]`` as a 0-d tensor of each simulated rank."""
+    return for_each_rank(lambda r: torch.tensor(values[r], dtype=like.dtype, device=like.device), group)
+
+
+def padded_pieces(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
+    """Each simulated rank's piece padded to the longest (each block's part followed by zeros)."""
+    padded = padded_lengths(pieces)
+    return for_each_rank(lambda r, x: padded_piece(x, dim, pieces[r], padded).contiguous(), group, a)
+
+
+def trimmed_pieces(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
+    """Each simulated rank's padded piece trimmed back to its own length."""
+    padded = padded_lengths(pieces)
+    return for_each_rank(lambda r, x: trimmed_piece(x, dim, pieces[r], padded).clone(), group, a)
+
+
+def padding_filled(a: torch.Tensor, dim: int, pieces: Pieces, value: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """Each simulated rank's padded piece with its padding set to `value` (its real entries kept)."""
+    padded = padded_lengths(pieces)
+
+    def filled(rank: int, x: torch.Tensor) -> torch.Tensor:
+        out, at = x.clone(), 0
+        for (_, length), to in zip(pieces[rank], padded, strict=True):
+            out.narrow(dim, at + length, to - length).fill_(value)
+            at += to
+        return out
+
+    return for_each_rank(filled, group, a)
+
+
+def placed(a: torch.Tensor, dim: int, starts: tuple[int, ...], full: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """`a` in zeros `full` long along `dim`, at this rank's start (each simulated rank's)."""
+    def place(rank: int, x: torch.Tensor) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] = full
+        out = x.new_zeros(shape)
+        out.narrow(dim, starts[rank], x.shape[dim]).copy_(x)
+        return out
+
+    if is_simulating():
+        return for_each_rank(place, group, a)
+    return place(dist.get_rank(group), a)
+
+
+def taken(a: torch.Tensor, dim: int, starts: tuple[int, ...], length: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The `length` entries of `a` along `dim` at this rank's start (each simulated rank's)."""
+    if is_simulating():
+        return for_each_rank(lambda r, x: x.narrow(dim, starts[r], length).clone(), group, a)
+    return a.narrow(dim, starts[dist.get_rank(group)], length).clone()
 
 
 class NamedWork:
@@ -91,7 +150,8 @@ class NamedWork:
             ) from e
 
 
-def name_work(future: tuple, kind: str, a: torch.Tensor, group: dist.ProcessGroup) -> tuple:
-    """Thunder's (work, result) future with its work handle named."""
+def name_work(future: tuple, kind: str, a: torch.Tensor, group: dist.ProcessGroup, padding: int = 0) -> tuple:
+    """Thunder's (work, result) future with its work handle named (`padding`: the bytes of it that pad unequal
+    pieces to the longest, for the trace tables)."""
     work, result = future
     return NamedWork(work, kind, a, group), result

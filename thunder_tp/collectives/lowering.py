@@ -22,7 +22,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.distributed.prims import DistributedReduceOps
 from thunder.executors.torchex import ex as pytorch_ex
 
-from thunder_tp.collectives.packing import Blocks, pack, unpack
+from thunder_tp.collectives.packing import is_plain, pack, unpack
 from thunder_tp.collectives.symbols import (
     comm_executor,
     tp_all_to_all,
@@ -33,15 +33,21 @@ from thunder_tp.collectives.symbols import (
     tp_gather_to_tp,
     tp_name_work,
     tp_pack,
-    tp_rank_offset,
+    tp_padded_piece,
+    tp_padding_filled,
+    tp_placed,
     tp_rank_piece,
+    tp_rank_value,
     tp_reduce_from_tp,
     tp_reduce_scatter,
     tp_scatter,
+    tp_taken,
     tp_to_partial,
+    tp_trimmed_piece,
     tp_unpack,
 )
-from thunder_tp.layouts import Shard, local_shape, shard_tensor
+from thunder_tp.layouts import Pieces, Shard, is_even, padded_lengths, rank_pieces
+from thunder_tp.pieces import padded_piece, take_piece, trimmed_piece
 from thunder_tp.simulate import is_simulating
 
 
@@ -65,31 +71,47 @@ def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     return wait_prim_impl(tp_name_work(future, "all_reduce", a, group))
 
 
-def _async_all_gather(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+def _async_all_gather(a: TensorProxy, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
     if _synchronous():
-        return tp_gather(a, dim, blocks, group)
+        return tp_gather(a, dim, pieces, group)
 
-    a = tp_pack(a, 0, None, 1)
-    gathered = wait_prim_impl(tp_name_work(all_gather_prim_impl(a, group, True, None), "all_gather", a, group))
-    if dim == 0 and blocks is None:
+    if not is_even(pieces):  # every rank's piece as long as the longest (on every rank, even where it is that long)
+        a = padded_piece(a, dim, pieces[dist.get_rank(group)], padded_lengths(pieces), ltorch)
+    padded = tp_pack(a, 0, None)
+    future = all_gather_prim_impl(padded, group, True, None)
+    gathered = wait_prim_impl(tp_name_work(future, "all_gather", padded, group, padding_bytes(padded, dim, pieces)))
+    if dim == 0 and is_plain(pieces):
         return gathered
-    return tp_unpack(gathered, dim, blocks, group.size(), tuple(a.shape))
+    return tp_unpack(gathered, dim, pieces, tuple(padded.shape))
 
 
-def _async_reduce_scatter(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+def _async_reduce_scatter(a: TensorProxy, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> TensorProxy:
     from thunder.executors.torchex import reduce_scatter_prim_impl, wait_prim_impl
 
     if _synchronous():
-        return tp_reduce_scatter(a, dim, blocks, group)
+        return tp_reduce_scatter(a, dim, pieces, group)
 
-    packed = tp_pack(a, dim, blocks, group.size())
+    packed = tp_pack(a, dim, pieces)
     future = reduce_scatter_prim_impl(packed, DistributedReduceOps.SUM, group, True, None)
-    out = wait_prim_impl(tp_name_work(future, "reduce_scatter", packed, group))
-    if dim == 0:
+    out = wait_prim_impl(tp_name_work(future, "reduce_scatter", packed, group, padding_bytes(a, dim, pieces)))
+    if dim == 0 and is_plain(pieces):
         return out
-    return ltorch.reshape(out, local_shape(a.shape, Shard(dim), group.size()))
+    shape = list(a.shape)
+    shape[dim] = sum(padded_lengths(pieces))
+    padded = ltorch.reshape(out, shape)
+    if is_even(pieces):
+        return padded
+    return trimmed_piece(padded, dim, pieces[dist.get_rank(group)], padded_lengths(pieces), ltorch)
+
+
+def padding_bytes(t: TensorProxy, dim: int, pieces: Pieces) -> int:
+    """Bytes of the padding in a collective of every rank's piece of `pieces` (each block padded to rank 0's), `t` a
+    piece or the whole (for the size of one entry of `dim`)."""
+    padded = sum(padded_lengths(pieces))
+    missing = sum(padded - sum(length for _, length in chunks) for chunks in pieces)
+    return t.numel // t.shape[dim] * missing * t.dtype.bytes
 
 
 def _async_all_to_all(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:
@@ -99,8 +121,11 @@ def _async_all_to_all(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.Pr
         return tp_all_to_all(a, src_dim, dst_dim, group)
 
     size = group.size()
-    received = wait_prim_impl(tp_all_to_all_start(tp_pack(a, dst_dim, None, size), group))
-    return tp_unpack(received, src_dim, None, size, local_shape(a.shape, Shard(dst_dim), size))
+    received = wait_prim_impl(tp_all_to_all_start(tp_pack(a, dst_dim, rank_pieces(Shard(dst_dim), a.shape[dst_dim],
+                                                                                   size)), group))
+    piece = list(a.shape)
+    piece[dst_dim] //= size
+    return tp_unpack(received, src_dim, rank_pieces(Shard(src_dim), a.shape[src_dim] * size, size), tuple(piece))
 
 
 comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce)
@@ -115,12 +140,28 @@ comm_executor.register_implementation(tp_name_work, tp_name_work)
 # --- purely local symbols: torch ops the fusion executor can claim, so they do not split fusion regions -------
 
 
-def _scatter_ops(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+def _scatter_ops(a: TensorProxy, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> TensorProxy:
     if is_simulating():  # one trace runs for every simulated rank: the slice is cut per rank, at run time
-        return tp_rank_piece(a, dim, blocks, group)
+        return tp_rank_piece(a, dim, pieces, group)
     # dense, not a strided view: a fusion computes just this piece, and a matmul on it (the grad of gathered
     # logits is the lm_head's weight grad) runs at full speed instead of on a view that keeps the whole alive
-    return ltorch.contiguous(shard_tensor(a, Shard(dim, blocks), dist.get_rank(group), group.size(), ltorch))
+    return ltorch.contiguous(take_piece(a, dim, pieces[dist.get_rank(group)], ltorch))
+
+
+def _placed_ops(a: TensorProxy, dim: int, starts: tuple[int, ...], full: int, group) -> TensorProxy:
+    if is_simulating():  # the start depends on the simulated rank
+        return tp_placed(a, dim, starts, full, group)
+    start = starts[dist.get_rank(group)]
+    pad = [0] * (2 * (a.ndim - dim))
+    pad[-2:] = [start, full - start - a.shape[dim]]
+    return ltorch.pad(a, tuple(pad), value=0)
+
+
+def _taken_ops(a: TensorProxy, dim: int, starts: tuple[int, ...], length: int, group) -> TensorProxy:
+    if is_simulating():
+        return tp_taken(a, dim, starts, length, group)
+    start = starts[dist.get_rank(group)]
+    return a[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
@@ -131,7 +172,7 @@ def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
 
 def _to_partial_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     if is_simulating():  # one trace runs for every simulated rank
-        return ltorch.where(ltorch.eq(tp_rank_offset(a, 1, group), 0), a, 0)
+        return ltorch.where(ltorch.eq(tp_rank_value(a, tuple(range(group.size())), group), 0), a, 0)
     return _copy_to_tp_ops(a, group) if dist.get_rank(group) == 0 else ltorch.zeros_like(a)
 
 
@@ -143,10 +184,15 @@ comm_executor.register_implementation(tp_copy_to_tp, execution_transform=_copy_t
 comm_executor.register_implementation(tp_copy_all_to_tp, execution_transform=_copy_all_to_tp_ops)
 comm_executor.register_implementation(tp_scatter, execution_transform=_scatter_ops)
 comm_executor.register_implementation(tp_to_partial, execution_transform=_to_partial_ops)
+comm_executor.register_implementation(tp_placed, execution_transform=_placed_ops)
+comm_executor.register_implementation(tp_taken, execution_transform=_taken_ops)
 comm_executor.register_implementation(tp_pack, execution_transform=partial(pack, ops=ltorch))
 comm_executor.register_implementation(tp_unpack, execution_transform=partial(unpack, ops=ltorch))
-comm_executor.register_implementation(tp_rank_offset, tp_rank_offset)
+comm_executor.register_implementation(tp_rank_value, tp_rank_value)
 comm_executor.register_implementation(tp_rank_piece, tp_rank_piece)
+comm_executor.register_implementation(tp_padded_piece, tp_padded_piece)
+comm_executor.register_implementation(tp_trimmed_piece, tp_trimmed_piece)
+comm_executor.register_implementation(tp_padding_filled, tp_padding_filled)
 
 
 # --- after fusion: all_reduces that need no copy of their input ---------------------------------------------

@@ -19,8 +19,8 @@ from thunder.executors.torchex import ex as pytorch_ex
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_tp.collectives import distributed as D
-from thunder_tp.collectives.packing import Blocks, pack, unpack
-from thunder_tp.layouts import Shard, local_shape
+from thunder_tp.collectives.packing import pack, unpack
+from thunder_tp.layouts import Pieces, padded_lengths
 from thunder_tp.simulate import is_simulating
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
@@ -34,30 +34,37 @@ def _like(a: TensorProxy, *_args) -> TensorProxy:
     return TensorProxy(like=a)
 
 
-def _gathered_meta(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
+def _gathered_meta(a: TensorProxy, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> TensorProxy:
     shape = list(a.shape)
-    shape[dim] *= group.size()
+    shape[dim] = max(start + length for chunks in pieces for start, length in chunks)
     return TensorProxy(like=a, shape=tuple(shape))
 
 
-def _scattered_meta(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
-    return TensorProxy(like=a, shape=local_shape(a.shape, Shard(dim), group.size()))
+def _scattered_meta(a: TensorProxy, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> TensorProxy:
+    shape = list(a.shape)
+    shape[dim] = sum(length for _, length in pieces[dist.get_rank(group)])
+    return TensorProxy(like=a, shape=tuple(shape))
 
 
 def _all_to_all_meta(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.ProcessGroup) -> TensorProxy:
-    shape = list(local_shape(a.shape, Shard(dst_dim), group.size()))
+    shape = list(a.shape)
+    shape[dst_dim] //= group.size()
     shape[src_dim] *= group.size()
     return TensorProxy(like=a, shape=tuple(shape))
 
 
-def _packed_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int) -> TensorProxy:
-    piece = local_shape(a.shape, Shard(dim), size)
-    return TensorProxy(like=a, shape=(size * piece[0], *piece[1:]))
+def _packed_meta(a: TensorProxy, dim: int, pieces: Pieces | None) -> TensorProxy:
+    if pieces is None:
+        return TensorProxy(like=a)
+    shape = list(a.shape)
+    shape[dim] = sum(padded_lengths(pieces))
+    shape[0] *= len(pieces)
+    return TensorProxy(like=a, shape=tuple(shape))
 
 
-def _unpacked_meta(a: TensorProxy, dim: int, blocks: Blocks, size: int, piece: tuple[int, ...]) -> TensorProxy:
+def _unpacked_meta(a: TensorProxy, dim: int, pieces: Pieces, piece: tuple[int, ...]) -> TensorProxy:
     shape = list(piece)
-    shape[dim] *= size
+    shape[dim] = max(start + length for chunks in pieces for start, length in chunks)
     return TensorProxy(like=a, shape=tuple(shape))
 
 
@@ -65,7 +72,19 @@ def _all_like(tensors: list[TensorProxy], group: dist.ProcessGroup) -> tuple[Ten
     return tuple(TensorProxy(like=t) for t in tensors)
 
 
-def _rank_offset_meta(like: TensorProxy, step: int, group: dist.ProcessGroup) -> TensorProxy:
+def _placed_meta(a: TensorProxy, dim: int, starts: tuple[int, ...], full: int, group) -> TensorProxy:
+    shape = list(a.shape)
+    shape[dim] = full
+    return TensorProxy(like=a, shape=tuple(shape))
+
+
+def _taken_meta(a: TensorProxy, dim: int, starts: tuple[int, ...], length: int, group) -> TensorProxy:
+    shape = list(a.shape)
+    shape[dim] = length
+    return TensorProxy(like=a, shape=tuple(shape))
+
+
+def _rank_value_meta(like: TensorProxy, values: tuple[int, ...], group: dist.ProcessGroup) -> TensorProxy:
     return TensorProxy(like=like, shape=(), dtype=like.dtype)
 
 
@@ -117,22 +136,33 @@ tp_all_to_all_start = comm_executor.register_operator(
     "tp_all_to_all_start", meta=lambda packed, group: FutureTensorProxy(like=packed), fn=D.all_to_all_start
 )
 tp_name_work = comm_executor.register_operator(
-    "tp_name_work", meta=lambda future, kind, a, group: FutureTensorProxy(like=future), fn=D.name_work
+    "tp_name_work", meta=lambda future, kind, a, group, padding=0: FutureTensorProxy(like=future), fn=D.name_work
 )
 
 # --- the rank inside traced programs ------------------------------------------------------------------------
 
-tp_rank_offset = comm_executor.register_operator("tp_rank_offset", meta=_rank_offset_meta, fn=D.rank_offset_tensor)
+tp_rank_value = comm_executor.register_operator("tp_rank_value", meta=_rank_value_meta, fn=D.rank_value_tensor)
 # simulated tp_scatter
 tp_rank_piece = comm_executor.register_operator("tp_rank_piece", meta=_scattered_meta, fn=D.local)
 
+# simulated uneven pieces: one trace runs for every simulated rank, so every rank holds its piece padded to the longest
+# (rank 0's: `layouts.balanced`), each block's part followed by zeros; a parameter, held at its true size, is padded
+# where the program reads it, its grad trimmed back; what would mix the padding into real values masks it first
+tp_padded_piece = comm_executor.register_operator("tp_padded_piece", meta=_like, fn=D.padded_pieces)
+tp_trimmed_piece = comm_executor.register_operator("tp_trimmed_piece", meta=_like, fn=D.trimmed_pieces)
+tp_padding_filled = comm_executor.register_operator("tp_padding_filled", meta=_like, fn=D.padding_filled)
+#: a piece in zeros `full` long, at this rank's start (`starts[rank]`), and back: where chunks held by several ranks
+#: (replicated K/V heads) sum their grads
+tp_placed = comm_executor.register_operator("tp_placed", meta=_placed_meta, fn=D.placed)
+tp_taken = comm_executor.register_operator("tp_taken", meta=_taken_meta, fn=D.taken)
 
-def rank_offset(tp, step: int, like: TensorProxy) -> int | TensorProxy:
-    """``rank * step`` for a traced program: a constant on a real rank; in a simulation a per-rank tensor
-    (``tp_rank_offset``, a 0-d tensor of ``like``'s dtype), since one trace runs for every simulated rank."""
+
+def rank_value(tp, values: tuple[int, ...], like: TensorProxy) -> int | TensorProxy:
+    """``values[rank]`` for a traced program: a constant on a real rank; in a simulation a per-rank tensor
+    (``tp_rank_value``, a 0-d tensor of ``like``'s dtype), since one trace runs for every simulated rank."""
     if not is_simulating():
-        return tp.rank * step
-    return tp_rank_offset(like, step, tp.group)
+        return values[tp.rank]
+    return tp_rank_value(like, tuple(values), tp.group)
 
 
 # --- conjugate grads ----------------------------------------------------------------------------
@@ -173,12 +203,30 @@ def _all_to_all_grad(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.Pro
 
 
 def _conjugate(forward, backward):
-    def grad(a: TensorProxy, dim: int, blocks: Blocks, group: dist.ProcessGroup) -> TensorProxy:
-        out = forward(a, dim, blocks, group)
-        put_grad(a, backward(get_grad(out), dim, blocks, group))
+    def grad(a: TensorProxy, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> TensorProxy:
+        out = forward(a, dim, pieces, group)
+        put_grad(a, backward(get_grad(out), dim, pieces, group))
         return out
 
     return grad
+
+
+def _placed_grad(a: TensorProxy, dim: int, starts: tuple[int, ...], full: int, group) -> TensorProxy:
+    out = tp_placed(a, dim, starts, full, group)
+    put_grad(a, tp_taken(get_grad(out), dim, starts, a.shape[dim], group))
+    return out
+
+
+def _taken_grad(a: TensorProxy, dim: int, starts: tuple[int, ...], length: int, group) -> TensorProxy:
+    out = tp_taken(a, dim, starts, length, group)
+    put_grad(a, tp_placed(get_grad(out), dim, starts, a.shape[dim], group))
+    return out
+
+
+def _padding_filled_grad(a: TensorProxy, dim: int, pieces: Pieces, value: float, group) -> TensorProxy:
+    out = tp_padding_filled(a, dim, pieces, value, group)
+    put_grad(a, tp_padding_filled(get_grad(out), dim, pieces, 0.0, group))
+    return out
 
 
 register_grad(tp_copy_to_tp, _copy_to_tp_grad)
@@ -190,6 +238,10 @@ register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))
 register_grad(tp_gather_to_tp, _conjugate(tp_gather_to_tp, tp_reduce_scatter))
 register_grad(tp_scatter, _conjugate(tp_scatter, tp_gather))
 register_grad(tp_reduce_scatter, _conjugate(tp_reduce_scatter, tp_gather))
+register_grad(tp_padded_piece, _conjugate(tp_padded_piece, tp_trimmed_piece))
+register_grad(tp_padding_filled, _padding_filled_grad)
+register_grad(tp_placed, _placed_grad)
+register_grad(tp_taken, _taken_grad)
 
 
 # --- what counts as communication (never fused, never recomputed) -------------------------------------

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from thunder_tp.execution.agreement import gathered
-from thunder_tp.layouts import Layout, Shard, StackShard, full_length, held_chunks, piece_parts
+from thunder_tp.layouts import Layout, Shard, StackShard, held_chunks
+from thunder_tp.pieces import piece_parts
 from thunder_tp.thunder_internals.private import wrap_module_call
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: checksums stay exact int64s
@@ -124,18 +125,20 @@ class InputAgreement:
         )
 
 
-def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout]], group: dist.ProcessGroup, what: str) -> None:
+def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout, tuple[int, ...]]], group: dist.ProcessGroup,
+                   what: str) -> None:
     """Raise on every rank of the TP group if a replicated tensor, or a chunk that several ranks hold, differs among
-    the ranks that hold it (collective). `tensors`: name -> (this rank's piece, its layout)."""
+    the ranks that hold it (collective). `tensors`: name -> (this rank's piece, its layout, the full shape)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1:
         return
-    replicated = {name: (t, layout) for name, (t, layout) in sorted(tensors.items()) if _has_copies(layout)}
-    sums = [checksum(part) for t, layout in replicated.values() for part in piece_parts(t, layout, rank, size)]
+    replicated = {name: x for name, x in sorted(tensors.items()) if _has_copies(x[1])}
+    sums = [checksum(part) for t, layout, _ in replicated.values() for part in piece_parts(t, layout, rank, size)]
     every = gathered(sums, group) if sums else [[] for _ in range(size)]
     copies: dict[tuple[str, tuple[int, int] | None], set[int]] = {}
     for r, values in enumerate(every):
-        keys = [(name, chunk) for name, (t, layout) in replicated.items() for chunk in _chunks(t, layout, r, size)]
+        keys = [(name, chunk) for name, (_, layout, shape) in replicated.items() for chunk in _chunks(shape, layout,
+                                                                                                    r, size)]
         for key, value in zip(keys, values, strict=True):
             copies.setdefault(key, set()).add(value)
     differing = sorted({name for (name, _), values in copies.items() if len(values) > 1})
@@ -182,8 +185,9 @@ def _has_copies(layout: Layout) -> bool:
     return not isinstance(layout, Shard) or layout.is_replicated
 
 
-def _chunks(t: torch.Tensor, layout: Layout, rank: int, size: int) -> list[tuple[int, int] | None]:
-    """The chunks of the full tensor that `rank` holds (None: the whole tensor), in piece_parts' order."""
+def _chunks(shape: tuple[int, ...], layout: Layout, rank: int, size: int) -> list[tuple[int, int] | None]:
+    """The chunks of the full tensor (of `shape`) that `rank` holds (None: the whole tensor), in piece_parts'
+    order."""
     if not isinstance(layout, Shard):
         return [None]
-    return held_chunks(layout, full_length(layout, t.shape[layout.dim], size), rank, size)
+    return held_chunks(layout, shape[layout.dim], rank, size)

@@ -44,6 +44,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_tp import collectives as C
 from thunder_tp.collectives.labels import label_collectives, label_of
+from thunder_tp.collectives.packing import is_plain
 from thunder_tp.execution import overlap_cost as cost
 from thunder_tp.layouts import TPGroup
 from thunder_tp.simulate import is_simulating
@@ -174,11 +175,11 @@ class _Finder:
         return readers
 
     def _gather(self, g: BoundSymbol) -> _Site | None:
-        x, dim, blocks, group = g.args
+        x, dim, pieces, group = g.args
         out, n = g.output, self.tp.size
         dim %= out.ndim
         linears = self._linears_reading(out)
-        if linears is None or blocks is not None or dim == out.ndim - 1 or _too_few_rows(out, n):
+        if linears is None or not is_plain(pieces) or dim == out.ndim - 1 or _too_few_rows(out, n):
             return None
         matmuls = _linears(out, linears)
         if self.mode == "auto" and not cost.gather_pays(self._costs(out), n, _nbytes(out), matmuls):
@@ -188,11 +189,11 @@ class _Finder:
         return _Site(linears[0], (g, *linears), inputs, tuple(b.output for b in linears), emit)
 
     def _scatter(self, r: BoundSymbol) -> _Site | None:
-        y, dim, blocks, group = r.args
+        y, dim, pieces, group = r.args
         linear, n = self._producer(y), self.tp.size
         operands = None if linear is None else _linear_operands(linear)
         dim %= y.ndim
-        if operands is None or operands[2] is not None or self._sole_consumer(y) is not r or blocks is not None:
+        if operands is None or operands[2] is not None or self._sole_consumer(y) is not r or not is_plain(pieces):
             return None
         if dim == y.ndim - 1 or int(y.shape[dim]) % n or _too_few_rows(y, n):
             return None

@@ -96,7 +96,7 @@ class LoRAPairParallel(Style):
     def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
         """Layouts of `lora_A` and `lora_B`."""
         if isinstance(self.base, RowwiseParallel):
-            return {"lora_A": Shard(1), "lora_B": REPLICATE}
+            return {"lora_A": self.base.tensor_layouts(module.linear, size)["weight"], "lora_B": REPLICATE}
         rows = _enabled_blocks(module, self.base.tensor_layouts(module.linear, size)["weight"])
         # K/V heads replicated over ranks (fewer K/V groups than ranks): the LoRA path's product (a grouped conv1d)
         # would need lora_B whole, which a layout with copies cannot be gathered into; it stays whole
@@ -110,9 +110,8 @@ def _enabled_blocks(module: nn.Module, layout: Shard) -> Shard:
     if enabled is None or layout.blocks is None or all(enabled):
         return layout
     blocks = tuple(b for b, on in zip(layout.blocks, enabled, strict=True) if on)
-    replicas = tuple(r for r, on in zip(layout.block_replicas(), enabled, strict=True) if on)
-    replicas = replicas if any(r > 1 for r in replicas) else None
-    return Shard(0, blocks if len(blocks) > 1 else None, replicas)
+    splits = tuple(s for s, on in zip(layout.block_splits(), enabled, strict=True) if on)
+    return Shard(0, blocks if len(blocks) > 1 else None, None if all(s is None for s in splits) else splits)
 
 
 try:

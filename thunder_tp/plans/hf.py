@@ -43,6 +43,13 @@ _KINDS = {
 }
 #: attention projections split by whole heads: name -> whether its heads are K/V heads (replicable)
 _HEAD_PROJECTIONS = {"q_proj": False, "k_proj": True, "v_proj": True, "query_key_value": False}
+#: fused q|k|v projections in equal blocks (not interleaved per head): name -> the number of blocks
+_FUSED_QKV_BLOCKS = {"c_attn": 3}
+#: the plans of architectures whose config has none (transformers 4.52), keys relative to the base model, as HF's
+_BUILT_IN_PLANS = {
+    "gpt2": {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
+             "h.*.mlp.c_proj": "rowwise"},
+}
 #: where HF's plan is wrong: (model_type, module-name suffix) -> the kind it should have, and why
 _FIXES = {("starcoder2", "mlp.c_proj"): "row"}  # Starcoder2 lists its down projection as "colwise"
 #: norms over all heads of q (of k), which a head split shards (OLMo-2; per-head q/k norms need nothing)
@@ -83,7 +90,8 @@ def hf(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         plan[_name_of(model, head)] = ColwiseParallel(output_layout=None if loss_parallel else REPLICATE)
-    plan |= {name: FeatureShardedNorm() for name in _all_head_norms(model)}
+    heads = FeatureShardedNorm(unit=_head_dim(model), groups=_kv_heads(config))  # split like the heads they norm
+    plan |= {name: heads for name in _all_head_norms(model)}
     if sequence_parallel:
         plan |= {name: SequenceParallel(SEQUENCE_DIM) for name in _residual_norms(model)}
     return checked_plan(whole, {prefix + name: style for name, style in plan.items()}, tp_size)
@@ -143,7 +151,7 @@ def _base_prefix(model: nn.Module) -> str:
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's own plan, keys relative to `model`: config.base_model_tp_plan at the base model, plus the
     CausalLM class's `_tp_plan` (its head). A clear error for a model without one."""
-    base = getattr(model.config, "base_model_tp_plan", None) or {}
+    base = getattr(model.config, "base_model_tp_plan", None) or _BUILT_IN_PLANS.get(model.config.model_type, {})
     prefix = _base_prefix(model)
     plan = {prefix + key: string for key, string in base.items()}
     if prefix:
@@ -197,7 +205,9 @@ def _fixed(config, name: str, kind: str) -> str:
 def _style(model: nn.Module, name: str, kind: str, block_output: Layout | None) -> Style | None:
     """The thunder_tp style of one module of HF's plan."""
     if kind == "row":
-        return RowwiseParallel(output_layout=block_output)
+        if not _reads_heads(model, name):
+            return RowwiseParallel(output_layout=block_output)
+        return RowwiseParallel(output_layout=block_output, unit=_head_dim(model), groups=_kv_heads(model.config))
     if kind == "sp":
         return SequenceParallel(SEQUENCE_DIM)
     if kind == "replicate":
@@ -208,15 +218,38 @@ def _style(model: nn.Module, name: str, kind: str, block_output: Layout | None) 
 def _head_style(model: nn.Module, name: str) -> ColwiseParallel | None:
     """An attention projection split by whole heads (K/V heads replicable), or None for another module."""
     last = name.rpartition(".")[2]
+    config = model.config
+    features = _out_features(model.get_submodule(name))
+    if last in _FUSED_QKV_BLOCKS:
+        blocks = _FUSED_QKV_BLOCKS[last]
+        return ColwiseParallel(blocks=(features // blocks,) * blocks, unit=_head_dim(model), groups=_kv_heads(config))
     if last not in _HEAD_PROJECTIONS:
         return None
-    config = model.config
     kv = _HEAD_PROJECTIONS[last]
-    heads = config.num_attention_heads
-    if kv:
-        heads = getattr(config, "num_key_value_heads", None) or heads
-    features = model.get_submodule(name).out_features
-    return ColwiseParallel(blocks=(features,), unit=features // heads, replicable=(kv,))
+    heads = _kv_heads(config) if kv else config.num_attention_heads
+    return ColwiseParallel(blocks=(features,), unit=features // heads, replicable=(kv,), groups=_kv_heads(config))
+
+
+def _out_features(module: nn.Module) -> int:
+    """A linear layer's output features (nn.Linear's out_features, HF Conv1D's nf)."""
+    return module.out_features if hasattr(module, "out_features") else module.nf
+
+
+def _kv_heads(config) -> int:
+    """The number of K/V heads (each shared by the same number of query heads)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _head_dim(model: nn.Module) -> int:
+    """The size of one attention head."""
+    config = model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _reads_heads(model: nn.Module, name: str) -> bool:
+    """Whether a row-parallel projection reads the attention heads (a sibling of the q / fused qkv projection)."""
+    parent = model.get_submodule(name.rpartition(".")[0])
+    return any(hasattr(parent, projection) for projection in (*_HEAD_PROJECTIONS, *_FUSED_QKV_BLOCKS))
 
 
 def _parallel_residual(config) -> bool:

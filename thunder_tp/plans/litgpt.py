@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 
@@ -101,7 +103,8 @@ def litgpt(
     plan: dict[str, Style] = {
         "transformer.wte": RowwiseParallel(output_layout=embedding_output),
         f"{block}attn.qkv": _qkv_style(config),
-        f"{block}attn.proj": RowwiseParallel(output_layout=block_output),
+        f"{block}attn.proj": RowwiseParallel(output_layout=block_output, unit=config.head_size,
+                                             groups=config.n_query_groups),
         "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
     }
     if config.mlp_class_name == "LLaMAMoE" and expert_parallel:
@@ -115,7 +118,8 @@ def litgpt(
         plan |= {f"transformer.h.{i}.mlp.{name}": _mlp_style(kind, reduced)
                  for name, kind in _MLP_PLANS["LLaMAMLP"].items()}
     if config.norm_qk and config.norm_qk_type == "olmo2":  # a norm over all heads of q (of k): split like them
-        plan.update({f"{block}attn.norm_q": FeatureShardedNorm(), f"{block}attn.norm_k": FeatureShardedNorm()})
+        heads = FeatureShardedNorm(unit=config.head_size, groups=config.n_query_groups)
+        plan.update({f"{block}attn.norm_q": heads, f"{block}attn.norm_k": heads})
     if _has_kv_cache(model):  # set_kv_cache was called: each rank caches the K/V heads its attention computes
         plan[f"{block}attn.kv_cache"] = KVCacheParallel()
     if sequence_parallel:
@@ -142,7 +146,7 @@ def _with_lora(model: nn.Module, plan: dict[str, Style]) -> dict[str, Style]:
             continue
         has_pair = hits[0].r > 0 and hasattr(hits[0], "lora_A")
         if has_pair and isinstance(style, RowwiseParallel):
-            style = RowwiseParallel(input_layout=style.input_layout, output_layout=None)
+            style = replace(style, output_layout=None)
         lora[f"{key}.linear"] = style
         if has_pair:
             lora[key] = LoRAPairParallel(style)
@@ -163,10 +167,11 @@ def _mlp_style(kind: str, reduced: Layout | None) -> Style:
 
 
 def _qkv_style(config) -> ColwiseParallel:
-    """Fused q|k|v split by heads; K/V blocks replicable (grouped-query attention with few K/V groups)."""
+    """Fused q|k|v split by whole heads, each rank's query heads with their K/V heads where the counts allow; K/V
+    blocks replicable (grouped-query attention with fewer K/V groups than ranks)."""
     hs = config.head_size
     q, kv = config.n_head * hs, config.n_query_groups * hs
-    return ColwiseParallel(blocks=(q, kv, kv), unit=hs, replicable=(False, True, True))
+    return ColwiseParallel(blocks=(q, kv, kv), unit=hs, replicable=(False, True, True), groups=config.n_query_groups)
 
 
 def _block_norms(config) -> list[str]:
@@ -189,6 +194,6 @@ def _check_supported(config) -> None:
 
 
 def tp_sizes(config, up_to: int = 8) -> list[int]:
-    """TP sizes (at most `up_to`) that the plan can shard `config` over: n_head divisible by the size and the
-    K/V groups either divisible by it or dividing it (K/V heads then replicated)."""
+    """TP sizes (at most `up_to`) that the plan can shard `config` over: every rank gets at least one query head
+    (K/V heads replicated where there are fewer K/V groups than ranks)."""
     return _qkv_style(config).tp_sizes(up_to)

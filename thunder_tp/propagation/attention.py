@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import thunder.torch as ltorch
 
-from thunder_tp.layouts import REPLICATE, Layout, Shard
+from thunder_tp.layouts import REPLICATE, Layout, Shard, Split
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 
 
@@ -17,20 +17,21 @@ def scaled_dot_product_attention(op: Op) -> list[Strategy]:
     out = op.outputs[0]
     strategies = [op.replicated()]
     for d in range(min(2, q.ndim - 2)):
+        shard = op.shard_of(q, d)  # heads split unevenly stay as they are
         layouts: list[Layout] = []
         for t, current in zip(op.tensors, op.layouts, strict=True):
             td = d - (out.ndim - t.ndim)
             if td >= 0 and t.shape[td] == out.shape[d]:
-                layouts.append(Shard(td))
+                layouts.append(shard.moved(td))
             elif td >= 0 and t.shape[td] == 1 and _held_whole_by_all(current, td, op.tp.size):
                 layouts.append(current)
             else:
                 layouts.append(REPLICATE)
-        strategies.insert(0, Strategy(tuple(layouts), (Shard(d),)))
+        strategies.insert(0, Strategy(tuple(layouts), (shard.moved(d),)))
     return strategies
 
 
 def _held_whole_by_all(layout: Layout, dim: int, size: int) -> bool:
     """A size-1 dim split as one chunk replicated on all `size` ranks: every rank holds the whole tensor."""
     return (isinstance(layout, Shard) and layout.dim == dim and layout.blocks is None
-            and layout.block_replicas() == (size,))
+            and layout.block_splits() == (Split(1, replicated=True),))

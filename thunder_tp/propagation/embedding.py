@@ -5,20 +5,21 @@ from __future__ import annotations
 import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
-from thunder_tp.collectives import rank_offset
-from thunder_tp.layouts import PARTIAL, REPLICATE, Shard, TPGroup
+from thunder_tp.collectives import rank_value
+from thunder_tp.layouts import PARTIAL, REPLICATE, Pieces, Shard, TPGroup, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 from thunder_tp.simulate import is_simulating
 
 
-def _vocab_parallel_lookup(tp: TPGroup, padding_idx: int | None):
-    """Each rank looks up the ids in its vocabulary range; other rows are zero (a Partial sum). The padding row
-    (whose grad stays zero) is padding on the rank that holds it. The ids are masked flat: nvFuser 0.2.35 fails
-    to compile the masking of (batch, 1) ids (a decode step's) against the looked-up rows' (batch, 1, dim)."""
+def _vocab_parallel_lookup(tp: TPGroup, padding_idx: int | None, every: Pieces):
+    """Each rank looks up the ids in its vocabulary range (`every`: each rank's); other rows are zero (a Partial sum).
+    The padding row (whose grad stays zero) is padding on the rank that holds it. The ids are masked flat: nvFuser
+    0.2.35 fails to compile the masking of (batch, 1) ids (a decode step's) against the looked-up rows' (batch, 1,
+    dim)."""
 
     def lookup(ids: TensorProxy, weight: TensorProxy, *args, **kwargs) -> TensorProxy:
-        rows = weight.shape[0]
-        offset = rank_offset(tp, rows, ids)
+        offset = rank_value(tp, tuple(chunks[0][0] for chunks in every), ids)
+        rows = rank_value(tp, tuple(chunks[0][1] for chunks in every), ids)
         shifted = ltorch.sub(ltorch.reshape(ids, (-1,)), offset)
         outside = ltorch.logical_or(ltorch.lt(shifted, 0), ltorch.ge(shifted, rows))
         found = ltorch.embedding(ltorch.where(outside, 0, shifted), weight, _local_row(padding_idx, offset, rows))
@@ -49,6 +50,7 @@ def embedding(op: Op) -> list[Strategy]:
     if op.arg("max_norm") is None and (padding_idx is None or not is_simulating()):
         if padding_idx is not None and padding_idx < 0:
             padding_idx += op.tensors[1].shape[0]
-        lookup = _vocab_parallel_lookup(op.tp, padding_idx)
+        every = rank_pieces(Shard(0), op.tensors[1].shape[0], op.tp.size)
+        lookup = _vocab_parallel_lookup(op.tp, padding_idx, every)
         strategies.insert(0, Strategy((REPLICATE, Shard(0)), (PARTIAL,), lookup))
     return strategies

@@ -18,7 +18,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
 
-from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, TPGroup, check_shardable, normalize
+from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPGroup, check_shardable, normalize
 from thunder_tp.reshard import collective_cost, redistribute_cost
 
 LocalFn = Callable[..., Any]
@@ -103,6 +103,12 @@ class Op:
     def layout_of(self, t: TensorProxy) -> Layout:
         """Current layout of one of the op's tensor inputs."""
         return self.layouts[[x.name for x in self.tensors].index(t.name)]
+
+    def shard_of(self, t: TensorProxy, dim: int) -> Shard:
+        """How input `t` is split on `dim` where it is sharded there (its blocks and splits: an uneven split of whole
+        heads stays what it is), else a plain Shard(dim)."""
+        layout = self.layout_of(t)
+        return layout if isinstance(layout, Shard) and layout.dim == dim else Shard(dim)
 
     def replicated(self) -> Strategy:
         """Everything Replicate."""

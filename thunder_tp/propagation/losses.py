@@ -20,9 +20,10 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import Symbol
 from thunder.core.transforms import register_grad
 
-from thunder_tp.collectives import rank_offset, tp_gather
-from thunder_tp.layouts import REPLICATE, Shard, TPGroup
+from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled
+from thunder_tp.layouts import REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.simulate import is_simulating
 
 
 def _symbol(name: str, meta) -> Symbol:
@@ -146,13 +147,19 @@ def _replicated_cross_entropy(ignore_index: int, reduction: str):
     return loss
 
 
-def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):
-    """Cross-entropy of (N, C) logits sharded on C: each rank's (log-sum-exp, target logit) per token, gathered in
-    one collective of 2N numbers, is all the other ranks need."""
+def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str, every: Pieces):
+    """Cross-entropy of (N, C) logits sharded on C (`every`: each rank's columns): each rank's (log-sum-exp, target
+    logit) per token, gathered in one collective of 2N numbers, is all the other ranks need. In a simulation a
+    shorter piece is padded to the longest: its padding columns count as -inf, and no target hits them."""
 
     def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
-        local_target = ltorch.sub(target, rank_offset(tp, logits.shape[1], target))
-        stats = tp_gather(cross_entropy_stats(logits, local_target), 0, None, tp.group)
+        local_target = ltorch.sub(target, rank_value(tp, tuple(chunks[0][0] for chunks in every), target))
+        if is_simulating() and not is_even(every):
+            logits = tp_padding_filled(logits, 1, every, -float("inf"), tp.group)
+            columns = rank_value(tp, tuple(chunks[0][1] for chunks in every), target)
+            local_target = ltorch.where(ltorch.lt(local_target, columns), local_target, -1)
+        stats = cross_entropy_stats(logits, local_target)
+        stats = tp_gather(stats, 0, rank_pieces(Shard(0), 2 * tp.size, tp.size), tp.group)
         return cross_entropy_of_stats(stats, target, ignore_index, reduction, logits.dtype)
 
     return loss
@@ -174,7 +181,8 @@ def cross_entropy(op: Op) -> list[Strategy]:
     if not supported:
         return [op.replicated()]
     ignore_index, reduction = op.arg("ignore_index"), op.arg("reduction")
-    vocab_parallel = _vocab_parallel_cross_entropy(op.tp, ignore_index, reduction)
+    every = rank_pieces(Shard(1), logits.shape[1], op.tp.size)
+    vocab_parallel = _vocab_parallel_cross_entropy(op.tp, ignore_index, reduction, every)
     replicated = _replicated_cross_entropy(ignore_index, reduction)
     stats_bytes = max(logits.dtype.bytes, 4)  # in the loss's precision (_upcast)
     stats = ("all_gather", 2 * logits.shape[0] * stats_bytes * op.tp.size)  # (log-sum-exp, target logit) pairs

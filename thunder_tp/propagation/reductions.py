@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import thunder.core.prims as prims
 import thunder.torch as ltorch
 
-from thunder_tp.layouts import PARTIAL, Partial, Shard
+from thunder_tp.collectives import tp_padding_filled
+from thunder_tp.layouts import PARTIAL, Partial, Shard, is_even, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.simulate import is_simulating
 
 
 def _reduced_dims(op: Op) -> tuple[set[int], bool]:
@@ -33,18 +36,32 @@ def reduction(op: Op) -> list[Strategy]:
     if isinstance(layout, Partial):
         strategies.insert(0, Strategy((PARTIAL,), (PARTIAL,)))
     elif isinstance(layout, Shard) and layout.dim in dims and not layout.is_replicated:
-        local = _chunk_mean(op.tp.size) if op.bsym.sym.name == "mean" else None
-        strategies.insert(0, Strategy((Shard(layout.dim),), (PARTIAL,), local))
+        split = layout if layout.blocks is None else Shard(layout.dim)
+        strategies.insert(0, Strategy((split,), (PARTIAL,), _summand(op, split, dims)))
     elif isinstance(layout, Shard) and layout.dim not in dims:
         out_dim = layout.dim if keepdim else layout.dim - sum(d < layout.dim for d in dims)
         strategies.insert(0, Strategy((layout,), (layout.moved(out_dim),)))
     return strategies
 
 
-def _chunk_mean(size: int):
-    """The mean of one of `size` equal chunks, weighted by its share: summed over ranks, the mean."""
+def _summand(op: Op, layout: Shard, dims: set[int]):
+    """This rank's summand of a sum or mean over the sharded dim (None: the op itself, a sum over the piece): a mean
+    over a piece weighted by its share of the reduced entries, so that the summands add up to the mean. In a
+    simulation a piece shorter than the longest is padded: its padding is zeroed first."""
+    x, tp = op.tensors[0], op.tp
+    n = x.shape[layout.dim]
+    every = rank_pieces(layout, n, tp.size)
+    mean = op.bsym.sym.name == "mean"
+    if is_even(every) and not mean:
+        return None
+    if is_even(every):  # the mean of an equal share, divided by their number (as before uneven splits existed)
+        return lambda a, *args, **kwargs: ltorch.true_divide(ltorch.mean(a, *args, **kwargs), tp.size)
+    count = math.prod(x.shape[d] for d in dims)
 
-    def local(x, *args, **kwargs):
-        return ltorch.true_divide(ltorch.mean(x, *args, **kwargs), size)
+    def local(a, *args, **kwargs):
+        if is_simulating():
+            a = tp_padding_filled(a, layout.dim, every, 0.0, tp.group)
+        summed = ltorch.sum(a, *args, **kwargs) if mean else op.bsym.sym(a, *args, **kwargs)
+        return ltorch.true_divide(summed, count) if mean else summed
 
     return local

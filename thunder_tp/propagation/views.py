@@ -14,7 +14,7 @@ import thunder.torch as ltorch
 from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.utils import extract_shape_from_varargs
 
-from thunder_tp.layouts import PARTIAL, Partial, Shard, local_blocks, local_size
+from thunder_tp.layouts import PARTIAL, Partial, Shard, Split, canonical, held_chunks, local_blocks, local_size
 from thunder_tp.layouts import local_shape as local_shape_of
 from thunder_tp.propagation.engine import LocalFn, Op, Strategy, register_rule
 
@@ -78,23 +78,47 @@ def reshape(op: Op) -> list[Strategy]:
         target = outer_out[0]
         if layout.blocks is not None and (len(outer_in) != 1 or len(outer_out) != 1):
             break
-        out_layout = layout.moved(target)
+        out_layout = _reshaped(layout, x.shape[layout.dim], out.shape[target], target, op.tp.size)
+        if out_layout is None:
+            break
         return [Strategy((layout,), (out_layout,), _local_reshape(op, out_layout)), op.replicated()]
     return [op.replicated()]
+
+
+def _reshaped(layout: Shard, n_in: int, n_out: int, dim: int, size: int) -> Shard | None:
+    """The split of output dim `dim` (length `n_out`) that a reshape makes of `layout`'s dim (length `n_in`, the
+    outermost of the same run of entries): every rank's piece scaled by n_out / n_in, where that keeps it whole
+    (e.g. whole heads of a head-split feature dim); None where no layout splits the output so."""
+    if layout.blocks is not None:
+        return layout.moved(dim) if n_in == n_out else None
+    pieces = [held_chunks(layout, n_in, rank, size)[0] for rank in range(size)]
+    if any((start * n_out) % n_in or (length * n_out) % n_in for start, length in pieces):
+        return None
+    wanted = [[(start * n_out // n_in, length * n_out // n_in)] for start, length in pieces]
+    (split,) = layout.block_splits()
+    for candidate in (Shard(dim), Shard(dim, splits=(split or Split(n_in),))):
+        split_out = candidate.block_splits()[0]
+        if split_out is not None and n_out % split_out.units:
+            continue
+        candidate = canonical(candidate, n_out, size)
+        if [held_chunks(candidate, n_out, rank, size) for rank in range(size)] == wanted:
+            return candidate
+    return None
 
 
 def _local_reshape(op: Op, out_layout: Shard) -> LocalFn:
     """The reshape of one rank's piece: to the shape the op asks for (its own arguments, with local values of
     numbers, so that shapes of symbolic values stay symbolic), the sharded dim divided (a -1 there stays); where
     it asks for none (flatten, view_as, a dtype view), to the local output shape."""
+    tp = op.tp
     if not _asks_for_shape(op):
-        local_shape = local_shape_of(op.outputs[0].shape, out_layout, op.tp.size)
+        local_shape = local_shape_of(op.outputs[0].shape, out_layout, tp.size, tp.rank)
         return lambda a, *_, **__: ltorch.reshape(a, local_shape)
 
     def local(a: TensorProxy, *shape: int | NumberProxy) -> TensorProxy:
         shape = list(extract_shape_from_varargs(shape))
         if shape[out_layout.dim] != -1:
-            shape[out_layout.dim] = local_size(shape[out_layout.dim], out_layout, op.tp.size)
+            shape[out_layout.dim] = local_size(shape[out_layout.dim], out_layout, tp.size, tp.rank)
         return ltorch.reshape(a, shape)
 
     return local
@@ -190,7 +214,7 @@ def _local_target(op: Op, dim_map: DimMap, call):
     layout = op.layouts[0]
     if not isinstance(layout, Shard) or layout.dim not in dim_map:
         return None
-    shape = local_shape_of(op.outputs[0].shape, layout.moved(dim_map.index(layout.dim)), op.tp.size)
+    shape = local_shape_of(op.outputs[0].shape, layout.moved(dim_map.index(layout.dim)), op.tp.size, op.tp.rank)
     return lambda a, *_, **__: call(a, shape)
 
 
@@ -238,8 +262,9 @@ def split(op: Op) -> list[Strategy]:
     sizes = tuple(o.shape[dim] for o in op.outputs)
     if layout.blocks != sizes:
         return [op.replicated()]
-    local = local_blocks(sizes, op.tp.size, layout.replicas)
-    outputs = tuple(Shard(dim, replicas=None if r == 1 else (r,)) for r in layout.block_replicas())
+    local = local_blocks(sizes, layout.splits, op.tp.size, op.tp.rank)
+    outputs = tuple(canonical(Shard(dim, splits=(split,)), size, op.tp.size)
+                    for size, split in zip(sizes, layout.block_splits(), strict=True))
     return [
         Strategy((layout,), outputs, lambda a, *_, **__: ltorch.split(a, local, dim)),
         op.replicated(),
@@ -265,28 +290,32 @@ def concatenate(op: Op) -> list[Strategy]:
 def repeat_interleave(op: Op) -> list[Strategy]:
     """Repeating whole entries of the sharded dim keeps the shard (each rank repeats its own entries)."""
     x, layout = op.tensors[0], op.layouts[0]
-    dim = op.arg("dim")
-    if len(op.tensors) != 1 or dim is None or op.arg("output_size") is not None:
+    dim, repeats = op.arg("dim"), op.arg("repeats")
+    if len(op.tensors) != 1 or dim is None or op.arg("output_size") is not None or not isinstance(repeats, int):
         return [op.replicated()]
-    if isinstance(layout, Shard) and layout.is_replicated and layout.dim == dim % x.ndim:
-        return [*_replicated_heads_repeated(op, layout, dim), op.replicated()]
-    if isinstance(layout, Shard) and layout.blocks is None:
-        return [Strategy((layout,), (layout,)), op.replicated()]
-    return _through(op, list(range(x.ndim)))
+    dim %= x.ndim
+    if not isinstance(layout, Shard) or layout.dim != dim or layout.blocks is not None:
+        return _through(op, list(range(x.ndim)))
+    (split,) = layout.block_splits()
+    n = x.shape[dim]
+    if layout.is_replicated:
+        return [*_replicated_heads_repeated(op, split, n, repeats, dim), op.replicated()]
+    repeated = canonical(Shard(dim, splits=(split or Split(n),)), n * repeats, op.tp.size)
+    return [Strategy((layout,), (repeated,)), op.replicated()]
 
 
-def _replicated_heads_repeated(op: Op, layout: Shard, dim: int) -> list[Strategy]:
-    """One entry held by r ranks, repeated `repeats` times: each of them holds repeats / r of the copies.
-
-    (K/V heads replicated over the ranks whose query heads share them: after the repeat, a plain shard.)
-    """
-    x, repeats = op.tensors[0], op.arg("repeats")
-    (r,) = layout.block_replicas()
-    if not isinstance(repeats, int) or repeats % r or x.shape[layout.dim] * r != op.tp.size:
+def _replicated_heads_repeated(op: Op, split: Split, n: int, repeats: int, dim: int) -> list[Strategy]:
+    """Heads each held whole by several ranks (K/V heads shared by the query heads of those ranks), repeated
+    `repeats` times: the copies of a head are split over its ranks, as the query heads that use them are."""
+    if split.units != n:
         return []
+    out = canonical(Shard(dim, splits=(Split(n * repeats, n),)), n * repeats, op.tp.size)
+    copies = local_size(n * repeats, out, op.tp.size, op.tp.rank)
+
     def local(a, *_, **__):
-        return ltorch.repeat_interleave(a, repeats // r, dim)
-    return [Strategy((layout,), (Shard(layout.dim),), local)]
+        return ltorch.repeat_interleave(a, copies, dim)
+
+    return [Strategy((Shard(dim, splits=(split,)),), (out,), local)]
 
 
 @register_rule("torch.view_as_complex")

@@ -7,7 +7,7 @@ from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.layouts import Layout, local_shape
+from thunder_tp.layouts import Layout, local_shape, uneven
 from thunder_tp.thunder_internals.private import set_proxy_shape
 
 _UNPACK_TENSOR = ("unpack_parameter", "unpack_buffer")
@@ -37,13 +37,20 @@ def unpacked_tensor_names(prologue: TraceCtx) -> dict[str, str]:
 
 
 def localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[str, Layout], size: int,
-                      rank: int) -> None:
-    """Sharded inputs arrive as local pieces: give their proxies this rank's local shapes and check those."""
+                      rank: int, unchecked: frozenset[str] = frozenset()) -> None:
+    """Sharded inputs arrive as local pieces: give their proxies this rank's local shapes and check those (but for
+    `unchecked` ones whose pieces differ in length among the simulated ranks of one program)."""
     proxies = {id(p): p for p in (*prologue.output[0], *flat_args(computation)) if isinstance(p, TensorProxy)}
     for proxy in proxies.values():
         if proxy.name in sharded:
             set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size, rank))
-    for i, b in enumerate(prologue.bound_symbols):
+    kept = []
+    for b in prologue.bound_symbols:
         if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
             t, shape, *rest = b.args
-            prologue.bound_symbols[i] = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size, rank), *rest))
+            if t.name in unchecked and uneven(sharded[t.name], shape, size):
+                continue
+            b = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size, rank), *rest))
+        kept.append(b)
+    prologue.bound_symbols = kept
+

@@ -2,6 +2,8 @@
 
 - `repeat_kv` (expand + reshape of the K/V heads) traced as `repeat_interleave`, the same values, whose propagation
   rule keeps K/V heads replicated over the ranks whose query heads share them;
+- GPT-2's `Conv1D` (y = addmm(b, x.view(-1, in), w), weight in x out) traced as `x @ w + b` on `x` as it comes: the
+  flattening of batch and sequence into one dim would merge sequence shards (SP) into pieces no layout describes;
 - `AttentionMaskConverter._ignore_causal_mask_sdpa` answered as in eager mode: without a user mask, a causal
   attention over the whole sequence runs SDPA with `is_causal=True` instead of a (batch, 1, seq, seq + 1) float mask.
   HF asks whether it is tracing (Thunder's interpreter says it compiles) and then always builds the mask, because an
@@ -27,6 +29,11 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states if n_rep == 1 else torch.repeat_interleave(hidden_states, n_rep, dim=1)
 
 
+def conv1d_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's Conv1D.forward (GPT-2's linear layers): the same product, without flattening x's leading dims."""
+    return torch.add(torch.matmul(x, module.weight), module.bias)
+
+
 def ignore_causal_mask_sdpa(attention_mask, inputs_embeds, past_key_values_length: int, sliding_window=None,
                             is_training: bool = False) -> bool:
     """HF's `AttentionMaskConverter._ignore_causal_mask_sdpa` as it answers in eager mode (not tracing), for shapes a
@@ -43,10 +50,15 @@ def ignore_causal_mask_sdpa(attention_mask, inputs_embeds, past_key_values_lengt
 
 
 def register_lookasides(model: nn.Module) -> None:
-    """Make thunder.jit trace `repeat_kv` wherever HF's sdpa attention, or the model's own module, calls theirs, and
-    answer `_ignore_causal_mask_sdpa` as in eager mode."""
+    """Make thunder.jit trace `repeat_kv` wherever HF's sdpa attention, or the model's own module, calls theirs, GPT-2's
+    Conv1D as `conv1d_forward`, and answer `_ignore_causal_mask_sdpa` as in eager mode."""
     import transformers.integrations.sdpa_attention as sdpa
     from transformers.modeling_attn_mask_utils import AttentionMaskConverter
+    from transformers.pytorch_utils import Conv1D
+
+    if Conv1D.forward not in _registered:
+        register_general_jit_lookaside(Conv1D.forward)(lambda module, x: _interpret_call(conv1d_forward, module, x))
+        _registered.add(Conv1D.forward)
 
     ignore = AttentionMaskConverter._ignore_causal_mask_sdpa
     if ignore not in _registered:
