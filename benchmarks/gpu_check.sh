@@ -49,6 +49,11 @@
 # overlap_never.log, overlap_always.log. Then, anywhere: python -m benchmarks.projection.overlap --chunk_timings
 # chunked_matmuls.json (docs/gpu.md).
 #   GPU_PARTS=overlap bash benchmarks/gpu_check.sh    # one 10-minute call with the install
+# "compile32" (issue 60) times Llama-3-8B's shapes at TP=8 (one rank of a fake group) at all 32 layers to the first
+# training step (mode (a), nvFuser) and the first decode step (mode (e), the decode step as a CUDA graph): their
+# first_step_s in the JSON (Thunder's interpretation, once per kind of block, and the backend's compiles, once per
+# kind of region), beside a compiled step; each phase given what is left of GPU_RANK_S. JSON in compile32_json.tar.gz.
+#   GPU_PARTS=compile32 bash benchmarks/gpu_check.sh  # one 10-minute call with the install
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
@@ -157,6 +162,14 @@ if [[ $PARTS == *,decode32,* ]]; then
             --decode_batches "$batch" --layers "${GPU_DECODE_LAYERS:-32}" --steps 10 --warmup 2
     done
     tar czf "$OUT_DIR/decode32_json.tar.gz" -C /tmp gpu_check_rank
+fi
+if [[ $PARTS == *,compile32,* ]]; then
+    rank_phase compile32_train --model Llama-3-8B --tp 8 --train_modes a --decode_modes "" --layers 32 --steps 1 \
+        --warmup 1
+    rank_phase compile32_decode --model Llama-3-8B --tp 8 --train_modes "" --decode_modes e --decode_batches 1 \
+        --layers 32 --steps 3 --warmup 1
+    grep -h -o '"first_step_s": [0-9.]*' /tmp/gpu_check_rank/rank_compile32_*.json
+    tar czf "$OUT_DIR/compile32_json.tar.gz" -C /tmp gpu_check_rank
 fi
 if [[ $PARTS == *,overlap,* ]]; then
     say "overlap: chunked matmuls at Llama-3-8B shapes"

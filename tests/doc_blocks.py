@@ -6,6 +6,8 @@ Every ```python block is preceded by a marker line saying how it runs:
     <!-- doc-test: torchrun 2 after litgpt -->   a fragment, run after the prelude `litgpt` (below) on 2 ranks
     <!-- doc-test: plain after litgpt-nodist --> a fragment run in one plain process (no process group)
     <!-- doc-test: skip: the reason -->          not run, and why
+    <!-- doc-test: torchrun 2 after hf; slow: tests/test_hf.py runs the same -->
+                                                 run only with the slow tests: a test of the suite runs the same
 
 A block for torchrun runs on the ranks of tests/dist.py's gloo pools, which already joined a process group: its own
 `init_process_group` / `destroy_process_group` calls are no-ops there (the group it would create is the pool's). Each
@@ -88,6 +90,8 @@ class Block:
     ranks: int | None = None
     prelude: str = ""
     reason: str = ""
+    #: which test of the default run does what the block does (the block then runs with the slow tests)
+    slow: str = ""
 
     @property
     def runs(self) -> bool:
@@ -115,14 +119,14 @@ def _block(where: str, code: str, previous: str) -> Block:
     marker = _MARKER.fullmatch(previous.strip())
     if marker is None:
         raise ValueError(f"{where}: a ```python block needs a `<!-- doc-test: ... -->` line before it")
-    how = marker["how"]
+    how, _, slow = marker["how"].partition("; slow:")
     if how.startswith("skip:"):
         return Block(where, code, reason=how.removeprefix("skip:").strip() or "no reason given")
     parsed = _HOW.fullmatch(how)
     if parsed is None or (parsed["prelude"] and parsed["prelude"] not in PRELUDES):
         raise ValueError(f"{where}: unknown doc-test marker {how!r}")
     ranks = int(parsed["ranks"]) if parsed["ranks"] else None
-    return Block(where, code, ranks, parsed["prelude"] or "")
+    return Block(where, code, ranks, parsed["prelude"] or "", slow=slow.strip())
 
 
 def run_on_rank(script: str, directory: str) -> None:

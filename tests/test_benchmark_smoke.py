@@ -150,6 +150,7 @@ def test_tp_sp_loss_parallel(tmp_path):
                                                "all_reduce": {"count": 1, "bytes": 6 * 128 * 4}}, per_iter
 
 
+@pytest.mark.slow  # the flag of what test_auto_plan checks (plans.auto's search, training with its plan)
 def test_plan_auto_prints_the_plan_it_trains_with(tmp_path):
     """--plan auto: plans.auto searches the plan (printed by rank 0) and trains with it; the collectives that ran are
     the ones it priced. On this 1-layer pythia-14m at 32 tokens activations are tiny, so the default budget's slack
@@ -244,6 +245,7 @@ def test_accumulation_and_activation_checkpointing_are_exact():
     assert checkpointed["collectives"]["backward"] == base["collectives"]["backward"], (checkpointed, base)
 
 
+@pytest.mark.slow  # the flags of what test_2d (TP in Thunder's DDP / FSDP) and test_bench_generate (bf16) check
 def test_bf16_and_2d_modes():
     """bf16 parameters; TP=2 inside Thunder's DDP (replicas stay in sync) and FSDP (a quarter of the bytes per rank)."""
     from tests.dist import run_ranks
@@ -261,6 +263,7 @@ def test_bf16_and_2d_modes():
     assert ranks[0]["full_param_bytes"] == full and ranks[0]["param_bytes"] == tp_rank // 2, ranks[0]  # FSDP halves it
 
 
+@pytest.mark.slow  # the flags of what test_checkpoint checks (resuming at another TP size, lit_model.pth)
 def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
     """--save_checkpoint at TP=2, --resume at TP=4, and --checkpoint from the exported lit_model.pth at TP=2 continue
     from the same weights (SGD has no state: both runs then see equal losses), not from a fresh initialization."""

@@ -9,6 +9,7 @@ import thunder_tp
 from tests.dist import run_ranks
 from tests.parallel_mlp import BATCH, HIDDEN, MLP, PLAN, SEQ
 from tests.tp_checks import FAST_EXECUTORS
+from thunder_tp.debug import CollectivesTable
 
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
 ALL_REDUCE_IMPL = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
@@ -64,6 +65,9 @@ def test_dump_traces_and_collectives_table(tmp_path):
         assert str(res["forward"]).splitlines() == [
             "issued by                  kind        group  bytes/call  count  total bytes",
             f"fc2: partial sums reduced  all_reduce      2  {ACTIVATION_BYTES:>10}      1  {ACTIVATION_BYTES:>11}"]
+        padded = CollectivesTable([{**FORWARD_ROW, "padding_per_call": 64}])  # a padding column where one is padded
+        assert str(padded).splitlines()[0].split() == ["issued", "by", "kind", "group", "bytes/call", "padding",
+                                                       "count", "total", "bytes"], str(padded)
 
         forward = res["texts"][f"rank{r}_forward.py"]
         # the printed trace itself, each collective on one line, and a header naming its group size

@@ -21,6 +21,12 @@ def test_a_skipped_block_says_why():
     assert all(len(b.reason) > 10 for b in _ALL if not b.runs), [(b.where, b.reason) for b in _ALL if not b.runs]
 
 
+def test_a_slow_block_names_the_test_that_runs_the_same():
+    """A block left to the slow run names the test file of the default run that does what it does."""
+    named = {b.where: re.search(r"tests/test_\w+\.py", b.slow) for b in _ALL if b.slow}
+    assert named and all(m and (REPO / m[0]).is_file() for m in named.values()), named
+
+
 def test_a_block_without_a_marker_is_refused():
     with pytest.raises(ValueError, match="needs a `<!-- doc-test"):
         _block("README.md:1", "x = 1\n", "Some prose.")
@@ -28,7 +34,8 @@ def test_a_block_without_a_marker_is_refused():
         _block("README.md:1", "x = 1\n", "<!-- doc-test: torchrun 2 after nothing-such -->")
 
 
-@pytest.mark.parametrize("block", [b for b in _ALL if b.runs], ids=lambda b: b.where)
+@pytest.mark.parametrize("block", [pytest.param(b, marks=[pytest.mark.slow] if b.slow else [], id=b.where)
+                                   for b in _ALL if b.runs])
 def test_block_runs(block: Block, tmp_path):
     if block.ranks is None:
         result = subprocess.run([sys.executable, "-c", block.script()], cwd=tmp_path, capture_output=True, text=True,

@@ -4,8 +4,6 @@ number of compiled regions does not grow with the depth."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import thunder
 import torch
@@ -63,20 +61,21 @@ def _assert_same(interpreted: dict, once: dict) -> None:
 
 
 def test_the_first_two_blocks_are_interpreted_the_rest_replayed_bit_for_bit():
-    """4 blocks: the first interpreted and recorded, the second interpreted and checked against it, the last two
-    appended from the recording; loss and every grad equal to interpreting each block, bit for bit."""
-    interpreted, once = _both(lambda: GPTWithLoss(_config(4)))
-    assert interpreted["stats"] == TraceStats(0, 0) and once["stats"] == TraceStats(interpreted=2, replayed=2)
+    """3 blocks: the first interpreted and recorded, the second interpreted and checked against it, the last
+    appended from the recording; loss and every grad equal to interpreting each block (compile_once=False: the
+    switch), bit for bit."""
+    interpreted, once = _both(lambda: GPTWithLoss(_config(3)))
+    assert interpreted["stats"] == TraceStats(0, 0) and once["stats"] == TraceStats(interpreted=2, replayed=1)
     _assert_same(interpreted, once)
 
 
 def test_simulated_tp_sp_loss_parallel_gives_the_same_program():
-    """TP + SP + loss parallel on 2 simulated ranks, 4 blocks: every rank's loss and grads, and the collectives
+    """TP + SP + loss parallel on 2 simulated ranks, 3 blocks: every rank's loss and grads, and the collectives
     (each labelled with its own block's module), those of interpreting every block."""
     runs = []
     for once in (False, True):
         torch.manual_seed(0)
-        model = GPTWithLoss(_config(4))
+        model = GPTWithLoss(_config(3))
         with thunder_tp.simulate(world_size=2):
             plan = thunder_tp.plans.litgpt(model, **MODES["tp_sp"], loss_parallel=True)
             run = _train_step(model, once, transforms=[thunder_tp.TensorParallel(plan)],
@@ -87,25 +86,25 @@ def test_simulated_tp_sp_loss_parallel_gives_the_same_program():
                 thunder.last_traces(run["jm"])[-1])})
         runs.append(run)
     interpreted, once = runs
-    assert once["stats"].replayed == 2
+    assert once["stats"].replayed == 1
     assert torch.equal(thunder_tp.per_rank(once["loss"])[1], thunder_tp.per_rank(interpreted["loss"])[1])
     for name, grad in interpreted["grads"].items():
         for rank, piece in thunder_tp.per_rank(grad).items():
             assert torch.equal(thunder_tp.per_rank(once["grads"][name])[rank], piece), (name, rank)
     assert once["tables"] == interpreted["tables"] and once["labels"] == interpreted["labels"]
-    assert any("transformer.h.3." in label for label in once["labels"]), once["labels"]
+    assert any("transformer.h.2." in label for label in once["labels"]), once["labels"]
 
 
 def test_generation_with_a_kv_cache_gives_the_same_tokens():
     """A KV cache written in place by every block: prefill and greedy decode steps with blocks traced once give the
     tokens and logits of interpreting every block."""
-    config = _config(4, block_size=MAX_SEQ)
+    config = _config(3, block_size=MAX_SEQ)
     tokens = []
     for once in (False, True):
         reference, model = models_with_cache(config, batch=1)
         jm = thunder.jit(model, executors=FAST_EXECUTORS, compile_once=once)
         tokens.append(greedy(jm, torch.tensor([[1, 5, 9, 2]]), steps=3))
-        assert stats_of(model).replayed == (2 if once else 0)
+        assert stats_of(model).replayed == (1 if once else 0)
     assert torch.equal(tokens[0][0], tokens[1][0])
     for a, b in zip(tokens[0][1], tokens[1][1], strict=True):
         assert torch.equal(a, b)
@@ -118,7 +117,7 @@ def test_huggingface_decoder_layers_called_with_keywords_are_traced_once():
 
     def make_model():
         config = make_config("llama")
-        config.num_hidden_layers = 4
+        config.num_hidden_layers = 3
         return thunder_tp.plans.hf.CausalLMLoss(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64))
 
     torch.manual_seed(0)
@@ -133,7 +132,7 @@ def test_huggingface_decoder_layers_called_with_keywords_are_traced_once():
         loss.backward()
         runs.append({"loss": loss.detach(), "grads": {n: p.grad for n, p in jm.named_parameters()},
                      "stats": stats_of(model)})
-    assert runs[1]["stats"].replayed == 2
+    assert runs[1]["stats"].replayed == 1
     _assert_same(*runs)
 
 
@@ -159,12 +158,12 @@ def test_blocks_that_differ_where_the_key_cannot_see_are_interpreted_each():
 
 
 def test_compiled_regions_do_not_grow_with_depth():
-    """Inductor regions (thunder_tp.executors()): the regions compiled for a 3-block and a 5-block model of other
+    """Inductor regions (thunder_tp.executors()): the regions compiled for a 2-block and a 4-block model of other
     widths are as many (the blocks' regions compiled once for all blocks)."""
     from thunder_tp.executor import COMPILED_REGIONS
 
     compiled = []
-    for layers, width in ((3, 32), (5, 48)):
+    for layers, width in ((2, 32), (4, 48)):
         config = _config(layers, n_embd=width, head_size=width // 8, intermediate_size=2 * width)
         before = COMPILED_REGIONS.compiles
         torch.manual_seed(0)
@@ -173,8 +172,3 @@ def test_compiled_regions_do_not_grow_with_depth():
         compiled.append(COMPILED_REGIONS.compiles - before)
     assert compiled[0] == compiled[1], compiled
 
-
-def test_the_switch_turns_it_off():
-    torch.manual_seed(0)
-    run = _train_step(GPTWithLoss(_config(3)), False)
-    assert dataclasses.astuple(run["stats"]) == (0, 0)

@@ -127,8 +127,10 @@ class CollectivesTable(list):
     def __str__(self) -> str:
         if not self:
             return "(no collectives)"
-        cells = [[title for _, title in self._COLUMNS]] + [[str(row[k]) for k, _ in self._COLUMNS] for row in self]
-        widths = [max(len(line[i]) for line in cells) for i in range(len(self._COLUMNS))]
+        padded = any(row["padding_per_call"] for row in self)  # the padding column only where a piece was padded
+        columns = [(k, title) for k, title in self._COLUMNS if padded or k != "padding_per_call"]
+        cells = [[title for _, title in columns]] + [[str(row[k]) for k, _ in columns] for row in self]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
         def line(values):
             aligned = (v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True)))
             return "  ".join(aligned)

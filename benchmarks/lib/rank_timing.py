@@ -52,10 +52,10 @@ def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimi
         return {"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2, "step_s": t3 - t0,
                 "loss": float(loss.detach().float())}
 
-    for _ in range(warmup):
-        step()
+    warmups = [step() for _ in range(warmup)]
     samples = [step() for _ in range(steps)]
     result = _medians(samples)
+    result["first_step_s"] = (warmups or samples)[0]["step_s"]  # the compiling step (the jit's time not in it)
     result["loss_finite"] = all(math.isfinite(s["loss"]) for s in samples)
     result["peak_bytes"] = _peak_bytes(step, device)
     result["samples"] = samples
@@ -70,9 +70,13 @@ def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup
     where = torch.tensor([position], device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # not the build's (materialization inits at full size)
+    first_step_s = None
     with torch.no_grad():
         for _ in range(warmup):
+            t0 = time.perf_counter()
             logits = model(token, where)
+            sync(device)
+            first_step_s = first_step_s or time.perf_counter() - t0  # the first: the compiling step
         samples = []
         for _ in range(steps):
             before_step()
@@ -88,7 +92,8 @@ def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup
         sync(device)
         back_to_back = (time.perf_counter() - t0) / steps
     result = _medians(samples)
-    result.update(back_to_back_s=back_to_back, loss_finite=bool(torch.isfinite(logits).all()), samples=samples,
+    result.update(back_to_back_s=back_to_back, first_step_s=first_step_s,
+                  loss_finite=bool(torch.isfinite(logits).all()), samples=samples,
                   peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
     return result
 
