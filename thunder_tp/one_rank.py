@@ -11,7 +11,7 @@ Inside the context, torch.distributed's default group is a ``fake`` process grou
 ``FakeProcessGroup``) of ``world_size`` ranks in which this process is ``rank``: every collective returns at
 once and moves nothing. So the traces, the local shapes, the collectives issued (kind, count, bytes) and the
 memory are rank ``rank``'s of a real group, and the step time is its compute alone (communication is what
-``benchmarks/projection/alpha_beta.py`` models). Values are not the real ranks': an all_reduce leaves this rank's
+``benchmarks/lib/alpha_beta.py`` models). Values are not the real ranks': an all_reduce leaves this rank's
 summand, an all_gather repeats this rank's piece. A reduce_scatter of the fake group would leave its output as allocated
 (uninitialized memory, often NaN); inside the context it holds this rank's chunk of the input instead, both for
 ``torch.distributed.reduce_scatter_tensor`` (Thunder's and thunder_tp's collectives) and for the functional
