@@ -272,9 +272,9 @@ def executors_around(fusion: TPFusionExecutor) -> tuple[Executor, ...]:
 def _kept_default(ex: Executor, fusion: TPFusionExecutor) -> bool:
     """Whether one of Thunder's default executors stays in front of thunder_tp's fusion executor: every operator
     executor, and, where nvFuser fuses, Thunder's ``torchcompile_xentropy``, which as in Thunder's defaults gives
-    the cross-entropy of CUDA tensors to Inductor before nvFuser sees it (without it, on an H100, the step peaked
-    234 MB, about one logits-sized buffer, above Thunder's defaults: docs/gpu.md, "Earlier GPU runs"). It claims
-    only the cross-entropy and its helper ops, never communication."""
+    the cross-entropy of CUDA tensors to Inductor before nvFuser sees it (without it the step's peak memory rose by
+    about one logits-sized buffer above Thunder's defaults: docs/gpu.md, "Earlier GPU runs", has the figures). It
+    claims only the cross-entropy and its helper ops, never communication."""
     if not isinstance(ex, FusionExecutor):
         return True
     return fusion.nvfuser is not None and ex is torch_compile_xentropy_ex
