@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 from benchmarks.lib.harness import rss_rise, timed
+from benchmarks.lib.ranks import spawn_ranks
 
 MB = 2**20
 
@@ -83,8 +84,6 @@ def _rank(config_args: tuple, tp: int, root: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.dist import run_ranks
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n_layer", type=int, default=4)
     p.add_argument("--n_embd", type=int, default=1024)
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = []
         for tp in args.tp:
-            results = run_ranks(_rank, tp, config_args, tp, root, timeout=1800)
+            results = spawn_ranks(_rank, tp, config_args, tp, root, timeout_s=1800)
             files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, f"tp{tp}")) for f in fs]
             total = sum(map(os.path.getsize, files))
             rows.append((tp, total, max(results, key=lambda r: r["save_peak"] + r["load_peak"])))

@@ -16,8 +16,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from benchmarks.lib.gloo_link import after_idle_s
 from benchmarks.lib.harness import init_distributed, log, pin_to_core
-from benchmarks.projection.gloo_link import after_idle_s
 from thunder_tp.execution.divergence import InputAgreement, fingerprint
 
 #: batches of token ids (rows, tokens): a decode-sized call, litgpt pretrain's micro-batch at 2k, a large one

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import thunder_tp
-from benchmarks import bench_chunked_matmuls as chunked_matmuls
+from benchmarks.lib import chunked_matmuls
 from benchmarks.lib.harness import (
     alternating_rounds,
     init_distributed,
@@ -144,7 +144,7 @@ def _auto_collectives(cfg: LlamaConfig, plan: str, idx, targets) -> str:
 
 
 def matmul_rows(args, size: int) -> list[dict]:
-    """Each matmul of a layer at its TP shape, whole and in chunks of tokens (bench_chunked_matmuls.py)."""
+    """Each matmul of a layer at its TP shape, whole and in chunks of tokens (lib/chunked_matmuls.py)."""
     model = {"dim": args.dim, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn_hidden": args.ffn_hidden}
     return chunked_matmuls.measure(model, args.batch * args.seq, [size], args.chunks, torch.device("cpu"),
                                    torch.float32, args.matmul_repeats)

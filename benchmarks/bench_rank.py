@@ -36,12 +36,12 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from benchmarks.lib.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
 from benchmarks.lib.harness import param_bytes, random_batch, step_context, write_json
 from benchmarks.lib.llama import LlamaConfig
 from benchmarks.lib.rank_modes import DECODE, PLANS, TRAINING, RankMode
 from benchmarks.lib.rank_report import report
 from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
-from benchmarks.projection.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
 
 #: --model presets: the dims of litgpt's configs of those names (tiny: for the CPU)
 PRESETS = {
@@ -124,7 +124,7 @@ def litgpt_config(dims: dict, layers: int):
 def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg: LlamaConfig, device, tp: int) -> dict:
     """The collectives of one more forward and backward of a compiled mode, counted by CommDebugMode (after timing:
     a dispatch mode makes Dynamo run the rest eagerly)."""
-    from benchmarks.compare import comm_mode
+    from benchmarks.lib.eager_counts import comm_mode
 
     idx, targets = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
     forward, backward = comm_mode(), comm_mode()

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.compare import comm_mode, hooked_saved_bytes, prioritize_transport_threads, summarize_records
+from benchmarks.lib.eager_counts import comm_mode, hooked_saved_bytes, summarize_records
 from benchmarks.lib.gate import check_gradients, full_grads
 from benchmarks.lib.harness import (
     EXECUTORS,
@@ -64,6 +64,7 @@ from benchmarks.lib.harness import (
     write_json,
 )
 from benchmarks.lib.litgpt_setup import HF_SIZES
+from benchmarks.lib.transport import prioritize_transport_threads
 
 LR = 1e-3
 

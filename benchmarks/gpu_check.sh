@@ -15,7 +15,7 @@
 # On a cold machine each litgpt test compiles for about a minute: the tests stop after 240 s by default, so the
 # whole set takes two runs.
 #
-# GPU_PARTS picks what runs (comma-separated; default "tests,bench", the above): "rank" runs issue 49's one-rank
+# GPU_PARTS picks what runs (comma-separated; default "tests,bench", the above): "rank" runs the one-rank
 # table instead (docs/gpu.md): benchmarks/bench_rank.py as one rank of a fake TP group at Llama-3 shapes, in phases
 # by priority, each given what is left of GPU_RANK_S (default 540 s; a phase starts only with 60 s left):
 #   decode8b  Llama-3-8B decode at TP=8, batch 1: (d) thunder_tp, (e) + CUDA graphs, (f) hand TP compiled
@@ -34,7 +34,7 @@
 # CUDA tests in bf16 (tests/test_cuda.py -k bf16), in three processes. Into OUT_DIR: bf16_steps.log (the four
 # plans' tables), bf16_steps.tar.gz (their JSON), bf16_tests.log.
 #   GPU_PARTS=bf16 bash benchmarks/gpu_check.sh
-# "decode32" (issue 53) measures Llama-3-8B decode at TP=8 at full depth instead, not extrapolated: 32 layers
+# "decode32" measures Llama-3-8B decode at TP=8 at full depth instead, not extrapolated: 32 layers
 # (GPU_DECODE_LAYERS; "8,24" measures two depths and extrapolates where 32 does not fit), (e) thunder_tp's decode
 # step replayed as a CUDA graph against (f) the hand-written TP under torch.compile reduce-overhead, 10 steps:
 #   decode32_b1   batch 1      decode32_b8   batch 8
@@ -49,7 +49,7 @@
 # overlap_never.log, overlap_always.log. Then, anywhere: python -m benchmarks.projection.overlap --chunk_timings
 # chunked_matmuls.json (docs/gpu.md).
 #   GPU_PARTS=overlap bash benchmarks/gpu_check.sh    # one 10-minute call with the install
-# "compile32" (issue 60) times Llama-3-8B's shapes at TP=8 (one rank of a fake group) at all 32 layers to the first
+# "compile32" times Llama-3-8B's shapes at TP=8 (one rank of a fake group) at all 32 layers to the first
 # training step (mode (a), nvFuser) and the first decode step (mode (e), the decode step as a CUDA graph): their
 # first_step_s in the JSON (Thunder's interpretation, once per kind of block, and the backend's compiles, once per
 # kind of region), beside a compiled step; each phase given what is left of GPU_RANK_S. JSON in compile32_json.tar.gz.

@@ -1,5 +1,7 @@
 """thunder_tp's import graph keeps its layers (docs/design.md "The folders"): no circle among the imports a module runs
-when it is imported, and no module imports a layer above its own. Read from the source with ast; nothing is imported.
+when it is imported, and no module imports a layer above its own. In benchmarks/, ``benchmarks/lib`` is the only
+shared layer: no other benchmark module is imported by one, and nothing imports tests/. Read from the source with ast;
+nothing is imported.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "thunder_tp"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 # The layers, bottom to top: a module may import its own layer and the ones below it. A module belongs to the layer
 # of the longest prefix listed here; every other module is the core.
@@ -149,3 +152,42 @@ def test_a_planted_circle_is_found():
     planted = {**eager, "thunder_tp.layouts": eager["thunder_tp.layouts"] | {"thunder_tp.transform"}}
     cycle = find_cycle(planted)
     assert cycle is not None and "thunder_tp.layouts" in cycle and "thunder_tp.transform" in cycle
+
+
+def benchmark_sources() -> dict[str, str]:
+    """The source of every module of benchmarks/, by module name."""
+    return {module_name(path): path.read_text() for path in sorted(BENCHMARKS.rglob("*.py"))}
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """The benchmarks/ and tests/ modules an import statement imports (``from pkg import sub``: the submodule)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return sorted({f"{node.module}.{alias.name}" if known_module(f"{node.module}.{alias.name}") else node.module
+                       for alias in node.names})
+    return []
+
+
+def benchmark_imports_outside_lib(sources: dict[str, str]) -> list[str]:
+    """Every import in ``sources`` (module name -> source) of a benchmarks/ module outside benchmarks/lib or of a
+    tests/ module, as ``importer -> imported``."""
+    return [f"{importer} -> {target}" for importer, source in sources.items()
+            for node in ast.walk(ast.parse(source)) for target in _imported(node)
+            if target.split(".")[0] == "tests"
+            or target.split(".")[0] == "benchmarks" and not (target + ".").startswith("benchmarks.lib.")]
+
+
+def test_benchmarks_share_only_lib():
+    found = benchmark_imports_outside_lib(benchmark_sources())
+    assert not found, "benchmarks/ modules outside lib/ or tests/ imported in benchmarks/:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line, target", [("from benchmarks import bench_generate", "benchmarks.bench_generate"),
+                                          ("from benchmarks.compare import comm_mode", "benchmarks.compare"),
+                                          ("    from tests.dist import run_ranks", "tests.dist"),
+                                          ("import benchmarks.projection.overlap", "benchmarks.projection.overlap")])
+def test_a_planted_benchmark_import_is_found(line, target):
+    source = f"def f():\n{line}\n" if line.startswith(" ") else line + "\n"
+    sources = {**benchmark_sources(), "benchmarks.lib.planted": source}
+    assert benchmark_imports_outside_lib(sources) == [f"benchmarks.lib.planted -> {target}"]

@@ -1,4 +1,4 @@
-"""benchmarks/projection/alpha_beta.py: the alpha-beta formulas, the overlap a trace's schedule allows, and (slow) the
+"""benchmarks/lib/alpha_beta.py: the alpha-beta formulas, the overlap a trace's schedule allows, and (slow) the
 calibration: predicted from gloo's alpha-beta and a rank's compute alone, against the real 2-rank gloo step."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import thunder_tp
-from benchmarks.projection import alpha_beta as projection
+from benchmarks.lib import alpha_beta as projection
 from tests.dist import REPO_ROOT, torchrun
 from tests.tp_checks import FAST_EXECUTORS
 

@@ -21,8 +21,8 @@ from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_tp.annotate import annotate, tp_annotate
-from thunder_tp.rewrite import recompute_in_backward
 from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
+from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
 
 #: the module attribute holding the hooks `constrain_module_boundaries` registered on it
 _HOOKS = "_thunder_tp_module_layouts"

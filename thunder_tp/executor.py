@@ -3,7 +3,7 @@
 Compute is fused by nvFuser where tensors are on CUDA and nvFuser is installed and able to run, otherwise by
 Inductor (``torch.compile``: Triton on CUDA, C++ on CPU). An nvFuser that Thunder registers but cannot run (0.2.36
 under Thunder 0.2.6) is an error when asked for, and left to Inductor with a warning when chosen automatically.
-Where nvFuser fuses, the cross-entropy's symbols (``propagation/losses.py``) are still lowered by Inductor, in a pass
+Where nvFuser fuses, the cross-entropy's symbols (``loss_symbols.py``) are still lowered by Inductor, in a pass
 before nvFuser's, as Thunder's own ``torchcompile_xentropy`` does for its cross-entropy: nvFuser 0.2.35's segmenter
 asserts (``revertPrivatizedOps``) on the fusion of a vocabulary-parallel loss in bf16. A region that a backend
 rejects anyway is lowered again by the next one (``execution/fallback.py``).
@@ -40,7 +40,7 @@ from thunder_tp.execution.fallback import RegionBackend, with_fallback
 from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
-from thunder_tp.propagation.losses import CROSS_ENTROPY_SYMBOLS
+from thunder_tp.loss_symbols import CROSS_ENTROPY_SYMBOLS
 from thunder_tp.simulate import is_simulating
 from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward, traced natively)
 
@@ -272,9 +272,9 @@ def executors_around(fusion: TPFusionExecutor) -> tuple[Executor, ...]:
 def _kept_default(ex: Executor, fusion: TPFusionExecutor) -> bool:
     """Whether one of Thunder's default executors stays in front of thunder_tp's fusion executor: every operator
     executor, and, where nvFuser fuses, Thunder's ``torchcompile_xentropy``, which as in Thunder's defaults gives
-    the cross-entropy of CUDA tensors to Inductor before nvFuser sees it (without it, on an H100, the step peaked
-    234 MB, about one logits-sized buffer, above Thunder's defaults: docs/gpu.md, "Earlier GPU runs"). It claims
-    only the cross-entropy and its helper ops, never communication."""
+    the cross-entropy of CUDA tensors to Inductor before nvFuser sees it (without it the step's peak memory rose by
+    about one logits-sized buffer above Thunder's defaults: docs/gpu.md, "Earlier GPU runs", has the figures). It
+    claims only the cross-entropy and its helper ops, never communication."""
     if not isinstance(ex, FusionExecutor):
         return True
     return fusion.nvfuser is not None and ex is torch_compile_xentropy_ex

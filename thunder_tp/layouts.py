@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import placement_types
-
-from thunder_tp.one_rank import fake_group_device
 
 
 @dataclass(frozen=True)
@@ -284,13 +283,30 @@ def local_blocks(blocks: tuple[int, ...] | None, splits: tuple[Split | None, ...
     return tuple(length for _, length in held_chunks(Shard(0, blocks, splits), sum(blocks), rank, size))
 
 
+_fake_group_device: torch.device | None = None  # set by thunder_tp.one_rank while its fake group is active
+
+
+@contextlib.contextmanager
+def fake_group_on(device: torch.device) -> Iterator[None]:
+    """Within the context, a fake group's tensors live on ``device`` (``thunder_tp.one_rank``'s; else the CPU, as
+    ``thunder_tp.simulate``'s)."""
+    global _fake_group_device
+    _fake_group_device = device
+    try:
+        yield
+    finally:
+        _fake_group_device = None
+
+
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a process group's tensors live: the current CUDA device for NCCL, ``thunder_tp.one_rank``'s device for
     a fake group, else the CPU."""
     backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else None
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return fake_group_device() if backend == "fake" else torch.device("cpu")
+    if backend == "fake" and _fake_group_device is not None:
+        return _fake_group_device
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ Inside the context, torch.distributed's default group is a ``fake`` process grou
 ``FakeProcessGroup``) of ``world_size`` ranks in which this process is ``rank``: every collective returns at
 once and moves nothing. So the traces, the local shapes, the collectives issued (kind, count, bytes) and the
 memory are rank ``rank``'s of a real group, and the step time is its compute alone (communication is what
-``benchmarks/projection/alpha_beta.py`` models). Values are not the real ranks': an all_reduce leaves this rank's
+``benchmarks/lib/alpha_beta.py`` models). Values are not the real ranks': an all_reduce leaves this rank's
 summand, an all_gather repeats this rank's piece. A reduce_scatter of the fake group would leave its output as allocated
 (uninitialized memory, often NaN); inside the context it holds this rank's chunk of the input instead, both for
 ``torch.distributed.reduce_scatter_tensor`` (Thunder's and thunder_tp's collectives) and for the functional
@@ -35,20 +35,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["fake_group_device", "has_peers", "one_rank"]
+from thunder_tp.layouts import fake_group_on
 
-_device: torch.device | None = None  # the device of the active one_rank group
+__all__ = ["has_peers", "one_rank"]
 
 
 def has_peers(group: dist.ProcessGroup | None = None) -> bool:
     """False where the group's other ranks are no other processes (torch's fake backend: ``one_rank``, or
     ``thunder_tp.simulate``), so nothing can be agreed on or compared with them."""
     return dist.get_backend(group) != "fake"
-
-
-def fake_group_device() -> torch.device:
-    """Where a fake group's tensors live: ``one_rank``'s device, else the CPU (``thunder_tp.simulate``)."""
-    return _device if _device is not None else torch.device("cpu")
 
 
 def _default_device(device: torch.device | str | None) -> torch.device:
@@ -78,7 +73,6 @@ def _check(world_size: int, rank: int) -> None:
 @contextlib.contextmanager
 def one_rank(world_size: int, rank: int, device: torch.device | str | None = None) -> Iterator[None]:
     """Run as rank ``rank`` of a ``world_size``-rank fake process group on ``device``; see the module doc."""
-    global _device
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     _check(world_size, rank)
@@ -86,12 +80,10 @@ def one_rank(world_size: int, rank: int, device: torch.device | str | None = Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    _device = device
     try:
-        with _reduce_scatter_keeps_own_chunk():
+        with fake_group_on(device), _reduce_scatter_keeps_own_chunk():
             yield
     finally:
-        _device = None
         dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ from thunder_tp.pieces import piece_parts
 from thunder_tp.propagation.engine import Step
 from thunder_tp.reshard import gather_into_tp_region, redistribute
 from thunder_tp.simulate import is_simulating
+from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
 
 
 @dataclass
@@ -290,14 +291,6 @@ def _local_input(consumer: BoundSymbol, need: Need, local: LocalValues, checkpoi
     if checkpointed and ProxyTag.RECOMPUTE_IN_BACKWARD in need.value.tags:
         recompute_in_backward(get_tracectx().bound_symbols[emitted_from:])
     return value
-
-
-def recompute_in_backward(emitted: list[BoundSymbol]) -> None:
-    """Activation checkpointing (Thunder tags what torch.utils.checkpoint computes): what replaces a checkpointed
-    op, collectives included, is recomputed in the backward too."""
-    for b in emitted:
-        for o in b.flat_proxy_outs:
-            o.tags.add(ProxyTag.RECOMPUTE_IN_BACKWARD)
 
 
 def _recompute_in_backward(emitted: list[BoundSymbol], outputs: list, local: LocalValues) -> None:

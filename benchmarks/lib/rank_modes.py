@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.bench_generate import shard_by_hand
 from benchmarks.lib.compare_modes import dtensor_plan
+from benchmarks.lib.decode_llama import shard_by_hand
 from benchmarks.lib.harness import thunder_default_executors
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
 

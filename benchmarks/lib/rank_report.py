@@ -185,7 +185,7 @@ def _projection_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 def report(results: dict, args: argparse.Namespace, device: torch.device) -> bool:
     """Print every table; True where a row failed, a loss was not finite or thunder_tp's modes disagreed."""
-    from benchmarks.projection.alpha_beta import LINKS
+    from benchmarks.lib.alpha_beta import LINKS
 
     dims = results["dims"]
     depths = " and ".join(map(str, args.depths))

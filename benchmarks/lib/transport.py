@@ -8,12 +8,14 @@ Results are wrong, so it serves timing only. Not replaced: DTensor's ``Shard(i) 
 each multi-rank mode's steps of every round again without the transport, right before or after them
 (``steps_without_transport``); the median over rounds of the difference is what communication costs the step
 (``communication_cost``): the transport's work on the rank's CPU or device, waits on peers, and whatever the
-schedule did not overlap.
+schedule did not overlap. ``prioritize_transport_threads`` (``--transport_threads fifo``) lets gloo's threads run
+ahead of the compute on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+from benchmarks.lib.harness import set_other_threads_scheduling
 
 
 class _Done:
@@ -116,3 +120,17 @@ def communication_cost(timed: dict, without: dict) -> dict:
     return {"rounds": len(differences), "without_transport_s": statistics.median(without["times_s"]),
             "exposed_s": statistics.median(differences),
             "without_transport_minor_faults_per_step": statistics.median(without["minor_faults"])}
+
+
+def prioritize_transport_threads(device: torch.device) -> int:
+    """Give every thread of this process but the calling one the lowest real-time priority (SCHED_FIFO 1): on CPU,
+    gloo's device loop and worker threads, which otherwise wait for the core behind the compute after each wake-up.
+    The number of threads; a clear error on CUDA (NCCL's and CUDA's threads may busy-poll) and where the process may
+    not (it needs CAP_SYS_NICE)."""
+    if device.type == "cuda":
+        raise SystemExit("--transport_threads fifo is for CPU runs (gloo's threads); drop it on CUDA")
+    try:
+        return set_other_threads_scheduling(os.SCHED_FIFO, 1)
+    except PermissionError as e:
+        raise SystemExit(f"--transport_threads fifo: this process may not give its threads real-time priority ({e}); "
+                         "run it with CAP_SYS_NICE (e.g. as root) or drop the option") from e

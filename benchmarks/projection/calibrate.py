@@ -30,7 +30,9 @@ import thunder
 import torch
 import torch.distributed as dist
 
-from benchmarks import bench_generate
+from benchmarks.lib.alpha_beta import Link, project_step
+from benchmarks.lib.decode_llama import generate_args, make_config, new_gpt, set_cache
+from benchmarks.lib.gloo_link import measure_link
 from benchmarks.lib.harness import (
     EXECUTORS,
     exit_without_teardown,
@@ -44,8 +46,6 @@ from benchmarks.lib.harness import (
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
 from benchmarks.lib.rank_modes import DECODE, llama_on_meta, random_weights
 from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
-from benchmarks.projection.alpha_beta import Link, project_step
-from benchmarks.projection.gloo_link import measure_link
 
 PLANS = {"tp": (False, False), "tp_lp": (False, True), "tp_sp": (True, False)}
 
@@ -98,9 +98,9 @@ def decode_module(gen: argparse.Namespace, alone: bool) -> torch.nn.Module:
     device = torch.device("cpu")
     if alone:
         thunder_decode = next(m for m in DECODE if m.key == "d")
-        return thunder_decode.build(bench_generate.make_config(gen), _position(gen), gen.batch, device,
+        return thunder_decode.build(make_config(gen), _position(gen), gen.batch, device,
                                     torch.float32, gen.compile == "thunder_default")
-    model = bench_generate.set_cache(bench_generate.new_gpt(gen, device), gen, device)
+    model = set_cache(new_gpt(gen, device), gen, device)
     return thunder.jit(model, transforms=[thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))],
                        executors=EXECUTORS[gen.compile]())
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     import thunder_tp
 
     args = parse_args(argv)
-    gen = bench_generate.parse_args(args.decode_args.split() + ["--compile", args.executors])
+    gen = generate_args(args.decode_args.split() + ["--compile", args.executors])
     workloads = [w for w in args.workloads.split(",") if w]
     torch.set_num_threads(1)
     pin_to_core()

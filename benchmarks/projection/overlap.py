@@ -36,9 +36,9 @@ import thunder
 import torch
 
 import thunder_tp
+from benchmarks.lib.alpha_beta import LINKS, Link, PassProjection, flops, project_pass
 from benchmarks.lib.llama import LlamaConfig, thunder_tp_plan
 from benchmarks.lib.rank_modes import llama_on_meta
-from benchmarks.projection.alpha_beta import LINKS, Link, PassProjection, flops, project_pass
 from thunder_tp.execution.overlap_cost import Costs, device_costs
 from thunder_tp.thunder_internals.private import set_parameter
 

@@ -81,7 +81,7 @@ class Linears:
         return inputs + (pieces - 1) * len(self.shapes) * c.matmul_call_s
 
 
-# NCCL on NVLink: the projection's H100 figures (benchmarks/projection/alpha_beta.py, LINKS["h100_nvlink"]), its own
+# NCCL on NVLink: the projection's H100 figures (benchmarks/lib/alpha_beta.py, LINKS["h100_nvlink"]), its own
 # stream; gloo on this project's CPU: docs/results.md (a 2 MiB all_reduce after a matmul 3.8 ms; small ones 1.3-1.6 ms
 # after a matmul: latency ~1 ms, ~0.8 GB/s), its threads on the rank's core (a rank's step spends 34-36 ms of CPU in
 # them; the decomposed benchmark Llama step measured 1.11-1.13x the whole one's: docs/results.md)

@@ -116,9 +116,9 @@ class Link:
         return "\n".join(lines)
 
 
-_NCCL = ("the issue's NCCL figures for 8 x H100 NVLink: all_reduce of 16-64 KB about 21-23 µs eager, 17-20 µs "
-         "under a CUDA graph; about 370 GB/s bus bandwidth for large ring collectives")
-_SAME = "assumed as all_reduce's (the issue quotes NCCL's all_reduce latency only)"
+_NCCL = ("given NCCL figures (not measured here) for 8 x H100 NVLink: all_reduce of 16-64 KB about 21-23 µs "
+         "eager, 17-20 µs under a CUDA graph; about 370 GB/s bus bandwidth for large ring collectives")
+_SAME = "assumed as all_reduce's (only NCCL's all_reduce latency is given)"
 
 #: the links the projection knows; ``--link`` picks one, ``--link_override`` changes its numbers
 LINKS: dict[str, Link] = {
