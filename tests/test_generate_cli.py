@@ -106,6 +106,7 @@ def test_cli_error_is_one_line_on_rank_0(tmp_path):
     assert 'generate.py", line' not in ranks.stderr, ranks.stderr  # no traceback from the CLI's processes
 
 
+@pytest.mark.slow  # bf16 generation: test_bench_generate's test_batched_bf16; sampling: the TP=2 run above
 def test_cli_tp2_bf16_with_sampling(tmp_path):
     """The meta-device model loaded from lit_model.pth in bf16, sampling with temperature, top-k and top-p: it runs,
     every rank picks the same tokens (the CLI checks), at the decode minimum with half the cache."""

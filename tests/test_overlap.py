@@ -107,7 +107,7 @@ def _check_pieces(tables: dict, size: int, sequence_parallel: bool, layers: int)
 
 @pytest.mark.parametrize("name, sequence_parallel", [
     pytest.param("benchmark", False, id="benchmark-tp"),
-    pytest.param("benchmark", True, id="benchmark-tp_sp"),
+    pytest.param("benchmark", True, id="benchmark-tp_sp", marks=pytest.mark.slow),  # litgpt-tp_sp: the same shifts
     pytest.param("litgpt", True, id="litgpt-tp_sp"),
     pytest.param("litgpt", False, id="litgpt-tp", marks=pytest.mark.slow),  # benchmark-tp covers the same sites
 ])
