@@ -158,12 +158,13 @@ def test_blocks_that_differ_where_the_key_cannot_see_are_interpreted_each():
 
 
 def test_compiled_regions_do_not_grow_with_depth():
-    """Inductor regions (thunder_tp.executors()): the regions compiled for a 2-block and a 4-block model of other
-    widths are as many (the blocks' regions compiled once for all blocks)."""
+    """Inductor regions (thunder_tp.executors()): the regions compiled for a 3-block and a 5-block model of other
+    widths are as many (the blocks' regions compiled once for all blocks; from 3 blocks on, a model has every kind
+    of region its depth can give: the first block's, a middle one's, the last's)."""
     from thunder_tp.executor import COMPILED_REGIONS
 
     compiled = []
-    for layers, width in ((2, 32), (4, 48)):
+    for layers, width in ((3, 32), (5, 48)):
         config = _config(layers, n_embd=width, head_size=width // 8, intermediate_size=2 * width)
         before = COMPILED_REGIONS.compiles
         torch.manual_seed(0)
