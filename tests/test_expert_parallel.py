@@ -149,8 +149,9 @@ def test_routings_that_leave_a_rank_without_tokens():
     # every token to experts 0 and 1 (top-2), both rank 0's: rank 1 receives no row; 16 tokens: the sequence split
     held = run_ranks(_skewed, 2, 2, (0, 1), 16)
     assert split[0]["reached"] == [3] and held[0]["reached"] == [0, 1], (split[0]["reached"], held[0]["reached"])
-    # a split's output is a Partial sum: all-reduced (forward) as its input's grad (backward)
-    assert split[0]["forward"] == {"all_reduce": 3, "all_gather": 1, "all_to_all": 3}, split[0]["forward"]
+    # a split's output is each rank's rows of an uneven split (8 + 7): all-gathered in the forward (an all_gather
+    # where an all_reduce of a Partial sum would move twice the bytes)
+    assert split[0]["forward"] == {"all_reduce": 2, "all_gather": 2, "all_to_all": 3}, split[0]["forward"]
     assert held[0]["forward"] == _expected_counts("grouped_shared", False, layers=1)[0], held[0]["forward"]
 
 
