@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from thunder.core.compile_data import get_compile_option
+from thunder.core.compile_data import get_compile_option, using_symbolic_values
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 
@@ -66,8 +66,9 @@ class CompiledRegions:
         self.compiles = 0
 
     def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        """The value of `key`, made by `make()` the first time (every time in a jit with compile_once=False)."""
-        if compile_once_option() is False:
+        """The value of `key`, made by `make()` the first time (every time in a jit with compile_once=False, and
+        under symbolic values, whose shapes hold proxies that compare as symbols, not as values)."""
+        if compile_once_option() is False or using_symbolic_values():
             self.compiles += 1
             return make()
         if key not in self._made:
