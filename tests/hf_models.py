@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tests.litgpt_models import MODES, SEQ, VOCAB  # noqa: F401  (MODES re-exported for the tests)
+from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, rank_and_size
 
 LAYERS, BATCH = 2, 2
 _BASE = dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=8,
@@ -131,3 +132,22 @@ def _replicated_grad_dtypes(name: str, mode: str, size: int) -> set[str]:
 
 def _nonzero(counts: dict) -> dict:
     return {k: v for k, v in counts.items() if v}
+
+
+#: a TP step of a float64 HF model against one device: the loss's tolerance; the logits' and grads' (of their
+#: largest entry)
+LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5
+
+
+def assert_step_matches(reference: torch.nn.Module, jm: torch.nn.Module, layouts: dict, idx: torch.Tensor,
+                        labels: torch.Tensor) -> None:
+    """One step of the jitted TP model and of the single-device `reference` on (idx, labels): loss, logits and each
+    grad (this rank's shard of it, `layouts`) equal."""
+    rank, size = rank_and_size()
+    expected = reference(input_ids=idx.clone(), labels=labels.clone(), use_cache=False)
+    actual = jm(input_ids=idx, labels=labels, use_cache=False)
+    assert_close_scaled(actual.loss, expected.loss, rtol=LOSS_RTOL, atol=LOSS_RTOL, what="loss")
+    assert_close_scaled(actual.logits, expected.logits, rtol=GRAD_ATOL, atol=GRAD_ATOL, what="logits")
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_grads_are_shards(reference, jm, layouts, rank, size, rtol=GRAD_ATOL, atol=GRAD_ATOL)

@@ -7,20 +7,18 @@ import torch
 
 import thunder_tp
 from tests.dist import run_ranks
-from tests.hf_models import DENSE, MODES, SEQ, batch, expected_counts, make_model, tp_sizes
+from tests.hf_models import DENSE, MODES, SEQ, assert_step_matches, batch, expected_counts, make_model, tp_sizes
 from tests.hf_models import MOE as MOE_NAMES
 from tests.tp_checks import (
     FAST_EXECUTORS,
     assert_close_scaled,
     assert_grads_are_shards,
     collective_counts,
-    rank_and_size,
 )
 from thunder_tp import TensorParallel
 from thunder_tp.thunder_internals.overlapping_inputs import separate_overlapping_views
 
 # HF computes its loss (and most norms) in float32 even for float64 models
-LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5
 
 pytest.importorskip("transformers")
 
@@ -29,7 +27,6 @@ def _train(name: str, mode: str, overlapping: bool = False) -> dict:
     """One step single-device and under TP on the same batch: loss, logits, every grad; the collectives.
     `overlapping`: input_ids and labels two overlapping views of one tensor, the models in eval mode (as
     `from_pretrained` leaves them: HF then builds its causal mask with an in-place op)."""
-    rank, size = rank_and_size()
     reference = make_model(name)
     model = make_model(name)
     model.load_state_dict(reference.state_dict())
@@ -43,13 +40,7 @@ def _train(name: str, mode: str, overlapping: bool = False) -> dict:
         idx, labels = data[:, :-1], data[:, 1:]
     else:
         idx = labels = batch()
-    expected = reference(input_ids=idx.clone(), labels=labels.clone(), use_cache=False)
-    actual = jm(input_ids=idx, labels=labels, use_cache=False)
-    assert_close_scaled(actual.loss, expected.loss, rtol=LOSS_RTOL, atol=LOSS_RTOL, what="loss")
-    assert_close_scaled(actual.logits, expected.logits, rtol=GRAD_ATOL, atol=GRAD_ATOL, what="logits")
-    expected.loss.backward()
-    actual.loss.backward()
-    assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=GRAD_ATOL, atol=GRAD_ATOL)
+    assert_step_matches(reference, jm, transform.parameter_layouts, idx, labels)
     return {"forward": collective_counts(thunder.last_traces(jm)[-1]),
             "backward": collective_counts(thunder.last_backward_traces(jm)[-1])}
 
