@@ -1,5 +1,6 @@
-"""annotate() programs under cache="symbolic values": refused by TensorParallel with the fix named (each rank's
-pieces are computed from the traced sizes)."""
+"""annotate() programs under cache="symbolic values" with thunder_tp.executors(): exact (float64) vs eager; numbers
+stay symbolic (another number reuses the compilation), shapes are pinned (each rank's pieces are computed from the
+traced sizes, so other shapes, even or uneven, trace again)."""
 
 import pytest
 import thunder
@@ -31,9 +32,9 @@ def _partial_sum_plus(a, b, c):
     return (annotate(a, Shard(1)) @ annotate(b, Shard(0))).sum() + c.sum()
 
 
-#: each program's calls: a tuple is a float64 tensor of that shape (requiring grad), a float a number
+#: each program's two shapes of call: a tuple is a float64 tensor of that shape (requiring grad), a float a number
 PROGRAMS = {
-    "matmul": (_matmul, [((4, 6), (6, 8)), ((6, 10), (10, 4))]),
+    "matmul": (_matmul, [((4, 6), (6, 8)), ((5, 10), (10, 3))]),  # the second uneven at TP 2
     "mlp": (_mlp, [((3, 8), (8, 12), (12, 5)), ((5, 6), (6, 16), (16, 3))]),
     "shape_arithmetic": (_shape_arithmetic, [((4, 3, 2), (6, 5), 1.5), ((6, 2, 2), (4, 3), 2.5)]),
     "partial_sum_plus": (_partial_sum_plus, [((4, 6), (6, 5), (4, 5)), ((6, 4), (4, 3), (6, 3))]),
@@ -44,18 +45,37 @@ def _argument(spec: tuple | float) -> torch.Tensor | float:
     return torch.randn(*spec, dtype=torch.float64, requires_grad=True) if isinstance(spec, tuple) else spec
 
 
-@pytest.mark.parametrize("name", list(PROGRAMS))
-def test_symbolic_values_are_refused_under_tp(name):
-    """Since uneven shards each rank's pieces are computed from the traced sizes, so a program on symbolic shapes
-    would run another call's shapes with the first's pieces (wrong shapes): TensorParallel refuses it, naming the fix.
-    (Before uneven shards, each program's calls ran with one compilation, exact against eager.)"""
-    for message in run_ranks(_refused, 2, name):
-        assert "cache='symbolic values'" in message and "Jit without cache=" in message, message
+def _detached(x: torch.Tensor | float) -> torch.Tensor | float:
+    return x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) else x
 
 
-def _refused(name: str) -> str:
-    fn, calls = PROGRAMS[name]
+def _other_numbers(specs: tuple) -> tuple:
+    """The same shapes with every number changed."""
+    return tuple(s + 1.0 if isinstance(s, float) else s for s in specs)
+
+
+def _symbolic_calls(name: str) -> dict[str, int]:
+    """Run the first shapes, them with other numbers, then the second shapes, under TP and eagerly; compare outputs
+    and grads; return the cache counts."""
+    fn, (first, second) = PROGRAMS[name]
     jf = thunder.jit(fn, transforms=[TensorParallel()], executors=thunder_tp.executors(), cache="symbolic values")
-    with pytest.raises(NotImplementedError) as excinfo:
-        jf(*(_argument(s) for s in calls[0]))
-    return str(excinfo.value)
+    torch.manual_seed(0)
+    for specs in (first, _other_numbers(first), second):
+        args = [_argument(s) for s in specs]
+        reference = [_detached(a) for a in args]
+        out, expected = jf(*args), fn(*reference)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        cotangent = torch.randn_like(expected)
+        (out * cotangent).sum().backward()
+        (expected * cotangent).sum().backward()
+        for a, r in zip(args, reference, strict=True):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a.grad, r.grad, rtol=1e-12, atol=1e-12)
+    return {"misses": thunder.cache_misses(jf), "hits": thunder.cache_hits(jf)}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_symbolic_values_with_thunder_tp_executors(name):
+    for counts in run_ranks(_symbolic_calls, 2, name):
+        # other numbers reuse the first compilation; other shapes trace again
+        assert counts == {"misses": 2, "hits": 1}, counts

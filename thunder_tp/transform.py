@@ -9,7 +9,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from thunder.core.compile_data import using_symbolic_values
 from thunder.core.proxies import DistParallelType
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform, dce
@@ -234,7 +233,6 @@ class TensorParallel(Transform):
         check_complex_grads(computation, kwargs.get("executors_list", ()))
         if self.tp.size == 1:  # every layout is the whole tensor: nothing to rewrite or communicate
             return prologue, computation, epilogue
-        _check_concrete_shapes()
         param_names = unpacked_tensor_names(prologue)
         _check_known(param_names, self._tensors_at_jit)
         layouts = self._initial_layouts(computation, param_names)
@@ -316,16 +314,6 @@ def _trace_meta_tensors_on(module: nn.Module, group: dist.ProcessGroup) -> None:
     for t in (*module.parameters(), *module.buffers()):
         if t.is_meta and trace_device(t) is None:
             set_trace_device(t, group_device(group))
-
-
-def _check_concrete_shapes() -> None:
-    """Each rank's pieces (even or not) are computed from the traced sizes: a program on symbolic shapes would run
-    another call's shapes with them, so it is refused."""
-    if using_symbolic_values():
-        raise NotImplementedError(
-            "thunder_tp.TensorParallel does not support thunder.jit(..., cache='symbolic values') yet: each rank's "
-            "pieces are computed from the traced shapes. Jit without cache= (the default traces again for new shapes)."
-        )
 
 
 def _check_materialized(model) -> None:

@@ -7,7 +7,7 @@ from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.layouts import Layout, local_shape, uneven
+from thunder_tp.layouts import Layout, local_shape, traced_size, uneven
 from thunder_tp.thunder_internals.private import set_proxy_shape
 
 _UNPACK_TENSOR = ("unpack_parameter", "unpack_buffer")
@@ -46,6 +46,8 @@ def localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[s
             set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size, rank))
     kept = []
     for b in prologue.bound_symbols:
+        if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA:
+            b = _with_traced_shape(b)
         if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
             t, shape, *rest = b.args
             if t.name in unchecked and uneven(sharded[t.name], shape, size):
@@ -54,3 +56,10 @@ def localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[s
         kept.append(b)
     prologue.bound_symbols = kept
 
+
+
+def _with_traced_shape(check):
+    """A shape check on the traced sizes: under cache="symbolic values" it holds size proxies, but each rank's pieces
+    are computed from the traced sizes, so a call of other shapes must trace again (numbers stay symbolic)."""
+    t, shape, *rest = check.args
+    return check.from_bsym(args=(t, tuple(traced_size(s) for s in shape), *rest))
