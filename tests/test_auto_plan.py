@@ -62,7 +62,7 @@ def _figures(comm, used: int) -> tuple[int, float, int]:
 
 
 def _no_worse(auto: tuple[int, float, int], hand: tuple[int, float, int]) -> bool:
-    """The issue's comparison: no more collectives, no higher cost, parameter bytes at most the hand plan's + 1%."""
+    """Against the hand plan: no more collectives, no higher cost, parameter bytes at most the hand plan's + 1%."""
     return auto[0] <= hand[0] and auto[1] <= hand[1] and auto[2] <= 1.01 * hand[2]
 
 
@@ -196,7 +196,7 @@ def test_the_compile_starts_from_the_search_trace_only_for_a_call_like_the_examp
 
 
 def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, world: int, hand_plan: dict):
-    """The issue's comparison, priced on one trace (no ranks): no more collectives, no higher cost, parameter bytes
+    """Against the hand plan, priced on one trace (no ranks): no more collectives, no higher cost, parameter bytes
     at most the hand plan's + 1%; one PRICED line per case (-s) for the README's sweep. The plan compared."""
     searched = thunder_tp.plans.auto(model, *args, tp_size=world, **kwargs)
     plan, (hand, hand_used) = _plan_compared_with_hand(searched, model, args, kwargs, hand_plan)

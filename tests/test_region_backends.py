@@ -27,7 +27,7 @@ from thunder_tp.executor import INDUCTOR_ONLY, InductorFusionExecutor, TPFusionE
 
 #: the ops of the cross-entropy's decompositions that must reach no nvFuser region
 LOSS_OPS = {"exp", "log", "amax", "stack"}
-#: how nvFuser 0.2.35 rejected the loss-parallel head on an H200 (issue 52)
+#: how nvFuser 0.2.35 rejected the loss-parallel head on an H200 (docs/gpu.md)
 NVFUSER_ASSERT = ("INTERNAL ASSERT FAILED at /workspace/Fuser/csrc/fusion_segmenter.cpp:4716, please report a bug "
                   "with repro script to NVFuser at https://github.com/NVIDIA/Fuser/issues. revertPrivatizedOps")
 
