@@ -55,7 +55,7 @@ from benchmarks.lib.harness import (
     write_json,
 )
 from thunder_tp.layouts import REPLICATE
-from thunder_tp.models.expert_parallel import expert_parallel_plan
+from thunder_tp.styles.expert import expert_parallel_plan
 
 EXPERT_LAYERS = ("fc_1", "fc_2", "proj")
 TP_PLAN = {"experts.*.fc_1": thunder_tp.ColwiseParallel(), "experts.*.fc_2": thunder_tp.ColwiseParallel(),

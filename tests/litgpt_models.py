@@ -6,8 +6,8 @@ import torch
 from litgpt import GPT, Config
 
 import thunder_tp
-import thunder_tp.styles
 from thunder_tp.plans.litgpt import GPTWithLoss
+from thunder_tp.styles.matching import match_plan
 
 VOCAB, SEQ, BATCH = 256, 16, 2
 #: the TP modes of plans.litgpt that the tests run, by name -> its keyword arguments
@@ -96,7 +96,7 @@ def _sequence_parallel_dtypes(config, norm_dtype: str) -> set[str]:
     adds to the Partial stream)."""
     with torch.device("meta"):
         model = GPT(config)
-    styled = thunder_tp.styles.match_plan(model, thunder_tp.plans.litgpt(model, sequence_parallel=True))
+    styled = match_plan(model, thunder_tp.plans.litgpt(model, sequence_parallel=True))
     dtypes = set()
     for name, _ in model.named_parameters():
         style = styled.get(name.rpartition(".")[0])

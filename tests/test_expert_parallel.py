@@ -25,7 +25,8 @@ from tests.tp_checks import (
 )
 from thunder_tp import TensorParallel
 from thunder_tp.layouts import StackShard
-from thunder_tp.models.expert_parallel import ExpertParallel
+from thunder_tp.styles import ExpertParallel
+from thunder_tp.styles.matching import match_plan, planned_tensors
 
 # litgpt's RMSNorm (and the grouped router) compute in float32 even for float64 models
 RTOL = ATOL = 1e-5
@@ -177,11 +178,11 @@ def test_indivisible_experts_are_a_clear_error():
     fc_1 = model.gpt.transformer.h[0].mlp.experts[1].fc_1
     with pytest.raises(ValueError, match="3 ranks cannot share 4 experts evenly; use a TP size that divides 4"):
         ExpertParallel(1, 4).tensor_layouts(fc_1, 3)
-    styles = thunder_tp.styles.match_plan(model.gpt, thunder_tp.plans.litgpt(model.gpt, expert_parallel=True))
+    styles = match_plan(model.gpt, thunder_tp.plans.litgpt(model.gpt, expert_parallel=True))
     experts = {name: style for name, style in styles.items() if isinstance(style, ExpertParallel)}
     with pytest.raises(ValueError, match="h.0.mlp.experts.0.fc_1: .* 3 ranks cannot share 4 experts evenly"):
-        thunder_tp.styles.planned_tensors(model.gpt, experts, 3)
-    assert thunder_tp.styles.planned_tensors(model.gpt, styles, 2).parameters[
+        planned_tensors(model.gpt, experts, 3)
+    assert planned_tensors(model.gpt, styles, 2).parameters[
         "transformer.h.1.mlp.experts.3.proj.weight"] == StackShard(3, 4)
 
 

@@ -139,7 +139,8 @@ def test_thunder_parallel_type_only_where_thunder_means_it():
 
 def test_plan_key_suggestions_name_only_modules_with_tensors():
     """A mistyped key is pointed at modules a style can split (own parameters or buffers), not at a ReLU."""
-    from thunder_tp.styles import ColwiseParallel, match_plan
+    from thunder_tp.styles import ColwiseParallel
+    from thunder_tp.styles.matching import match_plan
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"'fc1' matches no module of Sequential; modules with parameters: 0, 2$"):

@@ -39,8 +39,8 @@ from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
-from thunder_tp.styles import (
-    Style,
+from thunder_tp.styles import Style
+from thunder_tp.styles.matching import (
     check_tied_layouts,
     match_plan,
     planned_tensors,

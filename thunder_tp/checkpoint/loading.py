@@ -22,7 +22,7 @@ from thunder_tp.checkpoint.tensors import (
     state_like,
 )
 from thunder_tp.layouts import REPLICATE, group_device
-from thunder_tp.styles import tied_parameters
+from thunder_tp.styles.matching import tied_parameters
 from thunder_tp.thunder_internals.private import original_module
 
 

@@ -10,8 +10,8 @@ wraps hides the slots not yet written, as the cut did; once it wraps, every slot
 Mixture of experts. `LLaMAMoE.forward` gathers each expert's tokens with `torch.where(mask)` (data-dependent shapes):
 it is traced as one `moe_layer` op (`thunder_tp.models.moe`).
 
-LoRA. A `litgpt.lora.LoRALinear`'s pair follows the style of its base `linear` (`LoRAPairParallel`), and the family
-tells the automatic plan so (a wrapper rule), which decides the two together.
+LoRA. A `litgpt.lora.LoRALinear`'s pair follows the style of its base `linear` (`thunder_tp.styles.LoRAPairParallel`),
+and the family tells the automatic plan so (a wrapper rule), which decides the two together.
 
 Repeated blocks. `block_idx` only numbers a block: litgpt reads it where it builds one (its sliding-window flag
 is an attribute of its own), so blocks traced once (`thunder_tp.repeated_blocks`) ignore it.
@@ -21,8 +21,6 @@ So a plain `thunder.jit` of such models traces once thunder_tp is imported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 from thunder.core.dtypes import to_torch_dtype
@@ -30,11 +28,10 @@ from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
 
 from thunder_tp.families import Wrapper, register_index_attribute, register_wrapper_rule
-from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
-from thunder_tp.styles import ColwiseParallel, RowwiseParallel, Style
+from thunder_tp.styles import LoRAPairParallel
 
-__all__ = ["LoRAPairParallel", "kv_cache_forward", "llama_moe_forward"]
+__all__ = ["kv_cache_forward", "llama_moe_forward"]
 
 
 def kv_cache_forward(cache, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
@@ -81,37 +78,6 @@ def llama_moe_forward(module, x: torch.Tensor) -> torch.Tensor:
     score_bias = getattr(gate, "e_score_correction_bias", None)
     return moe_layer(x, gate.weight, score_bias, *mlp_parameters(module.experts), *_shared_parameters(module), None,
                      Routing.of(module.config))
-
-
-@dataclass(frozen=True)
-class LoRAPairParallel(Style):
-    """The LoRA pair of a litgpt LoRALinear (`lora_A` r x in, `lora_B` out x r) split like its base layer: under a
-    column-parallel base (outputs split) `lora_B`'s rows are split like the base's outputs (its q|k|v blocks: those
-    LoRA is enabled for) and `lora_A` is whole; under a row-parallel base (inputs split) `lora_A`'s columns are split
-    like the base's inputs and `lora_B` is whole. The LoRA path's ops are laid out by propagation; whole heads per rank
-    are checked on the base layer."""
-
-    base: ColwiseParallel | RowwiseParallel
-
-    def tensor_layouts(self, module: nn.Module, size: int = 1) -> dict[str, Layout]:
-        """Layouts of `lora_A` and `lora_B`."""
-        if isinstance(self.base, RowwiseParallel):
-            return {"lora_A": self.base.tensor_layouts(module.linear, size)["weight"], "lora_B": REPLICATE}
-        rows = _enabled_blocks(module, self.base.tensor_layouts(module.linear, size)["weight"])
-        # K/V heads replicated over ranks (fewer K/V groups than ranks): the LoRA path's product (a grouped conv1d)
-        # would need lora_B whole, which a layout with copies cannot be gathered into; it stays whole
-        return {"lora_A": REPLICATE, "lora_B": REPLICATE if rows.is_replicated else rows}
-
-
-def _enabled_blocks(module: nn.Module, layout: Shard) -> Shard:
-    """The base weight's layout restricted to the q|k|v blocks LoRA is enabled for (a LoRAQKVLinear's lora_B holds
-    only those rows); a plain LoRALinear's lora_B is split like its base weight."""
-    enabled = getattr(module, "enable_lora", None)
-    if enabled is None or layout.blocks is None or all(enabled):
-        return layout
-    blocks = tuple(b for b, on in zip(layout.blocks, enabled, strict=True) if on)
-    splits = tuple(s for s, on in zip(layout.block_splits(), enabled, strict=True) if on)
-    return Shard(0, blocks if len(blocks) > 1 else None, None if all(s is None for s in splits) else splits)
 
 
 try:

@@ -15,7 +15,7 @@ litgpt's and HF's MoE blocks are traced as this op by their families' lookasides
 `thunder_tp.models.hf.moe`), so a plain `thunder.jit` of such a model traces once thunder_tp is imported. The
 symbol's grad is `moe_layer_backward`, which recomputes the forward through torch.autograd (the forward keeps no
 data-dependent residuals). Its propagation rule for experts split like dense MLPs is at the end; with experts whole
-on their ranks (expert parallelism) the layer runs as `thunder_tp.models.expert_parallel` describes.
+on their ranks (expert parallelism) the layer runs as `thunder_tp.models.expert_parallel.op` describes.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ _SHARED_LAYOUTS = {"shared": (Shard(0), Shard(0), Shard(1)), "shared_bias": (Sha
 
 def sharded_experts(op: Op) -> list[Strategy]:
     """Experts split like dense MLPs: activations and router Replicate, experts sharded -> Partial: one reduction
-    per MoE layer (the rule of `moe_layer` unless its experts are expert-parallel: `thunder_tp.models.expert_parallel`).
+    per MoE layer (the rule of `moe_layer` unless its experts are expert-parallel: `models.expert_parallel.rule`).
 
     The replicated inputs' grads are then partial sums (each rank's experts' share), reduced on entry into the
     TP region. A proj bias would be added once per rank, so experts with one stay replicated.

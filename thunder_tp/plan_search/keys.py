@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import torch.nn as nn
 
 from thunder_tp.plan_search.decisions import Decision
-from thunder_tp.styles import Style, plan_key_matches
+from thunder_tp.styles import Style
+from thunder_tp.styles.matching import plan_key_matches
 
 
 def plan_of(module: nn.Module, decisions: list[Decision], choice: tuple[int, ...]) -> dict[str, Style]:

@@ -14,7 +14,8 @@ from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
 from thunder_tp.plan_search.decisions import Decision
 from thunder_tp.plan_search.tracing import Traced
 from thunder_tp.propagation import Propagation
-from thunder_tp.styles import ModuleLayouts, Style, check_tied_layouts, match_plan, planned_tensors, tied_parameters
+from thunder_tp.styles import ModuleLayouts, Style
+from thunder_tp.styles.matching import check_tied_layouts, match_plan, planned_tensors, tied_parameters
 from thunder_tp.thunder_internals.prologue import flat_args, trace_body
 
 #: the default budget's slack over "every weight matrix sharded": room to keep a small matrix whole (a router)

@@ -9,7 +9,8 @@ from thunder_tp.communication import Communication
 from thunder_tp.layouts import REPLICATE
 from thunder_tp.plan_search.decisions import Decision
 from thunder_tp.plan_search.pricing import Pricing, split_alone
-from thunder_tp.styles import FeatureShardedNorm, KVCacheParallel, Style, planned_tensors
+from thunder_tp.styles import FeatureShardedNorm, KVCacheParallel, Style
+from thunder_tp.styles.matching import planned_tensors
 
 
 def search(decisions: list[Decision], pricing: Pricing, budget: int) -> tuple[tuple[int, ...], tuple]:

@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Layout, Shard
-from thunder_tp.models.expert_parallel import expert_parallel_plan
 from thunder_tp.models.hf import moe as hf_moe
 from thunder_tp.models.hf import register_lookasides
 from thunder_tp.styles import (
@@ -27,8 +26,9 @@ from thunder_tp.styles import (
     RowwiseParallel,
     SequenceParallel,
     Style,
-    checked_plan,
 )
+from thunder_tp.styles.expert import expert_parallel_plan
+from thunder_tp.styles.matching import checked_plan
 
 SEQUENCE_DIM = 1
 #: the transformers versions whose models Thunder 0.2.6 traces (4.57 fails in Thunder's interpreter)

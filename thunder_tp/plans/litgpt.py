@@ -8,18 +8,17 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Layout, Shard
-from thunder_tp.models.expert_parallel import expert_parallel_plan
-from thunder_tp.models.litgpt import LoRAPairParallel
 from thunder_tp.styles import (
     ColwiseParallel,
     FeatureShardedNorm,
     KVCacheParallel,
+    LoRAPairParallel,
     RowwiseParallel,
     SequenceParallel,
     Style,
-    checked_plan,
-    plan_key_matches,
 )
+from thunder_tp.styles.expert import expert_parallel_plan
+from thunder_tp.styles.matching import checked_plan, plan_key_matches
 
 _MLP_PLANS = {
     "LLaMAMLP": {"fc_1": "col", "fc_2": "col", "proj": "row"},
