@@ -20,8 +20,8 @@ from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
 from tests.tp_checks import compare_with_single_device
 from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard, TensorParallel
 from thunder_tp.debug import collective_calls
-from thunder_tp.dtensor_styles import read_plan
 from thunder_tp.styles import ModuleLayouts
+from thunder_tp.styles.dtensor import read_plan
 from thunder_tp.styles.matching import match_plan
 
 TOLERANCE = 1e-10  # float64 through Thunder's torch executor: ~1e-16 apart

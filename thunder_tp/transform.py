@@ -16,7 +16,6 @@ from thunder.core.transform_common import Transform, dce
 from thunder_tp.collectives import gather_full
 from thunder_tp.composition import check_composition
 from thunder_tp.constraints import constrain_module_boundaries, constrain_styled_ops
-from thunder_tp.dtensor_styles import read_plan
 from thunder_tp.execution.agreement import CompileAgreement
 from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
@@ -40,6 +39,7 @@ from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.styles import Style
+from thunder_tp.styles.dtensor import read_plan
 from thunder_tp.styles.matching import (
     check_tied_layouts,
     match_plan,
@@ -66,7 +66,7 @@ class TensorParallel(Transform):
     """Tensor parallelism from a plan of styles, `distparallel_type` on parameters and `annotate` calls.
 
     `plan`: module name (or glob, matched as DTensor matches it) -> a thunder_tp style or one of DTensor's
-    (torch.distributed.tensor.parallel), or a nested plan for a submodule (thunder_tp.dtensor_styles).
+    (torch.distributed.tensor.parallel), or a nested plan for a submodule (thunder_tp.styles.dtensor).
 
     `plan="auto"`: the plan `thunder_tp.plans.auto` searches for on a trace of the model made from
     `example_inputs` (args, kwargs), at jit, on every rank alike (the TP size is the process group's).

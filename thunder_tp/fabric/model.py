@@ -22,13 +22,13 @@ import torch.nn as nn
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from thunder.transforms import MaterializationTransform
 
-from thunder_tp import dtensor_styles
 from thunder_tp.execution.divergence import checksum
 from thunder_tp.executor import executors as default_executors
 from thunder_tp.mesh import Mesh
 from thunder_tp.plans import auto as auto_plan
 from thunder_tp.plans import hf as hf_plan
 from thunder_tp.plans import litgpt as litgpt_plan
+from thunder_tp.styles import dtensor
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 from thunder_tp.transform import TensorParallel
 
@@ -75,7 +75,7 @@ def read_parallelize_fn(module: nn.Module, options: ModelOptions, device_mesh) -
     (composable `replicate`) as data_parallel "fsdp" ("ddp"); other options as they were."""
     if options.parallelize_fn is None:
         return options
-    read = dtensor_styles.read_parallelize_fn(options.parallelize_fn, module, device_mesh)
+    read = dtensor.read_parallelize_fn(options.parallelize_fn, module, device_mesh)
     if not read.plan:
         raise ValueError(f"ThunderTPStrategy: the parallelize_fn {getattr(options.parallelize_fn, '__name__', '')} "
                          "made no parallelize_module call, so there is no plan to read; call parallelize_module(model, "

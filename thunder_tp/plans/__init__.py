@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from thunder_tp.dtensor_styles import read_parallelize_fn
 from thunder_tp.plan_search import auto
 from thunder_tp.plans import hf, litgpt
 from thunder_tp.styles import Style
+from thunder_tp.styles.dtensor import read_parallelize_fn
 
 
 class _PlanModule(types.ModuleType):
