@@ -22,7 +22,7 @@ import thunder_tp.checkpoint as ck
 from thunder_tp.collectives import comm_executor
 from thunder_tp.execution.decode_step import DecodeStep, Strategy
 from thunder_tp.execution.divergence import check_same_tensors, checksum
-from thunder_tp.one_rank import has_peers
+from thunder_tp.layouts import has_peers
 
 
 class GenerateError(ValueError):

@@ -315,6 +315,12 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+def has_peers(group: dist.ProcessGroup | None = None) -> bool:
+    """False where the group's other ranks are no other processes (torch's fake backend: ``one_rank``, or
+    ``thunder_tp.simulate``), so nothing can be agreed on or compared with them."""
+    return dist.get_backend(group) != "fake"
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """The process group that TP shards over, with this process's rank in it."""

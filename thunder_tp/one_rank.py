@@ -37,13 +37,7 @@ import torch.distributed as dist
 
 from thunder_tp.layouts import fake_group_on
 
-__all__ = ["has_peers", "one_rank"]
-
-
-def has_peers(group: dist.ProcessGroup | None = None) -> bool:
-    """False where the group's other ranks are no other processes (torch's fake backend: ``one_rank``, or
-    ``thunder_tp.simulate``), so nothing can be agreed on or compared with them."""
-    return dist.get_backend(group) != "fake"
+__all__ = ["one_rank"]
 
 
 def _default_device(device: torch.device | str | None) -> torch.device:

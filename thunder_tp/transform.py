@@ -31,9 +31,9 @@ from thunder_tp.layouts import (
     StackShard,
     TPGroup,
     group_device,
+    has_peers,
     local_shape,
 )
-from thunder_tp.one_rank import has_peers
 from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
