@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from benchmarks.lib.gloo_link import after_idle_s
 from benchmarks.lib.harness import init_distributed, log, pin_to_core
-from thunder_tp.execution.divergence import InputAgreement, fingerprint
+from thunder_tp.runtimes.divergence import InputAgreement, fingerprint
 
 #: batches of token ids (rows, tokens): a decode-sized call, litgpt pretrain's micro-batch at 2k, a large one
 SHAPES = ((1, 256), (4, 2048), (16, 4096))

@@ -25,7 +25,7 @@ from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, collec
 from thunder_tp import TensorParallel
 from thunder_tp.execution.fallback import RegionFallbackWarning
 from thunder_tp.executor import fusion_executor, is_communication
-from thunder_tp.generation import Decoder
+from thunder_tp.runtimes.generation import Decoder
 
 pytestmark = pytest.mark.cuda
 
@@ -193,7 +193,7 @@ def test_graph_decode_steps_give_the_tokens_of_steps_without_graphs(arch):
 def test_whole_step_graph_under_a_capturable_group():
     """Under a group whose collectives a CUDA graph holds (the fake group here, NCCL in a real run) the whole step is
     one graph: each rank's replayed logits are the bound step's, bit for bit, step after step."""
-    from thunder_tp.execution.cuda_graphs import CapturedCall
+    from thunder_tp.runtimes.cuda_graphs import CapturedCall
 
     config = gen_config("gqa")
     device = _gpu()

@@ -58,8 +58,8 @@ def _replicated_checksums(jitted) -> list[int]:
     """Checksums of every replicated parameter of the model the strategy set up, in name order."""
     import thunder
 
-    from thunder_tp.execution.divergence import checksum
     from thunder_tp.layouts import Shard
+    from thunder_tp.runtimes.divergence import checksum
     from thunder_tp.transform import TensorParallel
 
     tp = next(t for t in thunder.list_transforms(jitted) if isinstance(t, TensorParallel))

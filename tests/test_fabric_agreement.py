@@ -8,7 +8,7 @@ import torch
 
 from tests.dist import run_ranks
 from tests.tp_checks import FAST_EXECUTORS
-from thunder_tp.execution.divergence import InputAgreement
+from thunder_tp.runtimes.divergence import InputAgreement
 
 
 def _gpt(dtype=torch.float64):

@@ -17,7 +17,7 @@ from litgpt import GPT, Config
 from tests.dist import REPO_ROOT, free_port, run_ranks
 from thunder_tp.debug import totals
 from thunder_tp.generate import main
-from thunder_tp.generation import prefill_chunks
+from thunder_tp.runtimes.generation import prefill_chunks
 
 SENTENCES = ["the llama eats grass and hay", "a tensor is split over the ranks", "every rank holds its heads",
              "the cache grows one token at a time", "what food do llamas eat"]
@@ -128,7 +128,7 @@ def test_cli_tp2_bf16_with_sampling(tmp_path):
 def _prompt_of_rank() -> str:
     import torch.distributed as dist
 
-    from thunder_tp.generation import GenerateError, check_same_prompt
+    from thunder_tp.runtimes.generation import GenerateError, check_same_prompt
 
     check_same_prompt(torch.tensor([5, 7, 9]))  # alike: nothing
     try:
@@ -158,7 +158,7 @@ def test_help_shows_every_default_without_importing_torch():
 
 
 def test_the_cli_lists_every_decode_step_strategy():
-    from thunder_tp.execution.decode_step import STRATEGIES
     from thunder_tp.generate import DECODE_STEPS
+    from thunder_tp.runtimes.decode_step import STRATEGIES
 
     assert tuple(DECODE_STEPS) == tuple(STRATEGIES)

@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "thunder_tp.__init__": 3,  # the public API: the package itself, above everything it gathers
     "thunder_tp.api": 3,  # what the package's names load from
     "thunder_tp.generate": 4,  # the generation CLI, a user of the public API
-    "thunder_tp.generation": 4,  # what the generation CLI runs
+    "thunder_tp.runtimes.generation": 4,  # what the generation CLI runs
     "thunder_tp.fabric": 4,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
 }
 LAYER_NAMES = {0: "core", 1: "models", 2: "plans", 3: "the package __init__", 4: "generate / fabric"}

@@ -7,7 +7,7 @@ from thunder_tp.annotate import annotate
 from thunder_tp.clipping import clip_grad_norm_
 from thunder_tp.debug import collectives_table, dump_traces
 from thunder_tp.executor import executors
-from thunder_tp.execution.decode_step import DecodeStep
+from thunder_tp.runtimes.decode_step import DecodeStep
 from thunder_tp.layouts import Partial, Replicate, Shard
 from thunder_tp.mesh import Mesh, init_mesh, parallelize
 from thunder_tp.one_rank import one_rank

@@ -22,7 +22,7 @@ A model built on the meta device gets random weights at its local shapes from Th
 at a time, then this rank's shard); or load a checkpoint with ``thunder_tp.checkpoint.load``. The fake group's
 tensors live on ``device`` (default: the current CUDA device where there is one, else the CPU), where
 meta-device models are traced and materialized. No peer process exists, so thunder_tp does not hold the compile
-agreement (``execution/agreement.py``) and ``thunder_tp.generate`` does not check that ranks sampled alike.
+agreement (``runtimes/agreement.py``) and ``thunder_tp.generate`` does not check that ranks sampled alike.
 Leaving the context destroys the group and restores the collectives.
 """
 

@@ -16,9 +16,7 @@ from thunder.core.transform_common import Transform, dce
 from thunder_tp.collectives import gather_full
 from thunder_tp.composition import check_composition
 from thunder_tp.constraints import constrain_module_boundaries, constrain_styled_ops
-from thunder_tp.execution.agreement import CompileAgreement
 from thunder_tp.execution.complex_grads import check_complex_grads
-from thunder_tp.execution.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
 from thunder_tp.execution.overlap_cost import Costs
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
@@ -37,6 +35,8 @@ from thunder_tp.layouts import (
 from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.rewrite import rewrite
+from thunder_tp.runtimes.agreement import CompileAgreement
+from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.styles import Style
 from thunder_tp.styles.dtensor import read_plan
@@ -71,7 +71,7 @@ class TensorParallel(Transform):
     `plan="auto"`: the plan `thunder_tp.plans.auto` searches for on a trace of the model made from
     `example_inputs` (args, kwargs), at jit, on every rank alike (the TP size is the process group's).
     `check_inputs`: the ranks of the TP group compare a fingerprint of their inputs (one small all_gather) and all
-    raise if they differ (thunder_tp.execution.divergence): before every "training" call (autograd on) and the first
+    raise if they differ (thunder_tp.runtimes.divergence): before every "training" call (autograd on) and the first
     call without autograd (the default), before "every" call, the "first" call only, or "never".
     `overlap`: the collectives next to the matmuls that produce or consume them (all_gather -> matmul and matmul ->
     reduce_scatter under SP, matmul -> all_reduce and the backward's input-grad all_reduce without) decomposed into
@@ -256,7 +256,7 @@ class TensorParallel(Transform):
         return prologue, decompose_for_overlap(recompute_matmul_inputs(local), self.tp, self.overlap), epilogue
 
     def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
-        """The end of a compile: every rank of the TP group compiled, or all raise (thunder_tp.execution.agreement)."""
+        """The end of a compile: every rank of the TP group compiled, or all raise (thunder_tp.runtimes.agreement)."""
         if self._agreement is not None:
             self._agreement.compiled(self._module)
         return computation

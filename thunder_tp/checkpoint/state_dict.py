@@ -19,7 +19,7 @@ from thunder_tp.checkpoint.tensors import (
     sharded_tensor_without_deprecation_warnings,
     state_like,
 )
-from thunder_tp.execution.divergence import check_replicas
+from thunder_tp.runtimes.divergence import check_replicas
 from thunder_tp.thunder_internals.private import original_module
 from thunder_tp.thunder_internals.quiet import quiet_checkpoint_save
 
@@ -85,7 +85,7 @@ def _restore(param: HeldTensor, value):
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write a DCP checkpoint directory (collective): each rank writes only its shards, replicas once (after checking
-    that the replicas agree: thunder_tp.execution.divergence)."""
+    that the replicas agree: thunder_tp.runtimes.divergence)."""
     _check_replicas(model)
     with sharded_tensor_without_deprecation_warnings(), quiet_checkpoint_save():
         model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -43,7 +43,7 @@ def save(path: Path, state: Mapping[str, Any], filter: Filter | None, rank: int)
     if _fsdp(model):
         _save_local(path, model, optimizer, rank)
     else:
-        # checks that the TP group's replicas agree first (thunder_tp.execution.divergence)
+        # checks that the TP group's replicas agree first (thunder_tp.runtimes.divergence)
         ck.save(path, model, optimizer)
     metadata = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items()
                 if k not in (model_key, optimizer_key)}

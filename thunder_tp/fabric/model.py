@@ -22,12 +22,12 @@ import torch.nn as nn
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from thunder.transforms import MaterializationTransform
 
-from thunder_tp.execution.divergence import checksum
 from thunder_tp.executor import executors as default_executors
 from thunder_tp.mesh import Mesh
 from thunder_tp.plans import auto as auto_plan
 from thunder_tp.plans import hf as hf_plan
 from thunder_tp.plans import litgpt as litgpt_plan
+from thunder_tp.runtimes.divergence import checksum
 from thunder_tp.styles import dtensor
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 from thunder_tp.transform import TensorParallel

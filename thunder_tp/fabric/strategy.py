@@ -41,7 +41,6 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 import thunder_tp.clipping as clipping
-from thunder_tp.execution.divergence import CHECK_INPUTS, check_same_tensors
 from thunder_tp.fabric import checkpoints
 from thunder_tp.fabric.data import shard_by_data_parallel
 from thunder_tp.fabric.model import (
@@ -54,6 +53,7 @@ from thunder_tp.fabric.model import (
 )
 from thunder_tp.fabric.precision import check_precision
 from thunder_tp.mesh import Mesh, init_mesh
+from thunder_tp.runtimes.divergence import CHECK_INPUTS, check_same_tensors
 
 __all__ = ["ThunderTPStrategy"]
 

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from thunder_tp.execution.agreement import gathered
 from thunder_tp.layouts import Layout, Shard, StackShard, held_chunks
 from thunder_tp.pieces import piece_parts
+from thunder_tp.runtimes.agreement import gathered
 from thunder_tp.thunder_internals.private import wrap_module_call
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: checksums stay exact int64s

@@ -8,9 +8,9 @@ positions): parameters and KV caches are the module's own tensors, bound once, s
 module's caches, without copies. How the bound computation runs is the strategy:
 
 - ``"bound"``: Thunder's computation as compiled (its fusion regions, its collectives), without the prologue;
-- ``"compiled"``: the whole step as one program compiled by torch.compile (``execution/whole_step.py``): one
+- ``"compiled"``: the whole step as one program compiled by torch.compile (``runtimes/whole_step.py``): one
   guarded call instead of one per fusion region and per collective;
-- ``"graph"`` (CUDA): Thunder's computation captured as one CUDA graph and replayed (``execution/cuda_graphs.py``);
+- ``"graph"`` (CUDA): Thunder's computation captured as one CUDA graph and replayed (``runtimes/cuda_graphs.py``);
   over a group whose collectives a graph cannot hold (gloo), one graph per stretch between collectives.
 
 Arguments must keep the first call's shapes, dtypes and devices (and its other values): a step per shape, as Thunder
@@ -29,8 +29,8 @@ import torch
 from thunder.core.module import ThunderModule
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.execution.cuda_graphs import CapturedCall, capturable, split_at_communication
-from thunder_tp.execution.whole_step import compiled_whole
+from thunder_tp.runtimes.cuda_graphs import CapturedCall, capturable, split_at_communication
+from thunder_tp.runtimes.whole_step import compiled_whole
 from thunder_tp.simulate import is_simulating
 from thunder_tp.thunder_internals.computation import computation_and_inputs
 
