@@ -260,7 +260,7 @@ def decode_collectives(module: nn.Module) -> dict | None:
     import thunder
 
     from thunder_tp import collectives_table
-    from thunder_tp.debug import totals
+    from thunder_tp.tools.debug import totals
 
     if hasattr(module, "collectives"):  # manual_tp: counted by its hooks
         return totals({"kind": kind, "count": 1, "total_bytes": nbytes} for kind, nbytes in module.collectives)

@@ -40,7 +40,7 @@ from benchmarks.lib.harness import (
     write_json,
 )
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
-from thunder_tp.debug import collective_calls
+from thunder_tp.tools.debug import collective_calls
 
 OVERLAPS = ("never", "always")
 

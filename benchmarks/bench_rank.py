@@ -12,8 +12,8 @@ configs) or ``tiny``, each dimension overridable. ``--layers`` are the depths me
 every per-step figure is extrapolated linearly to the model's depth (``--full_layers``): the 70B rows are its first
 layers, scaled per layer. Per row: the median step time (forward, backward, optimizer), peak memory (each row
 after releasing the previous rows' memory; ``--peak_at_full``: measured at full depth, not extrapolated), parameter
-bytes per rank, the collectives (thunder modes: ``thunder_tp.debug.collective_calls`` of the final traces; compiled
-modes: counted at runtime), the loss finite; per TP size, whether the modes' structures (collectives, bytes,
+bytes per rank, the collectives (thunder modes: ``thunder_tp.tools.debug.collective_calls`` of the final traces;
+compiled modes: counted at runtime), the loss finite; per TP size, whether the modes' structures (collectives, bytes,
 parameters) agree, and (a)'s loss against (b)'s (the same weights and batch).
 ``--project``: ``projection.py``'s step on an 8-GPU node from these figures (``--link``, ``--link_override``),
 without and with overlap, as tokens/s/GPU (training) and tokens/s (decode), beside the public references.

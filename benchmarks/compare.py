@@ -170,7 +170,7 @@ def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) 
     if mode.runtime == "thunder":
         import thunder
 
-        from thunder_tp.debug import collective_calls
+        from thunder_tp.tools.debug import collective_calls
 
         fwd_t, bwd_t = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
         result["saved_bytes"] = (saved_for_backward(fwd_t) or {}).get("activation_bytes")

@@ -19,10 +19,10 @@ import thunder_tp
 from tests.dist import run_ranks
 from tests.litgpt_models import CONFIGS, SEQ, VOCAB, GPTWithLoss, batch, expected_counts
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, assert_grads_are_shards
-from thunder_tp.debug import collective_kind
-from thunder_tp.executor import is_communication
+from thunder_tp.execution.executor import is_communication
 from thunder_tp.layouts import REPLICATE
 from thunder_tp.pieces import shard_tensor, unshard_tensor
+from thunder_tp.tools.debug import collective_kind
 
 WORLD, STEPS, LR, RTOL, ATOL = 4, 3, 0.5, 1e-5, 1e-5
 GLOBAL_BATCH = 4

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist import assert_close
-from thunder_tp.executor import executors
+from thunder_tp.execution.executor import executors
 
 B, H, L, S, E = 2, 3, 16, 24, 8
 FLASH = ("cpu_flash_attention_forward", "cpu_flash_attention_backward")

@@ -23,8 +23,8 @@ from tests.generation import MAX_SEQ, NEW_TOKENS, PROMPT, gen_config, greedy, lo
 from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
 from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, collective_counts, rank_and_size
 from thunder_tp import TensorParallel
+from thunder_tp.execution.executor import fusion_executor, is_communication
 from thunder_tp.execution.fallback import RegionFallbackWarning
-from thunder_tp.executor import fusion_executor, is_communication
 from thunder_tp.runtimes.generation import Decoder
 
 pytestmark = pytest.mark.cuda

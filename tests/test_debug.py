@@ -9,7 +9,7 @@ import thunder_tp
 from tests.dist import run_ranks
 from tests.parallel_mlp import BATCH, HIDDEN, MLP, PLAN, SEQ
 from tests.tp_checks import FAST_EXECUTORS
-from thunder_tp.debug import CollectivesTable
+from thunder_tp.tools.debug import CollectivesTable
 
 ACTIVATION_BYTES = SEQ * BATCH * HIDDEN * 4  # fp32 (seq, batch, hidden)
 ALL_REDUCE_IMPL = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)

@@ -19,10 +19,10 @@ from tests.dist import run_ranks
 from tests.litgpt_models import SEQ, GPTWithLoss, batch, make_config
 from tests.tp_checks import compare_with_single_device
 from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard, TensorParallel
-from thunder_tp.debug import collective_calls
 from thunder_tp.styles import ModuleLayouts
 from thunder_tp.styles.dtensor import read_plan
 from thunder_tp.styles.matching import match_plan
+from thunder_tp.tools.debug import collective_calls
 
 TOLERANCE = 1e-10  # float64 through Thunder's torch executor: ~1e-16 apart
 #: litgpt's RMSNorm computes in float32 even on float64 inputs (gaps up to ~5e-7 of a grad's largest entry)

@@ -22,7 +22,7 @@ from thunder_tp.collectives import comm_executor
 from thunder_tp.execution.complex_grads import complex_grads_executor
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
-from thunder_tp.executor import (
+from thunder_tp.execution.executor import (
     FUSION_EXECUTOR_NAME,
     NVFUSER_WHEEL,
     TPFusionExecutor,

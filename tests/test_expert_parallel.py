@@ -75,7 +75,7 @@ def _step(reference, jm, transform, idx, targets) -> dict:
     assert_grads_are_shards(reference, jm, transform.parameter_layouts, rank, size, rtol=RTOL, atol=ATOL)
     # the whole model's gradient norm (clipping): each expert's grad counted once, on its rank
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
-    assert_close_scaled(thunder_tp.clipping.grad_norm(jm), norm, rtol=RTOL, atol=ATOL, what="gradient norm")
+    assert_close_scaled(thunder_tp.tools.clipping.grad_norm(jm), norm, rtol=RTOL, atol=ATOL, what="gradient norm")
     forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     return {"held": held, "forward": collective_counts(forward), "backward": collective_counts(backward),
             "table": thunder_tp.collectives_table(forward)}

@@ -17,10 +17,10 @@ def _clip(config_name: str, tp: int, data_parallel: str | None) -> dict:
 
     import thunder_tp
     from tests.litgpt_models import GPTWithLoss, batch, make_config
-    from thunder_tp.clipping import grad_norm
     from thunder_tp.layouts import REPLICATE
     from thunder_tp.pieces import shard_tensor
     from thunder_tp.thunder_internals.private import applied_transforms
+    from thunder_tp.tools.clipping import grad_norm
 
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)

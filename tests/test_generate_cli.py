@@ -15,9 +15,9 @@ import torch
 from litgpt import GPT, Config
 
 from tests.dist import REPO_ROOT, free_port, run_ranks
-from thunder_tp.debug import totals
 from thunder_tp.generate import main
 from thunder_tp.runtimes.generation import prefill_chunks
+from thunder_tp.tools.debug import totals
 
 SENTENCES = ["the llama eats grass and hay", "a tensor is split over the ranks", "every rank holds its heads",
              "the cache grows one token at a time", "what food do llamas eat"]

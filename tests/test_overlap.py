@@ -18,8 +18,8 @@ from tests.tp_checks import (
     rank_and_size,
 )
 from thunder_tp import TensorParallel
-from thunder_tp.debug import UNLABELLED, collective_calls
 from thunder_tp.execution import overlap_cost
+from thunder_tp.tools.debug import UNLABELLED, collective_calls
 
 #: the benchmark Llama scaled down (float64 all through: nn.RMSNorm keeps the dtype, unlike litgpt's)
 SMALL_LLAMA = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab=128, ffn_hidden=64, max_seq=16)

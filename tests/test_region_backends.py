@@ -22,8 +22,8 @@ import thunder_tp
 from tests.dist import assert_close, run_ranks
 from tests.test_loss_parallel import Head, _inputs
 from tests.tp_checks import compare_with_single_device
+from thunder_tp.execution.executor import INDUCTOR_ONLY, InductorFusionExecutor, TPFusionExecutor, executors_around
 from thunder_tp.execution.fallback import FallbackRegion, RegionFallbackWarning, is_backend_error
-from thunder_tp.executor import INDUCTOR_ONLY, InductorFusionExecutor, TPFusionExecutor, executors_around
 
 #: the ops of the cross-entropy's decompositions that must reach no nvFuser region
 LOSS_OPS = {"exp", "log", "amax", "stack"}
@@ -74,8 +74,8 @@ def stand_in_nvfuser(reject: str | None = None):
     """thunder_tp's executors with ``StandInNvFuser`` as nvFuser, every op taken for a CUDA one; yields (executors,
     the stand-in)."""
     stand_in = StandInNvFuser(reject)
-    with mock.patch("thunder_tp.executor._require_nvfuser", return_value=stand_in), \
-            mock.patch("thunder_tp.executor._on_cuda", return_value=True):
+    with mock.patch("thunder_tp.execution.executor._require_nvfuser", return_value=stand_in), \
+            mock.patch("thunder_tp.execution.executor._on_cuda", return_value=True):
         yield list(executors_around(TPFusionExecutor("thunder_tp_fusion_stand_in", backend="nvfuser"))), stand_in
 
 

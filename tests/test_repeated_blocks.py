@@ -14,7 +14,7 @@ import thunder_tp
 from tests.generation import MAX_SEQ, greedy, models_with_cache
 from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch
 from tests.tp_checks import FAST_EXECUTORS
-from thunder_tp.repeated_blocks import TraceStats, stats_of
+from thunder_tp.execution.repeated_blocks import TraceStats, stats_of
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +82,7 @@ def test_simulated_tp_sp_loss_parallel_gives_the_same_program():
                               executors=thunder_tp.executors())
             run["tables"] = [thunder_tp.collectives_table(t[-1]) for t in
                              (thunder.last_traces(run["jm"]), thunder.last_backward_traces(run["jm"]))]
-            run["labels"] = sorted({c["issued_by"] for c in thunder_tp.debug.collective_calls(
+            run["labels"] = sorted({c["issued_by"] for c in thunder_tp.tools.debug.collective_calls(
                 thunder.last_traces(run["jm"])[-1])})
         runs.append(run)
     interpreted, once = runs
@@ -161,7 +161,7 @@ def test_compiled_regions_do_not_grow_with_depth():
     """Inductor regions (thunder_tp.executors()): the regions compiled for a 3-block and a 5-block model of other
     widths are as many (the blocks' regions compiled once for all blocks; from 3 blocks on, a model has every kind
     of region its depth can give: the first block's, a middle one's, the last's)."""
-    from thunder_tp.executor import COMPILED_REGIONS
+    from thunder_tp.execution.executor import COMPILED_REGIONS
 
     compiled = []
     for layers, width in ((3, 32), (5, 48)):

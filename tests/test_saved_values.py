@@ -8,7 +8,7 @@ import torch.nn as nn
 import thunder_tp
 from tests.dist import run_ranks
 from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device
-from thunder_tp.debug import saved_for_backward
+from thunder_tp.tools.debug import saved_for_backward
 
 TOKENS, HIDDEN, FFN = 64, 64, 256
 

@@ -19,6 +19,7 @@ from tests.dist import free_port
 from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch, expected_counts, make_config
 from tests.tp_checks import assert_close_scaled, assert_simulated_grads_are_shards, collective_counts
 from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
+from thunder_tp.execution.executor import fusion_executor
 
 #: float64; litgpt's RMSNorm still runs in float32 (~5e-7 of a grad's largest entry)
 RTOL = ATOL = 1e-6
@@ -134,7 +135,7 @@ def test_mlp_input_grad_and_replicated_outputs():
 
 def test_leaving_the_context_restores_everything():
     model, plan = _mlp()
-    fusion = thunder_tp.executor.fusion_executor()
+    fusion = fusion_executor()
     with pytest.raises(ZeroDivisionError):
         with thunder_tp.simulate(world_size=4):
             assert dist.get_world_size() == 4 and local_tensor_mode() is not None
@@ -165,7 +166,7 @@ def test_what_cannot_be_simulated_is_a_clear_error():
             with thunder_tp.simulate(world_size=2):
                 pass
         with pytest.raises(NotImplementedError, match="cannot compile LocalTensor"):
-            thunder.jit(model, transforms=[TensorParallel(plan)], executors=[thunder_tp.executor.fusion_executor()])
+            thunder.jit(model, transforms=[TensorParallel(plan)], executors=[fusion_executor()])
         mesh = thunder_tp.init_mesh(dp=2, tp=2)
         with pytest.raises(NotImplementedError, match="2-D meshes are not simulated"):
             thunder_tp.parallelize(model, plan, mesh, "ddp")

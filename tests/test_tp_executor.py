@@ -11,7 +11,7 @@ from thunder.core.proxies import TensorProxy
 import thunder_tp
 from tests.dist import run_ranks
 from tests.parallel_mlp import MLP, PLAN, mlp_input
-from thunder_tp.executor import is_communication
+from thunder_tp.execution.executor import is_communication
 
 _COLLECTIVE = "torch_all_reduce_prim_impl"  # how thunder_tp's all_reduce is lowered (any backend)
 _NAME_WORK = "tp_name_work"  # wraps its work handle so that a failed wait names the collective

@@ -28,7 +28,7 @@ def rank_and_size(group=None) -> tuple[int, int]:
 
 def collective_counts(trace) -> dict[str, int]:
     """How many of each collective a final trace issues (top-level torchex prims and thunder_tp symbols)."""
-    from thunder_tp.debug import collective_calls
+    from thunder_tp.tools.debug import collective_calls
 
     counts: dict[str, int] = {}
     for call in collective_calls(trace):

@@ -50,8 +50,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The package, whose public functions keep their names when submodules of the same names load (`simulate`,
-    `one_rank`, `annotate`): `thunder_tp.simulate(...)` is the function whatever was imported first."""
+    """The package, whose public functions keep their names when submodules of the same names load (`annotate`):
+    `thunder_tp.annotate(...)` is the function whatever was imported first."""
 
     def __setattr__(self, name: str, value) -> None:
         if not (isinstance(value, types.ModuleType) and name in __all__ and name != "plans"):

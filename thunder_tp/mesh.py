@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from thunder_tp.executor import executors as default_executors
+from thunder_tp.execution.executor import executors as default_executors
 from thunder_tp.transform import TensorParallel
 
 __all__ = ["Mesh", "init_mesh", "parallelize"]

@@ -15,7 +15,6 @@ from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.composition import check_composition
-from thunder_tp.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
 from thunder_tp.execution.overlap_cost import Costs
@@ -34,10 +33,10 @@ from thunder_tp.layouts import (
 )
 from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
-from thunder_tp.rewrite import rewrite
+from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
+from thunder_tp.rewriting.program import rewrite
 from thunder_tp.runtimes.agreement import CompileAgreement
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
-from thunder_tp.simulate import check_transforms, is_simulating, local_piece
 from thunder_tp.styles import Style
 from thunder_tp.styles.dtensor import read_plan
 from thunder_tp.styles.matching import (
@@ -58,6 +57,7 @@ from thunder_tp.thunder_internals.private import (
     wrap_module_call,
 )
 from thunder_tp.thunder_internals.prologue import flat_args, localize_prologue, trace_body, unpacked_tensor_names
+from thunder_tp.tools.simulate import check_transforms, is_simulating, local_piece
 
 _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
 

@@ -4,7 +4,7 @@
     p = project_pass(thunder.last_backward_traces(jm)[-1], compute_s=0.120, link=link)
     p.no_overlap_s, p.overlap_s            # compute + every collective; the same on the trace's schedule
 
-Each collective of a trace (``thunder_tp.debug.collective_calls``: kind, bytes of the full tensor, group size n)
+Each collective of a trace (``thunder_tp.tools.debug.collective_calls``: kind, bytes of the full tensor, group size n)
 costs ``latency + factor(kind, n) * bytes / bus_bandwidth``, the ring formulas in NCCL's bus-bandwidth convention:
 factor ``2 (n - 1) / n`` for all_reduce, ``(n - 1) / n`` for all_gather and reduce_scatter; a group of one rank
 costs nothing. The latency is per call as measured at the group size of the table (NCCL's figures: 8 ranks).
@@ -199,7 +199,7 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
     """The pass's time with the collectives of ``trace`` on ``link``, without and with the overlap its schedule
     allows; ``compute_s``: the pass's measured compute (under the fake group: no communication), shared among its
     symbols by ``weigh`` (matmul and attention FLOPs)."""
-    from thunder_tp.debug import collective_calls
+    from thunder_tp.tools.debug import collective_calls
 
     if trace is None:
         return PassProjection(compute_s, 0.0, compute_s, compute_s, [])

@@ -302,7 +302,7 @@ def tensor_bytes(t) -> int:
 
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
-    from thunder_tp.reshard import nbytes
+    from thunder_tp.rewriting.reshard import nbytes
 
     return nbytes(t)
 
@@ -318,7 +318,7 @@ def kv_cache_bytes(module: nn.Module) -> int:
 
 
 def saved_for_backward(forward_trace) -> dict | None:
-    """Tensors a Thunder forward trace returns for the backward (``thunder_tp.debug.saved_for_backward``).
+    """Tensors a Thunder forward trace returns for the backward (``thunder_tp.tools.debug.saved_for_backward``).
 
     ``bytes``/``count``: all of them; ``activation_bytes``: without the forward's own inputs (parameters, batch),
     which are held anyway. ``None`` when the trace saves nothing (no backward).
@@ -326,7 +326,7 @@ def saved_for_backward(forward_trace) -> dict | None:
     from thunder.core.proxies import TensorProxy
     from thunder.core.pytree import tree_flatten
 
-    from thunder_tp.debug import saved_for_backward as saved_tensors
+    from thunder_tp.tools.debug import saved_for_backward as saved_tensors
 
     tensors = saved_tensors(forward_trace)
     if tensors is None:
@@ -345,7 +345,7 @@ def collectives_per_iteration(jm: nn.Module) -> dict:
     import thunder
 
     import thunder_tp
-    from thunder_tp.debug import totals
+    from thunder_tp.tools.debug import totals
 
     backward = thunder.last_backward_traces(jm)
     tables = {"forward": thunder_tp.collectives_table(thunder.last_traces(jm)[-1]),

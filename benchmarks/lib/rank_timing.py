@@ -103,7 +103,7 @@ def thunder_structure(jm: nn.Module) -> dict:
     collectives as ``[kind, group size, bytes]`` per pass."""
     import thunder
 
-    from thunder_tp.debug import collective_calls
+    from thunder_tp.tools.debug import collective_calls
 
     def last_with_collectives(traces):
         return next((t for t in reversed(traces) if collective_calls(t)), traces[-1] if traces else None)

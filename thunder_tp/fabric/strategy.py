@@ -40,7 +40,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-import thunder_tp.clipping as clipping
+import thunder_tp.tools.clipping as clipping
 from thunder_tp.fabric import checkpoints
 from thunder_tp.fabric.data import shard_by_data_parallel
 from thunder_tp.fabric.model import (

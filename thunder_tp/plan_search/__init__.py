@@ -3,7 +3,7 @@
 The model is traced once from example inputs (Thunder's interpreter, stopped before anything runs, so meta tensors
 and meta-device models work). Every module that owns parameters is a decision; modules that differ only in their
 block index (`transformer.h.3.mlp.fc`) are one decision, searched once. Each decision picks a style (or none) for
-its modules; propagation lays out everything in between, and `communication.py` prices the result: the forward
+its modules; propagation lays out everything in between, and `rewriting/communication.py` prices the result: the forward
 and backward collectives of one step under reshard.py's alpha-beta cost. The search is coordinate descent (the
 cheapest single move first) from "every weight matrix sharded" (plain column splits, by whole heads where the trace
 splits the output into heads), deterministic, so every rank finds the same plan. The interpretation is kept: a
@@ -16,13 +16,13 @@ import time
 
 import torch.nn as nn
 
-from thunder_tp.communication import Communication
 from thunder_tp.layouts import TPGroup
 from thunder_tp.plan_search.decisions import decisions_of
 from thunder_tp.plan_search.keys import plan_of
 from thunder_tp.plan_search.pricing import Pricing, default_budget
 from thunder_tp.plan_search.search import search
 from thunder_tp.plan_search.tracing import traced
+from thunder_tp.rewriting.communication import Communication
 from thunder_tp.styles import Style
 from thunder_tp.thunder_internals.private import Interpretation, original_module
 

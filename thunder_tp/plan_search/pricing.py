@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from thunder_tp.communication import Communication, schedule_collectives
-from thunder_tp.constraints import constrain_styled_ops
 from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
 from thunder_tp.plan_search.decisions import Decision
 from thunder_tp.plan_search.tracing import Traced
 from thunder_tp.propagation import Propagation
+from thunder_tp.propagation.constraints import constrain_styled_ops
+from thunder_tp.rewriting.communication import Communication, schedule_collectives
 from thunder_tp.styles import ModuleLayouts, Style
 from thunder_tp.styles.dtensor import read_plan
 from thunder_tp.styles.matching import check_tied_layouts, match_plan, planned_tensors, tied_parameters

@@ -1,6 +1,6 @@
 """The communication of a propagated program, derived once: every value each step needs in another layout, every
 grad that is summed over the TP group, and the collectives they issue each way. The rewrite emits exactly these
-(`rewrite.py`), and the automatic plan prices them (`Communication`, under reshard.py's alpha-beta cost): what
+(`rewriting/program.py`), and the automatic plan prices them (`Communication`, under reshard.py's alpha-beta cost): what
 runs is what was priced by construction.
 
 Which values have grads is decided here too, for both: the trace's inputs that require one (in training), and
@@ -21,7 +21,14 @@ from thunder.core.trace import TraceCtx
 from thunder_tp.annotate import tp_annotate
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
-from thunder_tp.reshard import ALPHA_BYTES, collective_bytes, collective_cost, collective_kind, nbytes, wire_bytes
+from thunder_tp.rewriting.reshard import (
+    ALPHA_BYTES,
+    collective_bytes,
+    collective_cost,
+    collective_kind,
+    nbytes,
+    wire_bytes,
+)
 from thunder_tp.thunder_internals.prologue import flat_args
 
 #: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)

@@ -30,9 +30,9 @@ from thunder.executors.torchex import ex as pytorch_ex
 from thunder.executors.utils import Region
 from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_executors, register_executor
 
-from thunder_tp import repeated_blocks  # noqa: F401  (repeated blocks traced once, in jits with these executors)
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
+from thunder_tp.execution import repeated_blocks  # noqa: F401  (repeated blocks traced once, in jits with these executors)
 from thunder_tp.execution.complex_grads import complex_grads_executor, touches_complex
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
@@ -41,8 +41,8 @@ from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
 from thunder_tp.loss_symbols import CROSS_ENTROPY_SYMBOLS
-from thunder_tp.simulate import is_simulating
 from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward, traced natively)
+from thunder_tp.tools.simulate import is_simulating
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
 
