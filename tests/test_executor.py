@@ -1,4 +1,4 @@
-"""Tests of thunder_tp.executor: compute is fused, communication never is."""
+"""Tests of thunder_tp.execution.executor: compute is fused, communication never is."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def test_cross_entropy_symbols_on_two_shards_value_and_grad(dtype):
     """The loss's two symbols on two vocabulary shards, the second all -inf on some rows: torch's cross_entropy in the
     loss's precision (float32 for bf16 logits, rounded to bf16 once at the end) and its grad, zero (not nan) over the
     -inf columns."""
-    from thunder_tp.loss_symbols import cross_entropy_of_stats, cross_entropy_stats
+    from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats
 
     torch.manual_seed(0)
     logits = torch.randn(5, 8, dtype=torch.float64) * 30

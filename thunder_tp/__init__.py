@@ -5,9 +5,6 @@ command line's ``--help`` (``python -m thunder_tp.generate --help``) answers at 
 whole API (``thunder_tp.api``): Thunder's import-time warnings quieted first, the model families registered.
 """
 
-import sys
-import types
-
 from thunder_tp.thunder_internals import quiet  # noqa: F401, I001  (first: filters the warning importing Thunder raises)
 
 __all__ = [
@@ -47,15 +44,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """The package, whose public functions keep their names when submodules of the same names load (`annotate`):
-    `thunder_tp.annotate(...)` is the function whatever was imported first."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if not (isinstance(value, types.ModuleType) and name in __all__ and name != "plans"):
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

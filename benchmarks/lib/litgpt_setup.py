@@ -116,7 +116,7 @@ MODES: dict[str, DistributedMode] = {
 }
 
 
-# 2-D: TP over the tp groups, then Thunder's DDP / FSDP over the dp groups (TP first; see thunder_tp/mesh.py)
+# 2-D: TP over the tp groups, then Thunder's DDP / FSDP over the dp groups (TP first; thunder_tp/data_parallel/mesh.py)
 
 
 def _dp_group(groups: Groups):

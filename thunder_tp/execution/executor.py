@@ -3,7 +3,7 @@
 Compute is fused by nvFuser where tensors are on CUDA and nvFuser is installed and able to run, otherwise by
 Inductor (``torch.compile``: Triton on CUDA, C++ on CPU). An nvFuser that Thunder registers but cannot run (0.2.36
 under Thunder 0.2.6) is an error when asked for, and left to Inductor with a warning when chosen automatically.
-Where nvFuser fuses, the cross-entropy's symbols (``loss_symbols.py``) are still lowered by Inductor, in a pass
+Where nvFuser fuses, the cross-entropy's symbols (``ops/cross_entropy.py``) are still lowered by Inductor, in a pass
 before nvFuser's, as Thunder's own ``torchcompile_xentropy`` does for its cross-entropy: nvFuser 0.2.35's segmenter
 asserts (``revertPrivatizedOps``) on the fusion of a vocabulary-parallel loss in bf16. A region that a backend
 rejects anyway is lowered again by the next one (``execution/fallback.py``).
@@ -40,7 +40,7 @@ from thunder_tp.execution.fallback import RegionBackend, with_fallback
 from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
-from thunder_tp.loss_symbols import CROSS_ENTROPY_SYMBOLS
+from thunder_tp.ops.cross_entropy import CROSS_ENTROPY_SYMBOLS
 from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward, traced natively)
 from thunder_tp.tools.simulate import is_simulating
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from thunder_tp.mesh import Mesh
+from thunder_tp.data_parallel.mesh import Mesh
 
 
 def shard_by_data_parallel(dataset: Any, mesh: Mesh) -> int:

@@ -22,8 +22,8 @@ import torch.nn as nn
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from thunder.transforms import MaterializationTransform
 
+from thunder_tp.data_parallel.mesh import Mesh
 from thunder_tp.execution.executor import executors as default_executors
-from thunder_tp.mesh import Mesh
 from thunder_tp.plans import auto as auto_plan
 from thunder_tp.plans import hf as hf_plan
 from thunder_tp.plans import litgpt as litgpt_plan

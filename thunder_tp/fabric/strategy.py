@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 import thunder_tp.tools.clipping as clipping
+from thunder_tp.data_parallel.mesh import Mesh, init_mesh
 from thunder_tp.fabric import checkpoints
 from thunder_tp.fabric.data import shard_by_data_parallel
 from thunder_tp.fabric.model import (
@@ -52,7 +53,6 @@ from thunder_tp.fabric.model import (
     stand_ins,
 )
 from thunder_tp.fabric.precision import check_precision
-from thunder_tp.mesh import Mesh, init_mesh
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, check_same_tensors
 
 __all__ = ["ThunderTPStrategy"]

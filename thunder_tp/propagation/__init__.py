@@ -1,6 +1,5 @@
 """Layout propagation: the engine and the rules, one module per op family."""
 
-from thunder_tp.annotate import tp_annotate
 from thunder_tp.layouts import normalize
 from thunder_tp.propagation import (  # noqa: F401  (importing a family registers its rules)
     attention,
@@ -14,6 +13,7 @@ from thunder_tp.propagation import (  # noqa: F401  (importing a family register
     views,
 )
 from thunder_tp.propagation.engine import Op, Propagation, Step, Strategy, register_rule
+from thunder_tp.styles.annotate import tp_annotate
 
 
 @register_rule(tp_annotate)

@@ -20,8 +20,8 @@ from thunder.core.jit_ext import ensure_recursive_proxies, register_general_jit_
 from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_tp.annotate import annotate, tp_annotate
 from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
+from thunder_tp.styles.annotate import annotate, tp_annotate
 from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
 
 #: the module attribute holding the hooks `constrain_module_boundaries` registered on it

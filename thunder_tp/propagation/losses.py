@@ -1,6 +1,6 @@
 """Rules for cross_entropy: on replicated logits, and vocabulary-parallel (loss parallel).
 
-Both run as the two symbols of ``thunder_tp/loss_symbols.py`` (each with its backward symbol):
+Both run as the two symbols of ``thunder_tp/ops/cross_entropy.py`` (each with its backward symbol):
 ``cross_entropy_stats`` (each row's log-sum-exp and target logit over the columns a rank holds) and
 ``cross_entropy_of_stats`` (the loss from every rank's stats).
 """
@@ -14,7 +14,7 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled
 from thunder_tp.layouts import REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
-from thunder_tp.loss_symbols import cross_entropy_of_stats, cross_entropy_stats
+from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 from thunder_tp.tools.simulate import is_simulating
 

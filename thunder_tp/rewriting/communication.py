@@ -18,7 +18,6 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.annotate import tp_annotate
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
 from thunder_tp.rewriting.reshard import (
@@ -29,6 +28,7 @@ from thunder_tp.rewriting.reshard import (
     nbytes,
     wire_bytes,
 )
+from thunder_tp.styles.annotate import tp_annotate
 from thunder_tp.thunder_internals.prologue import flat_args
 
 #: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)

@@ -2,7 +2,7 @@
 log-sum-exp and target logit over the columns a rank holds) and ``cross_entropy_of_stats`` (the loss from every
 rank's stats); the rules of ``propagation/losses.py`` compute the loss with them. Upcast once to float32 (float64
 stays), they compute in one precision whatever the logits'; and as symbols they stay whole up to the fusion executor,
-which lowers them with Inductor even where nvFuser fuses the rest (``thunder_tp.executor``: nvFuser 0.2.35's
+which lowers them with Inductor even where nvFuser fuses the rest (``thunder_tp.execution.executor``: nvFuser 0.2.35's
 segmenter asserts on these upcasts and reductions).
 """
 
