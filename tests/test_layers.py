@@ -1,5 +1,6 @@
-"""thunder_tp's import graph keeps its layers (docs/design.md "The folders"): no circle among the imports a module runs
-when it is imported, and no module imports a layer above its own. In benchmarks/, ``benchmarks/lib`` is the only
+"""thunder_tp's import graph keeps its layers (docs/design.md "The folders"): the pipeline's stages in order (front,
+analysis, rewrite, execution, ...) and what is built on them; no circle among the imports a module runs when it is
+imported, and no module imports a layer above its own. In benchmarks/, ``benchmarks/lib`` is the only
 shared layer: no other benchmark module is imported by one, and nothing imports tests/. Read from the source with ast;
 nothing is imported.
 """
@@ -14,19 +15,35 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "thunder_tp"
 BENCHMARKS = PACKAGE.parent / "benchmarks"
 
-# The layers, bottom to top: a module may import its own layer and the ones below it. A module belongs to the layer
-# of the longest prefix listed here; every other module is the core.
+# The layers, bottom to top: the pipeline's stages in order, then what is built on them. A module may import its own
+# layer and the ones below it; it belongs to the layer of the longest prefix listed here (every module not listed
+# with its own prefix is the vocabulary, layer 0: layouts, pieces, run_mode, ops, thunder_internals).
 LAYERS: dict[str, int] = {
-    "thunder_tp": 0,  # the core (layouts, styles, propagation, rewrite, transform, executor, collectives, ...)
-    "thunder_tp.models": 1,  # the model families, which register themselves into the core
-    "thunder_tp.plans": 2,  # the public plans (plans.litgpt, plans.hf, plans.auto) built on the families
-    "thunder_tp.__init__": 3,  # the public API: the package itself, above everything it gathers
-    "thunder_tp.api": 3,  # what the package's names load from
-    "thunder_tp.generate": 4,  # the generation CLI, a user of the public API
-    "thunder_tp.runtimes.generation": 4,  # what the generation CLI runs
-    "thunder_tp.fabric": 4,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
+    "thunder_tp": 0,  # the vocabulary: layouts and pieces, run modes, thunder_tp's own symbols, Thunder's internals
+    "thunder_tp.collectives": 1,  # collective symbols, their grads and lowering, redistributions
+    "thunder_tp.styles": 2,  # the front: styles, annotate(), plan matching, DTensor's spellings
+    "thunder_tp.families": 2,  # the registry through which model families hook into the stages
+    "thunder_tp.propagation": 3,  # the analysis: constraints and propagation
+    "thunder_tp.rewriting": 4,  # the rewrite: what a program communicates, ops on local pieces
+    "thunder_tp.execution": 5,  # the fusion executor and its passes
+    "thunder_tp.runtimes": 6,  # the decode step, the ranks' agreement checks
+    "thunder_tp.plan_search": 6,  # the automatic plan, searched with the analysis and the rewrite's prices
+    "thunder_tp.data_parallel.composition": 6,  # TP's checks of Thunder's DDP / FSDP transforms
+    "thunder_tp.transform": 7,  # TensorParallel: drives the stages on each trace
+    "thunder_tp.tools": 8,  # simulate, one_rank, debug, clipping: around a TensorParallel program
+    "thunder_tp.data_parallel": 8,  # 2-D meshes, parallelize()
+    "thunder_tp.checkpoint": 8,  # DCP save / load of TensorParallel programs
+    "thunder_tp.models": 9,  # the model families, which register themselves into the stages
+    "thunder_tp.plans": 10,  # the public plans (plans.litgpt, plans.hf, plans.auto) built on the families
+    "thunder_tp.__init__": 11,  # the public API: the package itself, above everything it gathers
+    "thunder_tp.api": 11,  # what the package's names load from
+    "thunder_tp.generate": 12,  # the generation CLI, a user of the public API
+    "thunder_tp.runtimes.generation": 12,  # what the generation CLI runs
+    "thunder_tp.fabric": 12,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
 }
-LAYER_NAMES = {0: "core", 1: "models", 2: "plans", 3: "the package __init__", 4: "generate / fabric"}
+LAYER_NAMES = {0: "vocabulary", 1: "collectives", 2: "front", 3: "analysis", 4: "rewrite", 5: "execution",
+               6: "runtimes / plan search", 7: "transform", 8: "tools / 2-D / checkpoint", 9: "models", 10: "plans",
+               11: "the package __init__", 12: "generate / fabric"}
 
 
 def module_name(path: Path) -> str:
@@ -137,6 +154,9 @@ def test_nothing_imports_upwards():
 
 
 @pytest.mark.parametrize("importer, target", [("thunder_tp.layouts", "thunder_tp.models.litgpt"),
+                                              ("thunder_tp.propagation.engine", "thunder_tp.rewriting.program"),
+                                              ("thunder_tp.collectives.symbols", "thunder_tp.tools.simulate"),
+                                              ("thunder_tp.execution.executor", "thunder_tp.transform"),
                                               ("thunder_tp.models.moe", "thunder_tp.plans.hf"),
                                               ("thunder_tp.plans.litgpt", "thunder_tp.fabric.strategy"),
                                               ("thunder_tp.styles", "thunder_tp"),

@@ -7,6 +7,7 @@ import torch
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
+from thunder_tp.collectives.reshard import redistribute_cost
 from thunder_tp.layouts import (
     Partial,
     Replicate,
@@ -21,7 +22,6 @@ from thunder_tp.layouts import (
 )
 from thunder_tp.pieces import shard_chunks, shard_tensor, unshard_tensor
 from thunder_tp.propagation.views import _getitem_map, view_groups
-from thunder_tp.rewriting.reshard import redistribute_cost
 
 
 def test_blocked_shard_takes_a_chunk_of_every_block():

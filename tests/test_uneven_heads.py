@@ -24,7 +24,7 @@ from tests.tp_checks import (
 )
 from thunder_tp import TensorParallel
 from thunder_tp.plans.litgpt import GPTWithLoss, tp_sizes
-from thunder_tp.tools.simulate import is_simulating
+from thunder_tp.run_mode import is_simulating
 
 #: head counts kept, widths tiny; 44 MLP features and 256 vocabulary entries split unevenly at TP 3 (and 44 at 8)
 CONFIGS = {

@@ -35,6 +35,7 @@ from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.rewriting.program import rewrite
+from thunder_tp.run_mode import check_transforms, is_simulating, local_piece
 from thunder_tp.runtimes.agreement import CompileAgreement
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.styles import Style
@@ -57,7 +58,6 @@ from thunder_tp.thunder_internals.private import (
     wrap_module_call,
 )
 from thunder_tp.thunder_internals.prologue import flat_args, localize_prologue, trace_body, unpacked_tensor_names
-from thunder_tp.tools.simulate import check_transforms, is_simulating, local_piece
 
 _DATA_PARALLEL_TYPES = (DistParallelType.REPLICATED, DistParallelType.FULLY_SHARDED)
 

@@ -302,7 +302,7 @@ def tensor_bytes(t) -> int:
 
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
-    from thunder_tp.rewriting.reshard import nbytes
+    from thunder_tp.collectives.reshard import nbytes
 
     return nbytes(t)
 

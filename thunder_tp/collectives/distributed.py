@@ -8,7 +8,7 @@ import torch.distributed as dist
 from thunder_tp.collectives.packing import pack, unpack
 from thunder_tp.layouts import Pieces, Shard, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, take_piece, trimmed_piece
-from thunder_tp.tools.simulate import for_each_rank, is_simulating
+from thunder_tp.run_mode import for_each_rank, is_simulating
 
 
 def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

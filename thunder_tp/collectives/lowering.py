@@ -48,7 +48,7 @@ from thunder_tp.collectives.symbols import (
 )
 from thunder_tp.layouts import Pieces, Shard, is_even, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, take_piece, trimmed_piece
-from thunder_tp.tools.simulate import is_simulating
+from thunder_tp.run_mode import is_simulating
 
 
 def _synchronous() -> bool:

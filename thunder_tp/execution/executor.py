@@ -41,8 +41,8 @@ from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
 from thunder_tp.ops.cross_entropy import CROSS_ENTROPY_SYMBOLS
+from thunder_tp.run_mode import is_simulating
 from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward, traced natively)
-from thunder_tp.tools.simulate import is_simulating
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
 

@@ -47,7 +47,7 @@ from thunder_tp.collectives.labels import label_collectives, label_of
 from thunder_tp.collectives.packing import is_plain
 from thunder_tp.execution import overlap_cost as cost
 from thunder_tp.layouts import TPGroup
-from thunder_tp.tools.simulate import is_simulating
+from thunder_tp.run_mode import is_simulating
 
 Mode = Literal["auto", "always", "never"] | cost.Costs
 MODES: tuple[str, ...] = ("auto", "always", "never")

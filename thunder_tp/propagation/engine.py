@@ -18,8 +18,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
 
+from thunder_tp.collectives.reshard import collective_cost, redistribute_cost
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPGroup, check_shardable, normalize
-from thunder_tp.rewriting.reshard import collective_cost, redistribute_cost
 
 LocalFn = Callable[..., Any]
 

@@ -16,7 +16,7 @@ from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled
 from thunder_tp.layouts import REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
 from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.tools.simulate import is_simulating
+from thunder_tp.run_mode import is_simulating
 
 
 def _replicated_cross_entropy(ignore_index: int, reduction: str):

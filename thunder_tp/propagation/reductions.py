@@ -11,7 +11,7 @@ import thunder.torch as ltorch
 from thunder_tp.collectives import tp_padding_filled
 from thunder_tp.layouts import PARTIAL, Partial, Shard, is_even, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.tools.simulate import is_simulating
+from thunder_tp.run_mode import is_simulating
 
 
 def _reduced_dims(op: Op) -> tuple[set[int], bool]:

@@ -1,2 +1,2 @@
-"""The rewrite: which collective goes where. reshard.py prices and performs a change of layout, communication.py
-derives what a propagated program communicates, program.py re-runs every op on local pieces with those collectives."""
+"""The rewrite: which collective goes where. communication.py derives what a propagated program communicates (the
+redistributions of collectives/reshard.py it implies), program.py re-runs every op on local pieces with them."""

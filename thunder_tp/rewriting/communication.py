@@ -18,9 +18,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
-from thunder_tp.propagation.engine import Step
-from thunder_tp.rewriting.reshard import (
+from thunder_tp.collectives.reshard import (
     ALPHA_BYTES,
     collective_bytes,
     collective_cost,
@@ -28,6 +26,8 @@ from thunder_tp.rewriting.reshard import (
     nbytes,
     wire_bytes,
 )
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
+from thunder_tp.propagation.engine import Step
 from thunder_tp.styles.annotate import tp_annotate
 from thunder_tp.thunder_internals.prologue import flat_args
 

@@ -41,8 +41,8 @@ from thunder.core.trace import TraceCtx
 
 from thunder_tp.collectives import COLLECTIVE_KINDS, ISSUED_INSIDE
 from thunder_tp.collectives.labels import label_of, layers_globbed
-from thunder_tp.rewriting.reshard import nbytes
-from thunder_tp.tools.simulate import is_simulating
+from thunder_tp.collectives.reshard import nbytes
+from thunder_tp.run_mode import is_simulating
 
 __all__ = ["CollectivesTable", "collective_calls", "collective_kind", "collectives_table", "dump_traces",
            "format_table", "totals"]

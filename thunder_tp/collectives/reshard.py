@@ -9,7 +9,7 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, StackShard, padded_lengths, rank_pieces
-from thunder_tp.tools.simulate import is_simulating
+from thunder_tp.run_mode import is_simulating
 
 #: latency of one collective, in bytes-equivalent (alpha / beta)
 ALPHA_BYTES = 64 * 1024

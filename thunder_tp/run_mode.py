@@ -1,0 +1,139 @@
+"""How the ranks of the TP group run, as the stages ask it: as processes (real ranks, or one rank of a fake group:
+``layouts.has_peers``), or simulated in this one process (``thunder_tp.simulate``: PyTorch's LocalTensor, every
+tensor holding each simulated rank's value). Here: whether a simulation is active, and what the stages need to
+compute every simulated rank's part (their values, a function per rank, each rank's piece of a tensor) and to
+refuse what cannot be simulated."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from thunder_tp.layouts import Layout, StackShard
+from thunder_tp.pieces import shard_tensor
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The simulated world: its size and the LocalTensorMode that runs every op once per simulated rank."""
+
+    world_size: int
+    mode: object  # torch.distributed._local_tensor.LocalTensorMode
+
+
+_current: Simulation | None = None
+
+
+def is_simulating() -> bool:
+    """True inside ``thunder_tp.simulate(...)``."""
+    return _current is not None
+
+
+def active_simulation(what: str) -> Simulation:
+    """The active simulation, or a clear error naming `what` needed one."""
+    if _current is None:
+        raise RuntimeError(f"thunder_tp.{what} needs an active simulation: call it inside `with "
+                           "thunder_tp.simulate(world_size=N):`")
+    return _current
+
+
+@contextlib.contextmanager
+def simulated_ranks(world_size: int, mode) -> Iterator[None]:
+    """Within the context, the stages see `world_size` simulated ranks run by `mode` (set by thunder_tp.simulate)."""
+    global _current
+    _current = Simulation(world_size, mode)
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> dict[int, int]:
+    """Simulated global rank -> its rank in ``group`` (the group as the simulated ranks each see theirs)."""
+    world = _current.world_size
+    group = group if group is not None else dist.group.WORLD
+    size = group.size()
+    if size == world:
+        return {r: r for r in range(world)}
+    raise NotImplementedError(
+        f"thunder_tp.simulate: a TP group of {size} ranks inside a simulated world of {world}; simulate "
+        f"world_size={size} and pass process_group=None (2-D meshes are not simulated)"
+    )
+
+
+def for_each_rank(fn: Callable[..., torch.Tensor], group: dist.ProcessGroup | None,
+                  *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(rank in group, *that rank's tensors)`` for every simulated rank, as one LocalTensor."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    sim = active_simulation("for_each_rank")
+    pieces = {}
+    with sim.mode.disable():
+        for r, group_rank in _group_ranks(group).items():
+            local = [t._local_tensors[r] if isinstance(t, LocalTensor) else t for t in tensors]
+            pieces[r] = fn(group_rank, *local)
+        return LocalTensor(pieces)
+
+
+def rank_value(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """Simulated rank `rank`'s value of `t` (a plain tensor is the same on every rank)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
+
+
+def joined_ranks(values: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One LocalTensor of every simulated rank's value."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor(values)
+
+
+@contextlib.contextmanager
+def outside_local_tensors() -> Iterator[None]:
+    """LocalTensorMode off: an op that computes every simulated rank's part itself works on their plain values."""
+    with active_simulation("outside_local_tensors").mode.disable():
+        yield
+
+
+def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: dist.ProcessGroup | None = None, *,
+                padded: bool = False) -> torch.Tensor:
+    """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor), at
+    its own size, or `padded` to the longest piece as the simulated program computes with it (a KV cache it writes).
+
+    A StackShard tensor is held whole by one rank and by no other, but one simulated trace cannot give the ranks
+    different shapes: in a simulation the others hold zeros of its full shape instead."""
+    if not is_simulating():
+        return shard_tensor(t, layout, rank, size)
+    if isinstance(layout, StackShard):
+        owner = layout.owner(size)
+        return for_each_rank(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), group, t.detach())
+    return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), group, t.detach())
+
+
+def check_transforms(model, tp_group: dist.ProcessGroup) -> None:
+    """Raise if a jit in the simulation asks for what it cannot simulate: fusion, data parallelism, a TP subgroup."""
+    import thunder
+    from thunder.extend import FusionExecutor
+
+    _group_ranks(tp_group)
+    cd = thunder.compile_data(model)
+    fusion = [ex.name for ex in cd.executors_list if isinstance(ex, FusionExecutor)]
+    if fusion:
+        raise NotImplementedError(
+            f"thunder_tp.simulate: the fusion executor(s) {fusion} cannot compile LocalTensor programs; inside a "
+            "simulation pass executors=thunder_tp.executors() (Thunder's torch executor runs every region there)"
+        )
+    transforms = getattr(cd, "transforms", None) or ()
+    for t in transforms:
+        if type(t).__name__ in ("DDPTransform", "FSDPTransform"):
+            raise NotImplementedError(
+                f"thunder_tp.simulate: {type(t).__name__} cannot run on simulated ranks (Thunder's data-parallel "
+                "transforms shard and synchronize parameters by this process's rank, so every simulated rank would "
+                "get rank 0's view); simulate TensorParallel alone over the whole simulated world, and run 2-D "
+                "meshes (thunder_tp.init_mesh with DDP/FSDP) on real processes"
+            )
