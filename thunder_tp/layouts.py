@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import placement_types
 
@@ -287,38 +285,6 @@ def local_blocks(blocks: tuple[int, ...] | None, splits: tuple[Split | None, ...
     if blocks is None:
         return None
     return tuple(length for _, length in held_chunks(Shard(0, blocks, splits), sum(blocks), rank, size))
-
-
-_fake_group_device: torch.device | None = None  # set by thunder_tp.one_rank while its fake group is active
-
-
-@contextlib.contextmanager
-def fake_group_on(device: torch.device) -> Iterator[None]:
-    """Within the context, a fake group's tensors live on ``device`` (``thunder_tp.one_rank``'s; else the CPU, as
-    ``thunder_tp.simulate``'s)."""
-    global _fake_group_device
-    _fake_group_device = device
-    try:
-        yield
-    finally:
-        _fake_group_device = None
-
-
-def group_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a process group's tensors live: the current CUDA device for NCCL, ``thunder_tp.one_rank``'s device for
-    a fake group, else the CPU."""
-    backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else None
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "fake" and _fake_group_device is not None:
-        return _fake_group_device
-    return torch.device("cpu")
-
-
-def has_peers(group: dist.ProcessGroup | None = None) -> bool:
-    """False where the group's other ranks are no other processes (torch's fake backend: ``one_rank``, or
-    ``thunder_tp.simulate``), so nothing can be agreed on or compared with them."""
-    return dist.get_backend(group) != "fake"
 
 
 @dataclass(frozen=True)

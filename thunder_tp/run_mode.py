@@ -1,8 +1,8 @@
 """How the ranks of the TP group run, as the stages ask it: as processes (real ranks, or one rank of a fake group:
-``layouts.has_peers``), or simulated in this one process (``thunder_tp.simulate``: PyTorch's LocalTensor, every
-tensor holding each simulated rank's value). Here: whether a simulation is active, and what the stages need to
-compute every simulated rank's part (their values, a function per rank, each rank's piece of a tensor) and to
-refuse what cannot be simulated."""
+``has_peers``, ``group_device``), or simulated in this one process (``thunder_tp.simulate``: PyTorch's LocalTensor,
+every tensor holding each simulated rank's value). Here: whether a simulation is active, and what the stages need to
+compute every simulated rank's part (their values, a function per rank, each rank's piece of a tensor) and to refuse
+what cannot be simulated."""
 
 from __future__ import annotations
 
@@ -15,6 +15,38 @@ import torch.distributed as dist
 
 from thunder_tp.layouts import Layout, StackShard
 from thunder_tp.pieces import shard_tensor
+
+_fake_group_device: torch.device | None = None  # set by thunder_tp.one_rank while its fake group is active
+
+
+@contextlib.contextmanager
+def fake_group_on(device: torch.device) -> Iterator[None]:
+    """Within the context, a fake group's tensors live on ``device`` (``thunder_tp.one_rank``'s; else the CPU, as
+    ``thunder_tp.simulate``'s)."""
+    global _fake_group_device
+    _fake_group_device = device
+    try:
+        yield
+    finally:
+        _fake_group_device = None
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a process group's tensors live: the current CUDA device for NCCL, ``thunder_tp.one_rank``'s device for
+    a fake group, else the CPU."""
+    backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else None
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "fake" and _fake_group_device is not None:
+        return _fake_group_device
+    return torch.device("cpu")
+
+
+def has_peers(group: dist.ProcessGroup | None = None) -> bool:
+    """False where the group's other ranks are no other processes (torch's fake backend: ``one_rank``, or
+    ``thunder_tp.simulate``), so nothing can be agreed on or compared with them."""
+    return dist.get_backend(group) != "fake"
+
 
 
 @dataclass(frozen=True)

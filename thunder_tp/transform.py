@@ -20,22 +20,12 @@ from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
 from thunder_tp.execution.overlap_cost import Costs
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
 from thunder_tp.families import prepare_for_tracing
-from thunder_tp.layouts import (
-    REPLICATE,
-    Layout,
-    Replicate,
-    Shard,
-    StackShard,
-    TPGroup,
-    group_device,
-    has_peers,
-    local_shape,
-)
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, StackShard, TPGroup, local_shape
 from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.rewriting.program import rewrite
-from thunder_tp.run_mode import check_transforms, is_simulating, local_piece
+from thunder_tp.run_mode import check_transforms, group_device, has_peers, is_simulating, local_piece
 from thunder_tp.runtimes.agreement import CompileAgreement
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.styles import Style

@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.distributed import NamedWork
-from thunder_tp.layouts import has_peers
-from thunder_tp.run_mode import is_simulating, joined_ranks, outside_local_tensors, rank_value
+from thunder_tp.run_mode import has_peers, is_simulating, joined_ranks, outside_local_tensors, rank_value
 
 __all__ = ["RankExchange"]
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.distributed import NamedWork
-from thunder_tp.layouts import group_device
+from thunder_tp.run_mode import group_device
 from thunder_tp.thunder_internals.private import wrap_module_call
 
 

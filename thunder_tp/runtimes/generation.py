@@ -20,7 +20,7 @@ import torch.distributed as dist
 import thunder_tp
 import thunder_tp.checkpoint as ck
 from thunder_tp.collectives import comm_executor
-from thunder_tp.layouts import has_peers
+from thunder_tp.run_mode import has_peers
 from thunder_tp.runtimes.decode_step import DecodeStep, Strategy
 from thunder_tp.runtimes.divergence import check_same_tensors, checksum
 

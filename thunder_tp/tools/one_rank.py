@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from thunder_tp.layouts import fake_group_on
+from thunder_tp.run_mode import fake_group_on
 
 __all__ = ["one_rank"]
 
