@@ -1,4 +1,4 @@
-"""A model's repeated blocks traced once (thunder_tp.repeated_blocks) and its regions compiled once
+"""A model's repeated blocks traced once (thunder_tp.execution.repeated_blocks) and its regions compiled once
 (thunder_tp.execution.region_cache): the same program as interpreting every block, bit for bit, under TP too; the
 number of compiled regions does not grow with the depth."""
 
