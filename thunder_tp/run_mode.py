@@ -1,8 +1,7 @@
 """How the ranks of the TP group run, as the stages ask it: as processes (real ranks, or one rank of a fake group:
 ``has_peers``, ``group_device``), or simulated in this one process (``thunder_tp.simulate``: PyTorch's LocalTensor,
 every tensor holding each simulated rank's value). Here: whether a simulation is active, and what the stages need to
-compute every simulated rank's part (their values, a function per rank, each rank's piece of a tensor) and to refuse
-what cannot be simulated."""
+compute every simulated rank's part (their values, a function per rank) and to refuse what cannot be simulated."""
 
 from __future__ import annotations
 
@@ -12,9 +11,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from thunder_tp.layouts import Layout, StackShard
-from thunder_tp.pieces import shard_tensor
 
 _fake_group_device: torch.device | None = None  # set by thunder_tp.one_rank while its fake group is active
 
@@ -130,21 +126,6 @@ def outside_local_tensors() -> Iterator[None]:
     """LocalTensorMode off: an op that computes every simulated rank's part itself works on their plain values."""
     with active_simulation("outside_local_tensors").mode.disable():
         yield
-
-
-def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: dist.ProcessGroup | None = None, *,
-                padded: bool = False) -> torch.Tensor:
-    """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor), at
-    its own size, or `padded` to the longest piece as the simulated program computes with it (a KV cache it writes).
-
-    A StackShard tensor is held whole by one rank and by no other, but one simulated trace cannot give the ranks
-    different shapes: in a simulation the others hold zeros of its full shape instead."""
-    if not is_simulating():
-        return shard_tensor(t, layout, rank, size)
-    if isinstance(layout, StackShard):
-        owner = layout.owner(size)
-        return for_each_rank(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), group, t.detach())
-    return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), group, t.detach())
 
 
 def check_transforms(model, tp_group: dist.ProcessGroup) -> None:

@@ -14,6 +14,7 @@ from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
+from thunder_tp.collectives.distributed import local_piece
 from thunder_tp.data_parallel.composition import check_composition
 from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
@@ -25,7 +26,7 @@ from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.rewriting.program import rewrite
-from thunder_tp.run_mode import check_transforms, group_device, has_peers, is_simulating, local_piece
+from thunder_tp.run_mode import check_transforms, group_device, has_peers, is_simulating
 from thunder_tp.runtimes.agreement import CompileAgreement
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.styles import Style

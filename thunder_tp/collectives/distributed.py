@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.packing import pack, unpack
-from thunder_tp.layouts import Pieces, Shard, padded_lengths, rank_pieces
-from thunder_tp.pieces import padded_piece, take_piece, trimmed_piece
+from thunder_tp.layouts import Layout, Pieces, Shard, StackShard, padded_lengths, rank_pieces
+from thunder_tp.pieces import padded_piece, shard_tensor, take_piece, trimmed_piece
 from thunder_tp.run_mode import for_each_rank, is_simulating
 
 
@@ -69,6 +69,21 @@ def local(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -
         return take_piece(a, dim, pieces[dist.get_rank(group)]).clone()
     padded = padded_lengths(pieces)
     return for_each_rank(lambda r, full: take_piece(full, dim, pieces[r], torch, padded).clone(), group, a)
+
+
+def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: dist.ProcessGroup | None = None, *,
+                padded: bool = False) -> torch.Tensor:
+    """This rank's piece of the full tensor ``t``; in a simulation, every simulated rank's piece (a LocalTensor), at
+    its own size, or `padded` to the longest piece as the simulated program computes with it (a KV cache it writes).
+
+    A StackShard tensor is held whole by one rank and by no other, but one simulated trace cannot give the ranks
+    different shapes: in a simulation the others hold zeros of its full shape instead."""
+    if not is_simulating():
+        return shard_tensor(t, layout, rank, size)
+    if isinstance(layout, StackShard):
+        owner = layout.owner(size)
+        return for_each_rank(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), group, t.detach())
+    return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), group, t.detach())
 
 
 def first_rank_only(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
