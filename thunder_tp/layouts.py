@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from thunder.core.proxies import pyval
 from torch.distributed.tensor import placement_types
 
 
@@ -201,17 +202,12 @@ def check_shardable(shape: Sequence[int], layout: Layout, size: int, what: str) 
                              "(each at least one); use fewer ranks or leave this tensor replicated")
 
 
-def traced_size(n: int) -> int:
-    """The traced value of a size: under cache="symbolic values" sizes are proxies, whose traced values the prologue
-    pins (thunder_internals.prologue), since every rank's pieces are computed from them."""
-    return getattr(n, "value", n)
-
-
 def held_chunks(layout: Shard, n: int, rank: int, size: int) -> list[tuple[int, int]]:
     """(start, length) in the full dim (of length n) of each block's piece that `rank` holds, in block order (the
-    order of its local piece)."""
+    order of its local piece). Under cache="symbolic values" `n` may be a size proxy: its traced value is used, which
+    the prologue pins (thunder_internals.prologue)."""
     chunks, start = [], 0
-    for block, split in zip(layout.blocks or (traced_size(n),), layout.block_splits(), strict=True):
+    for block, split in zip(layout.blocks or (pyval(n),), layout.block_splits(), strict=True):
         if split is None:
             first, length = balanced(block, size)[rank]
         else:

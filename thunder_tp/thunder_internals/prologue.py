@@ -4,10 +4,10 @@ and body, which proxies are parameters and buffers, and the local shapes of the 
 from __future__ import annotations
 
 from thunder.core import prims
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import TensorProxy, pyval
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.layouts import Layout, local_shape, traced_size, uneven
+from thunder_tp.layouts import Layout, local_shape, uneven
 from thunder_tp.thunder_internals.private import set_proxy_shape
 
 _UNPACK_TENSOR = ("unpack_parameter", "unpack_buffer")
@@ -62,4 +62,4 @@ def _with_traced_shape(check):
     """A shape check on the traced sizes: under cache="symbolic values" it holds size proxies, but each rank's pieces
     are computed from the traced sizes, so a call of other shapes must trace again (numbers stay symbolic)."""
     t, shape, *rest = check.args
-    return check.from_bsym(args=(t, tuple(traced_size(s) for s in shape), *rest))
+    return check.from_bsym(args=(t, tuple(pyval(s) for s in shape), *rest))
