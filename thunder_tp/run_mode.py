@@ -1,7 +1,9 @@
-"""How the ranks of the TP group run, as the stages ask it: as processes (real ranks, or one rank of a fake group:
-``has_peers``, ``group_device``), or simulated in this one process (``thunder_tp.simulate``: PyTorch's LocalTensor,
-every tensor holding each simulated rank's value). Here: whether a simulation is active, and what the stages need to
-compute every simulated rank's part (their values, a function per rank) and to refuse what cannot be simulated."""
+"""How the ranks of a process group run, asked of one object, `ranks_of(group)`: real ranks (processes that talk),
+one rank alone in a fake group (``thunder_tp.one_rank``: no peer exists), or every rank simulated in this one process
+(``thunder_tp.simulate``: PyTorch's LocalTensor, each tensor holding every simulated rank's value, one traced program
+for all of them). The stages ask it how big the group is, which ranks this process computes, whether one trace runs
+for all of them, whether there are peers to talk to, where the group's tensors live, and to compute a value per rank.
+"""
 
 from __future__ import annotations
 
@@ -12,37 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+__all__ = ["Ranks", "fake_group_on", "ranks_of", "simulated_ranks"]
+
 _fake_group_device: torch.device | None = None  # set by thunder_tp.one_rank while its fake group is active
-
-
-@contextlib.contextmanager
-def fake_group_on(device: torch.device) -> Iterator[None]:
-    """Within the context, a fake group's tensors live on ``device`` (``thunder_tp.one_rank``'s; else the CPU, as
-    ``thunder_tp.simulate``'s)."""
-    global _fake_group_device
-    _fake_group_device = device
-    try:
-        yield
-    finally:
-        _fake_group_device = None
-
-
-def group_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a process group's tensors live: the current CUDA device for NCCL, ``thunder_tp.one_rank``'s device for
-    a fake group, else the CPU."""
-    backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else None
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "fake" and _fake_group_device is not None:
-        return _fake_group_device
-    return torch.device("cpu")
-
-
-def has_peers(group: dist.ProcessGroup | None = None) -> bool:
-    """False where the group's other ranks are no other processes (torch's fake backend: ``one_rank``, or
-    ``thunder_tp.simulate``), so nothing can be agreed on or compared with them."""
-    return dist.get_backend(group) != "fake"
-
 
 
 @dataclass(frozen=True)
@@ -56,16 +30,139 @@ class Simulation:
 _current: Simulation | None = None
 
 
-def is_simulating() -> bool:
-    """True inside ``thunder_tp.simulate(...)``."""
-    return _current is not None
+class Ranks:
+    """Real ranks: this process is one rank of ``group`` and its peers are other processes."""
+
+    #: whether one traced program runs for every rank of the group (a simulation): the rank is no constant of the
+    #: trace, and every rank's tensor of a value has one shape
+    one_trace_for_all = False
+    #: whether the group's other ranks are processes to talk to (not so for a fake group: nothing to agree on)
+    has_peers = True
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group if group is not None else dist.group.WORLD
+
+    @property
+    def size(self) -> int:
+        """How many ranks the group has."""
+        return self.group.size()
+
+    @property
+    def computed(self) -> list[int]:
+        """The ranks of the group whose values this process computes (a per-rank value lists them in this order)."""
+        return [dist.get_rank(self.group)]
+
+    @property
+    def traced_rank(self) -> int | None:
+        """This process's rank as a constant of a traced program; None where one trace runs for every rank."""
+        return None if self.one_trace_for_all else dist.get_rank(self.group)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the group's tensors live: the current CUDA device for NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def for_each(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+        """``fn(rank, *that rank's tensors)`` for every rank this process computes, as one tensor."""
+        (rank,) = self.computed
+        return fn(rank, *tensors)
+
+    def value(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s value of ``t``."""
+        return t
+
+    def joined(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
+        """One tensor of the computed ranks' values (in ``computed``'s order)."""
+        (value,) = per_rank
+        return value
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Where an op computes the ranks' values itself, on their plain tensors."""
+        yield
+
+    def check_jit(self, model) -> None:
+        """Raise if a jit of ``model`` over this group asks for what these ranks cannot run."""
 
 
-def active_simulation(what: str) -> Simulation:
-    """The active simulation, or a clear error naming `what` needed one."""
-    if _current is None:
-        raise RuntimeError(f"thunder_tp.{what} needs an active simulation: call it inside `with "
-                           "thunder_tp.simulate(world_size=N):`")
+class RankAlone(Ranks):
+    """``thunder_tp.one_rank``: this process is one rank of a fake group, with no peer to talk to."""
+
+    has_peers = False
+
+    @property
+    def device(self) -> torch.device:
+        """``thunder_tp.one_rank``'s device."""
+        return _fake_group_device or torch.device("cpu")
+
+
+class SimulatedRanks(Ranks):
+    """``thunder_tp.simulate``: every rank of the group computed in this process, one LocalTensor per value."""
+
+    one_trace_for_all = True
+    has_peers = False
+
+    def __init__(self, group: dist.ProcessGroup | None, simulation: Simulation):
+        super().__init__(group)
+        self.simulation = simulation
+        if self.size != simulation.world_size:
+            raise NotImplementedError(
+                f"thunder_tp.simulate: a TP group of {self.size} ranks inside a simulated world of "
+                f"{simulation.world_size}; simulate world_size={self.size} and pass process_group=None (2-D meshes "
+                "are not simulated)"
+            )
+
+    @property
+    def computed(self) -> list[int]:
+        """Every rank of the group."""
+        return list(range(self.size))
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU: LocalTensors live there."""
+        return torch.device("cpu")
+
+    def for_each(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+        """``fn(rank, *that rank's tensors)`` for every simulated rank, as one LocalTensor."""
+        with self.computing():
+            return self.joined([fn(r, *(self.value(t, r) for t in tensors)) for r in self.computed])
+
+    def value(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """Simulated rank ``rank``'s value of ``t`` (a plain tensor is the same on every rank)."""
+        from torch.distributed._local_tensor import LocalTensor
+
+        return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
+
+    def joined(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
+        """One LocalTensor of every simulated rank's value."""
+        from torch.distributed._local_tensor import LocalTensor
+
+        return LocalTensor(dict(zip(self.computed, per_rank, strict=True)))
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """LocalTensorMode off: the op works on the simulated ranks' plain values."""
+        with self.simulation.mode.disable():
+            yield
+
+    def check_jit(self, model) -> None:
+        """Raise if the jit asks for what a simulation cannot run: fusion, data parallelism."""
+        _check_simulable(model)
+
+
+def ranks_of(group: dist.ProcessGroup | None = None) -> Ranks:
+    """How the ranks of ``group`` (None: the default group) run in this process."""
+    if _current is not None:
+        return SimulatedRanks(group, _current)
+    if dist.is_initialized() and dist.get_backend(group) == "fake":
+        return RankAlone(group)
+    return Ranks(group)
+
+
+def simulated_world() -> Simulation | None:
+    """The active simulation (``thunder_tp.simulate``), if any."""
     return _current
 
 
@@ -80,60 +177,22 @@ def simulated_ranks(world_size: int, mode) -> Iterator[None]:
         _current = None
 
 
-def _group_ranks(group: dist.ProcessGroup | None) -> dict[int, int]:
-    """Simulated global rank -> its rank in ``group`` (the group as the simulated ranks each see theirs)."""
-    world = _current.world_size
-    group = group if group is not None else dist.group.WORLD
-    size = group.size()
-    if size == world:
-        return {r: r for r in range(world)}
-    raise NotImplementedError(
-        f"thunder_tp.simulate: a TP group of {size} ranks inside a simulated world of {world}; simulate "
-        f"world_size={size} and pass process_group=None (2-D meshes are not simulated)"
-    )
-
-
-def for_each_rank(fn: Callable[..., torch.Tensor], group: dist.ProcessGroup | None,
-                  *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn(rank in group, *that rank's tensors)`` for every simulated rank, as one LocalTensor."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    sim = active_simulation("for_each_rank")
-    pieces = {}
-    with sim.mode.disable():
-        for r, group_rank in _group_ranks(group).items():
-            local = [t._local_tensors[r] if isinstance(t, LocalTensor) else t for t in tensors]
-            pieces[r] = fn(group_rank, *local)
-        return LocalTensor(pieces)
-
-
-def rank_value(t: torch.Tensor, rank: int) -> torch.Tensor:
-    """Simulated rank `rank`'s value of `t` (a plain tensor is the same on every rank)."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
-
-
-def joined_ranks(values: dict[int, torch.Tensor]) -> torch.Tensor:
-    """One LocalTensor of every simulated rank's value."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    return LocalTensor(values)
-
-
 @contextlib.contextmanager
-def outside_local_tensors() -> Iterator[None]:
-    """LocalTensorMode off: an op that computes every simulated rank's part itself works on their plain values."""
-    with active_simulation("outside_local_tensors").mode.disable():
+def fake_group_on(device: torch.device) -> Iterator[None]:
+    """Within the context, a fake group's tensors live on ``device`` (set by ``thunder_tp.one_rank``)."""
+    global _fake_group_device
+    _fake_group_device = device
+    try:
         yield
+    finally:
+        _fake_group_device = None
 
 
-def check_transforms(model, tp_group: dist.ProcessGroup) -> None:
-    """Raise if a jit in the simulation asks for what it cannot simulate: fusion, data parallelism, a TP subgroup."""
+def _check_simulable(model) -> None:
+    """Raise if a jit in the simulation asks for what it cannot simulate: fusion, data parallelism."""
     import thunder
     from thunder.extend import FusionExecutor
 
-    _group_ranks(tp_group)
     cd = thunder.compile_data(model)
     fusion = [ex.name for ex in cd.executors_list if isinstance(ex, FusionExecutor)]
     if fusion:

@@ -26,7 +26,7 @@ from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.rewriting.program import rewrite
-from thunder_tp.run_mode import check_transforms, group_device, has_peers, is_simulating
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.agreement import CompileAgreement
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
 from thunder_tp.styles import Style
@@ -135,7 +135,7 @@ class TensorParallel(Transform):
         self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
                                                *module.named_buffers(remove_duplicate=False))}
         wrap_module_call(model, separating_overlapping_views)  # Thunder would read one view for the other
-        if self.tp.size > 1 and has_peers(self.tp.group):  # a fake group has no peer to agree with
+        if self.tp.size > 1 and ranks_of(self.tp.group).has_peers:  # a fake group has no peer to agree with
             self._agreement = CompileAgreement(self.tp.group)
             self._agreement.install(model)
             if self.check_inputs != "never":
@@ -153,22 +153,23 @@ class TensorParallel(Transform):
 
     def _local_layouts(self, model) -> dict[str, Layout]:
         """The parameters that get a local piece: the sharded ones; in a simulation, all (a LocalTensor each)."""
-        simulating = is_simulating()
-        if simulating:
-            check_transforms(model, self.tp.group)
+        ranks = ranks_of(self.tp.group)
+        ranks.check_jit(model)
         layouts = {name: self.parameter_layouts.get(name, REPLICATE)
                    for name, _ in original_module(model).named_parameters()}
-        return {name: layout for name, layout in layouts.items() if simulating or not isinstance(layout, Replicate)}
+        kept = ranks.one_trace_for_all  # a LocalTensor for every parameter
+        return {name: layout for name, layout in layouts.items() if kept or not isinstance(layout, Replicate)}
 
     def _shard_caches(self, model) -> None:
         """Each cache buffer becomes this rank's zeroed piece; the module keeps a full-size meta placeholder (no
         full cache is held) and its reset_parameters() zeroes the pieces."""
         module = original_module(model)
         owners: dict[str, list[torch.Tensor]] = {}
+        ranks = ranks_of(self.tp.group)
         for name, layout in self.buffer_layouts.items():
             full = model.get_buffer(name)
-            device = group_device(self.tp.group) if full.is_meta else full.device
-            if is_simulating():  # a LocalTensor of every simulated rank's piece
+            device = ranks.device if full.is_meta else full.device
+            if ranks.one_trace_for_all:  # a LocalTensor of every simulated rank's piece
                 zeros = torch.zeros(full.shape, dtype=full.dtype, device=device)
                 piece = local_piece(zeros, layout, self.tp.rank, self.tp.size, self.tp.group, padded=True).clone()
             else:
@@ -233,15 +234,16 @@ class TensorParallel(Transform):
         logical = constrain_styled_ops(dce(computation), styles)
         propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
         steps = propagation.run(trace_body(logical))
+        one_trace = ranks_of(self.tp.group).one_trace_for_all
         # a simulation runs one trace for every rank: StackShard tensors keep their full shape there (local_piece)
         sharded = {name: layout for name, layout in layouts.items()
-                   if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not is_simulating())}
+                   if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not one_trace)}
         parameters = frozenset(p for p, name in param_names.items() if name in self.parameter_layouts)
         input_shapes = {a.name: tuple(a.shape) for a in flat_args(computation)}
         # a simulation holds parameters at each rank's true size and pads them where the program reads them: their
         # shapes differ among the simulated ranks, which one check cannot say
         localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank,
-                          unchecked=parameters if is_simulating() else frozenset())
+                          unchecked=parameters if one_trace else frozenset())
         local = rewrite(logical, steps, propagation.layouts, self.tp, input_shapes, parameters, param_names)
         # the chains feeding matmuls are tagged first: a decomposition reads them through its chunks' views
         return prologue, decompose_for_overlap(recompute_matmul_inputs(local), self.tp, self.overlap), epilogue
@@ -304,7 +306,7 @@ def _trace_meta_tensors_on(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Meta-device tensors are traced as on the group's device (where ck.load or materialization puts them)."""
     for t in (*module.parameters(), *module.buffers()):
         if t.is_meta and trace_device(t) is None:
-            set_trace_device(t, group_device(group))
+            set_trace_device(t, ranks_of(group).device)
 
 
 def _check_materialized(model) -> None:

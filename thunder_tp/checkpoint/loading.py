@@ -22,7 +22,7 @@ from thunder_tp.checkpoint.tensors import (
     state_like,
 )
 from thunder_tp.layouts import REPLICATE
-from thunder_tp.run_mode import group_device
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.styles.matching import tied_parameters
 from thunder_tp.thunder_internals.private import original_module
 
@@ -58,7 +58,7 @@ def _agree(error: Exception | None, path: str) -> None:
     """Raise on every rank if any rank rejected the checkpoint (so no rank waits in a collective)."""
     failed = error is not None
     if dist.is_available() and dist.is_initialized():
-        flag = torch.tensor([int(failed)], device=group_device(None))
+        flag = torch.tensor([int(failed)], device=ranks_of().device)
         dist.all_reduce(flag)
         failed = bool(flag.item())
     if error is not None:

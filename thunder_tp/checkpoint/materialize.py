@@ -8,13 +8,13 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.checkpoint.tensors import HeldTensor, model_tensor
-from thunder_tp.run_mode import group_device
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.private import original_module, set_parameter, set_trace_device
 
 
 def tensor_device(t: HeldTensor) -> torch.device:
     """Where a tensor is, or will be once materialized (the group's device for a meta-device one)."""
-    return group_device(t.group) if t.local.is_meta else t.local.device
+    return ranks_of(t.group).device if t.local.is_meta else t.local.device
 
 
 def materialize(tensors: dict[str, HeldTensor]) -> None:
@@ -67,7 +67,7 @@ def _materialize_non_persistent(model: nn.Module) -> None:
         if not any(model_tensor(model, prefix + n).is_meta for n in names):
             continue
         fresh = _shallow_copy(module)
-        fresh.to_empty(device=group_device(None), recurse=False)
+        fresh.to_empty(device=ranks_of().device, recurse=False)
         _rebuild_buffers(fresh)
         for n in names:
             value = fresh._buffers[n].to(module._buffers[n].dtype)  # reset_parameters may use default dtypes

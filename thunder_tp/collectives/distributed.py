@@ -8,7 +8,7 @@ import torch.distributed as dist
 from thunder_tp.collectives.packing import pack, unpack
 from thunder_tp.layouts import Layout, Pieces, Shard, StackShard, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, shard_tensor, take_piece, trimmed_piece
-from thunder_tp.run_mode import for_each_rank, is_simulating
+from thunder_tp.run_mode import ranks_of
 
 
 def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -65,10 +65,9 @@ def all_to_all_start(packed: torch.Tensor, group: dist.ProcessGroup) -> tuple:
 
 def local(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's piece of the full `a` (every simulated rank's, padded to the longest, in a simulation)."""
-    if not is_simulating():
-        return take_piece(a, dim, pieces[dist.get_rank(group)]).clone()
-    padded = padded_lengths(pieces)
-    return for_each_rank(lambda r, full: take_piece(full, dim, pieces[r], torch, padded).clone(), group, a)
+    ranks = ranks_of(group)
+    padded = padded_lengths(pieces) if ranks.one_trace_for_all else None
+    return ranks.for_each(lambda r, full: take_piece(full, dim, pieces[r], torch, padded).clone(), a)
 
 
 def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: dist.ProcessGroup | None = None, *,
@@ -78,36 +77,35 @@ def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: di
 
     A StackShard tensor is held whole by one rank and by no other, but one simulated trace cannot give the ranks
     different shapes: in a simulation the others hold zeros of its full shape instead."""
-    if not is_simulating():
+    ranks = ranks_of(group)
+    if not ranks.one_trace_for_all:
         return shard_tensor(t, layout, rank, size)
     if isinstance(layout, StackShard):
         owner = layout.owner(size)
-        return for_each_rank(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), group, t.detach())
-    return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), group, t.detach())
+        return ranks.for_each(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), t.detach())
+    return ranks.for_each(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), t.detach())
 
 
 def first_rank_only(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """`a` on the group's first rank, zeros on the others: a Replicate value as a Partial sum, exactly."""
-    if is_simulating():
-        return for_each_rank(lambda r, x: x.clone() if r == 0 else torch.zeros_like(x), group, a)
-    return a.clone() if dist.get_rank(group) == 0 else torch.zeros_like(a)
+    return ranks_of(group).for_each(lambda r, x: x.clone() if r == 0 else torch.zeros_like(x), a)
 
 
 def rank_value_tensor(like: torch.Tensor, values: tuple[int, ...], group: dist.ProcessGroup) -> torch.Tensor:
     """``values[rank]`` as a 0-d tensor of each simulated rank."""
-    return for_each_rank(lambda r: torch.tensor(values[r], dtype=like.dtype, device=like.device), group)
+    return ranks_of(group).for_each(lambda r: torch.tensor(values[r], dtype=like.dtype, device=like.device))
 
 
 def padded_pieces(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
     """Each simulated rank's piece padded to the longest (each block's part followed by zeros)."""
     padded = padded_lengths(pieces)
-    return for_each_rank(lambda r, x: padded_piece(x, dim, pieces[r], padded).contiguous(), group, a)
+    return ranks_of(group).for_each(lambda r, x: padded_piece(x, dim, pieces[r], padded).contiguous(), a)
 
 
 def trimmed_pieces(a: torch.Tensor, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> torch.Tensor:
     """Each simulated rank's padded piece trimmed back to its own length."""
     padded = padded_lengths(pieces)
-    return for_each_rank(lambda r, x: trimmed_piece(x, dim, pieces[r], padded).clone(), group, a)
+    return ranks_of(group).for_each(lambda r, x: trimmed_piece(x, dim, pieces[r], padded).clone(), a)
 
 
 def padding_filled(a: torch.Tensor, dim: int, pieces: Pieces, value: float, group: dist.ProcessGroup) -> torch.Tensor:
@@ -121,7 +119,7 @@ def padding_filled(a: torch.Tensor, dim: int, pieces: Pieces, value: float, grou
             at += to
         return out
 
-    return for_each_rank(filled, group, a)
+    return ranks_of(group).for_each(filled, a)
 
 
 def placed(a: torch.Tensor, dim: int, starts: tuple[int, ...], full: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -133,16 +131,12 @@ def placed(a: torch.Tensor, dim: int, starts: tuple[int, ...], full: int, group:
         out.narrow(dim, starts[rank], x.shape[dim]).copy_(x)
         return out
 
-    if is_simulating():
-        return for_each_rank(place, group, a)
-    return place(dist.get_rank(group), a)
+    return ranks_of(group).for_each(place, a)
 
 
 def taken(a: torch.Tensor, dim: int, starts: tuple[int, ...], length: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The `length` entries of `a` along `dim` at this rank's start (each simulated rank's)."""
-    if is_simulating():
-        return for_each_rank(lambda r, x: x.narrow(dim, starts[r], length).clone(), group, a)
-    return a.narrow(dim, starts[dist.get_rank(group)], length).clone()
+    return ranks_of(group).for_each(lambda r, x: x.narrow(dim, starts[r], length).clone(), a)
 
 
 class NamedWork:

@@ -9,7 +9,7 @@ hold. They run inside the opaque ops that need them (`thunder_tp.models.expert_p
 - a real rank: itself; torch.distributed's all_to_all_single with split sizes (gloo, NCCL, any backend), its
   work handle named as the trace-level collectives' are;
 - `thunder_tp.simulate`: every simulated rank, their values exchanged in this process (the op computes each rank's
-  part in turn, as `for_each_rank` does);
+  part in turn, as `Ranks.for_each` does);
 - `thunder_tp.one_rank`'s fake group, where no peer exists: every peer is taken to route as this rank does (it sends
   this rank what this rank sends itself) and the rows it sends are zeros, so shapes, bytes and compute are those of
   an evenly routed step and the values this rank's own.
@@ -17,14 +17,13 @@ hold. They run inside the opaque ops that need them (`thunder_tp.models.expert_p
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.distributed import NamedWork
-from thunder_tp.run_mode import has_peers, is_simulating, joined_ranks, outside_local_tensors, rank_value
+from thunder_tp.run_mode import ranks_of
 
 __all__ = ["RankExchange"]
 
@@ -39,34 +38,28 @@ class RankExchange:
 
     def __init__(self, group: dist.ProcessGroup):
         self.group, self.size = group, group.size()
-        self.simulated = is_simulating()
-        self.ranks = list(range(self.size)) if self.simulated else [dist.get_rank(group)]
-        self.fake = not self.simulated and not has_peers(group)
-
-    @contextlib.contextmanager
-    def computing(self) -> Iterator[None]:
-        """Where the ranks' values are computed on plain tensors (in a simulation: LocalTensorMode off)."""
-        with outside_local_tensors() if self.simulated else contextlib.nullcontext():
-            yield
+        self.run = ranks_of(group)
+        self.ranks = self.run.computed
+        self.computing = self.run.computing
 
     def values(self, value, rank: int):
         """`value` (a tensor, or a list or tuple of them, or None) as `rank` holds it."""
         if isinstance(value, (list, tuple)):
-            return type(value)(rank_value(v, rank) for v in value)
-        return rank_value(value, rank) if isinstance(value, torch.Tensor) else value
+            return type(value)(self.run.value(v, rank) for v in value)
+        return self.run.value(value, rank) if isinstance(value, torch.Tensor) else value
 
     def joined(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
         """One tensor of the computed ranks' values (a LocalTensor in a simulation)."""
-        return joined_ranks(dict(zip(self.ranks, per_rank, strict=True))) if self.simulated else per_rank[0]
+        return self.run.joined(per_rank)
 
     def counts(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
         """All_to_all of counts: each rank sends (size * n,) numbers, chunk r to rank r; each receives (size, n), row s
         from rank s."""
-        if self.simulated:
+        if self._all_here():
             chunks = [c.view(self.size, -1) for c in sent]
             return [torch.stack([chunks[s][r] for s in range(self.size)]) for r in self.ranks]
         (mine,), (rank,) = sent, self.ranks
-        if self.fake:
+        if not self.run.has_peers:
             return [mine.view(self.size, -1)[rank].expand(self.size, -1).clone()]
         received = torch.empty_like(mine)
         self._wait(dist.all_to_all_single(received, mine.contiguous(), group=self.group, async_op=True), mine)
@@ -76,12 +69,12 @@ class RankExchange:
              recv_splits: list[Splits]) -> list[torch.Tensor]:
         """All_to_all of rows with uneven split sizes: each rank sends send_splits[r] rows of its tensor to rank r
         (consecutive, in rank order) and receives recv_splits[s] rows from rank s."""
-        if self.simulated:
+        if self._all_here():
             pieces = [list(t.split(list(splits))) for t, splits in zip(sent, send_splits, strict=True)]
             return [torch.cat([pieces[s][r] for s in range(self.size)]) for r in self.ranks]
         (mine,), (send,), (recv,), (rank,) = sent, send_splits, recv_splits, self.ranks
         shape = (sum(recv), *mine.shape[1:])
-        if self.fake:  # only this rank's own rows are known
+        if not self.run.has_peers:  # only this rank's own rows are known
             received = mine.new_zeros(shape)
             received[sum(recv[:rank]) : sum(recv[: rank + 1])] = mine[sum(send[:rank]) : sum(send[: rank + 1])]
             return [received]
@@ -90,6 +83,10 @@ class RankExchange:
                                       async_op=True)
         self._wait(work, mine)
         return [received]
+
+    def _all_here(self) -> bool:
+        """Whether every rank's values are in this process (a simulation): exchanged in memory."""
+        return len(self.ranks) == self.size
 
     def _wait(self, work, sent: torch.Tensor) -> None:
         """Wait for an issued all_to_all; a failure names it and its group (as the trace-level collectives do)."""

@@ -48,7 +48,7 @@ from thunder_tp.collectives.symbols import (
 )
 from thunder_tp.layouts import Pieces, Shard, is_even, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, take_piece, trimmed_piece
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 
 def _synchronous() -> bool:
@@ -141,26 +141,29 @@ comm_executor.register_implementation(tp_name_work, tp_name_work)
 
 
 def _scatter_ops(a: TensorProxy, dim: int, pieces: Pieces, group: dist.ProcessGroup) -> TensorProxy:
-    if is_simulating():  # one trace runs for every simulated rank: the slice is cut per rank, at run time
+    rank = ranks_of(group).traced_rank
+    if rank is None:  # one trace runs for every simulated rank: the slice is cut per rank, at run time
         return tp_rank_piece(a, dim, pieces, group)
     # dense, not a strided view: a fusion computes just this piece, and a matmul on it (the grad of gathered
     # logits is the lm_head's weight grad) runs at full speed instead of on a view that keeps the whole alive
-    return ltorch.contiguous(take_piece(a, dim, pieces[dist.get_rank(group)], ltorch))
+    return ltorch.contiguous(take_piece(a, dim, pieces[rank], ltorch))
 
 
 def _placed_ops(a: TensorProxy, dim: int, starts: tuple[int, ...], full: int, group) -> TensorProxy:
-    if is_simulating():  # the start depends on the simulated rank
+    rank = ranks_of(group).traced_rank
+    if rank is None:  # the start depends on the simulated rank
         return tp_placed(a, dim, starts, full, group)
-    start = starts[dist.get_rank(group)]
+    start = starts[rank]
     pad = [0] * (2 * (a.ndim - dim))
     pad[-2:] = [start, full - start - a.shape[dim]]
     return ltorch.pad(a, tuple(pad), value=0)
 
 
 def _taken_ops(a: TensorProxy, dim: int, starts: tuple[int, ...], length: int, group) -> TensorProxy:
-    if is_simulating():
+    rank = ranks_of(group).traced_rank
+    if rank is None:
         return tp_taken(a, dim, starts, length, group)
-    start = starts[dist.get_rank(group)]
+    start = starts[rank]
     return a[(slice(None),) * dim + (slice(start, start + length),)]
 
 
@@ -171,9 +174,10 @@ def _copy_to_tp_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
 
 
 def _to_partial_ops(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
-    if is_simulating():  # one trace runs for every simulated rank
+    rank = ranks_of(group).traced_rank
+    if rank is None:  # one trace runs for every simulated rank
         return ltorch.where(ltorch.eq(tp_rank_value(a, tuple(range(group.size())), group), 0), a, 0)
-    return _copy_to_tp_ops(a, group) if dist.get_rank(group) == 0 else ltorch.zeros_like(a)
+    return _copy_to_tp_ops(a, group) if rank == 0 else ltorch.zeros_like(a)
 
 
 def _copy_all_to_tp_ops(tensors: list[TensorProxy], group: dist.ProcessGroup) -> tuple[TensorProxy, ...]:

@@ -9,7 +9,7 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, StackShard, padded_lengths, rank_pieces
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 #: latency of one collective, in bytes-equivalent (alpha / beta)
 ALPHA_BYTES = 64 * 1024
@@ -79,7 +79,7 @@ def _all_to_all_applies(src: Shard, dst: Shard, shape: tuple[int, ...], size: in
     """Shard(i) -> Shard(j), i != j, of plain shards that the ranks split evenly, on real ranks: one all_to_all, as
     DTensor's shard_dim_alltoall (a simulation gathers and slices: one trace runs for every simulated rank)."""
     plain = all(x.blocks is None and x.splits is None and int(shape[x.dim]) % size == 0 for x in (src, dst))
-    return src.dim != dst.dim and plain and not is_simulating()
+    return src.dim != dst.dim and plain and not ranks_of().one_trace_for_all
 
 
 def _replicated_shard(*layouts: Layout) -> bool:

@@ -21,7 +21,7 @@ from thunder.extend import OperatorExecutor, register_executor
 from thunder_tp.collectives import distributed as D
 from thunder_tp.collectives.packing import pack, unpack
 from thunder_tp.layouts import Pieces, padded_lengths
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
 register_executor(comm_executor)
@@ -160,9 +160,8 @@ tp_taken = comm_executor.register_operator("tp_taken", meta=_taken_meta, fn=D.ta
 def rank_value(tp, values: tuple[int, ...], like: TensorProxy) -> int | TensorProxy:
     """``values[rank]`` for a traced program: a constant on a real rank; in a simulation a per-rank tensor
     (``tp_rank_value``, a 0-d tensor of ``like``'s dtype), since one trace runs for every simulated rank."""
-    if not is_simulating():
-        return values[tp.rank]
-    return tp_rank_value(like, tuple(values), tp.group)
+    rank = ranks_of(tp.group).traced_rank
+    return tp_rank_value(like, tuple(values), tp.group) if rank is None else values[rank]
 
 
 # --- conjugate grads ----------------------------------------------------------------------------

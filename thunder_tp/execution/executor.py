@@ -41,7 +41,7 @@ from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
 from thunder_tp.ops.cross_entropy import CROSS_ENTROPY_SYMBOLS
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals import untraced  # noqa: F401  (modules built in a jitted forward, traced natively)
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
@@ -289,7 +289,7 @@ def executors(backend: Backend = None) -> list[Executor]:
     The model families register themselves first (lookasides for code Thunder cannot trace).
     """
     load_families()
-    if is_simulating():
+    if ranks_of().one_trace_for_all:
         return [ex for ex in _executors(backend) if not isinstance(ex, FusionExecutor)]
     return list(_executors(backend))
 

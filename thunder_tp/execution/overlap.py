@@ -47,7 +47,7 @@ from thunder_tp.collectives.labels import label_collectives, label_of
 from thunder_tp.collectives.packing import is_plain
 from thunder_tp.execution import overlap_cost as cost
 from thunder_tp.layouts import TPGroup
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 Mode = Literal["auto", "always", "never"] | cost.Costs
 MODES: tuple[str, ...] = ("auto", "always", "never")
@@ -69,7 +69,7 @@ class _Site:
 
 def decompose_for_overlap(trace: TraceCtx, tp: TPGroup, mode: Mode) -> TraceCtx:
     """``trace`` (the local program) with each collective that pays (``mode``) decomposed with its matmuls."""
-    if mode == "never" or tp.size == 1 or is_simulating() or using_symbolic_values():
+    if mode == "never" or tp.size == 1 or ranks_of(tp.group).one_trace_for_all or using_symbolic_values():
         return trace
     sites = _Finder(trace, tp, mode).sites()
     if not sites:

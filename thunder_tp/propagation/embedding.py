@@ -8,7 +8,7 @@ from thunder.core.proxies import TensorProxy
 from thunder_tp.collectives import rank_value
 from thunder_tp.layouts import PARTIAL, REPLICATE, Pieces, Shard, TPGroup, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 
 def _vocab_parallel_lookup(tp: TPGroup, padding_idx: int | None, every: Pieces):
@@ -47,7 +47,7 @@ def embedding(op: Op) -> list[Strategy]:
     ]
     padding_idx = op.arg("padding_idx")
     # a padding row needs the rank as a constant, which a simulation (one trace for every rank) does not have
-    if op.arg("max_norm") is None and (padding_idx is None or not is_simulating()):
+    if op.arg("max_norm") is None and (padding_idx is None or not ranks_of(op.tp.group).one_trace_for_all):
         if padding_idx is not None and padding_idx < 0:
             padding_idx += op.tensors[1].shape[0]
         every = rank_pieces(Shard(0), op.tensors[1].shape[0], op.tp.size)

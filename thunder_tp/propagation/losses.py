@@ -16,7 +16,7 @@ from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled
 from thunder_tp.layouts import REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
 from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 
 def _replicated_cross_entropy(ignore_index: int, reduction: str):
@@ -37,7 +37,7 @@ def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str
 
     def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
         local_target = ltorch.sub(target, rank_value(tp, tuple(chunks[0][0] for chunks in every), target))
-        if is_simulating() and not is_even(every):
+        if ranks_of(tp.group).one_trace_for_all and not is_even(every):
             logits = tp_padding_filled(logits, 1, every, -float("inf"), tp.group)
             columns = rank_value(tp, tuple(chunks[0][1] for chunks in every), target)
             local_target = ltorch.where(ltorch.lt(local_target, columns), local_target, -1)

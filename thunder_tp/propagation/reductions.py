@@ -11,7 +11,7 @@ import thunder.torch as ltorch
 from thunder_tp.collectives import tp_padding_filled
 from thunder_tp.layouts import PARTIAL, Partial, Shard, is_even, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 
 def _reduced_dims(op: Op) -> tuple[set[int], bool]:
@@ -59,7 +59,7 @@ def _summand(op: Op, layout: Shard, dims: set[int]):
     count = math.prod(x.shape[d] for d in dims)
 
     def local(a, *args, **kwargs):
-        if is_simulating():
+        if ranks_of(tp.group).one_trace_for_all:
             a = tp_padding_filled(a, layout.dim, every, 0.0, tp.group)
         summed = ltorch.sum(a, *args, **kwargs) if mean else op.bsym.sym(a, *args, **kwargs)
         return ltorch.true_divide(summed, count) if mean else summed

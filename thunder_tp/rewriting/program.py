@@ -19,7 +19,7 @@ from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPG
 from thunder_tp.pieces import piece_parts
 from thunder_tp.propagation.engine import Step
 from thunder_tp.rewriting.communication import CollectiveSchedule, Need, schedule_collectives
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
 
 
@@ -169,7 +169,7 @@ def rewrite(trace: TraceCtx, steps: list[Step], layouts: dict[str, Layout], tp: 
                 new.bound_symbols.append(bsym.from_bsym())
                 local.values[bsym.output.name] = bsym.output
         unpacked = dict(local.values)  # the inputs themselves, returned as they came (grads are mapped to them)
-        for name in arrive_unpadded & unpacked.keys() if is_simulating() else ():
+        for name in arrive_unpadded & unpacked.keys() if ranks_of(tp.group).one_trace_for_all else ():
             local.values[name] = padded_on_entry(unpacked[name], layouts[name], input_shapes[name], tp)
         for t in schedule.replica_sums:  # in the inputs' order: the same on every rank
             emitted_from = len(new.bound_symbols)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.distributed import NamedWork
-from thunder_tp.run_mode import group_device
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.private import wrap_module_call
 
 
@@ -69,7 +69,7 @@ class CompileAgreement:
 def gathered(values: list[int], group: dist.ProcessGroup, what: str = "all_gather") -> list[list[int]]:
     """Every rank's `values` (int64s, as many on every rank), in the group's rank order (one all_gather; a failure
     names it as `what`)."""
-    device = group_device(group)
+    device = ranks_of(group).device
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     every = torch.zeros(group.size() * len(values), dtype=torch.int64, device=device)
     NamedWork(dist.all_gather_into_tensor(every, mine, group, async_op=True), what, mine, group).wait()

@@ -29,7 +29,7 @@ import torch
 from thunder.core.module import ThunderModule
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.cuda_graphs import CapturedCall, capturable, split_at_communication
 from thunder_tp.runtimes.whole_step import compiled_whole
 from thunder_tp.thunder_internals.computation import computation_and_inputs
@@ -132,7 +132,7 @@ class DecodeStep:
 
     def _bind(self, args: tuple, kwargs: dict) -> Any:
         """Run the call through the module, keep its computation and inputs, and prepare the strategy's program."""
-        if self.strategy != "bound" and is_simulating():
+        if self.strategy != "bound" and ranks_of().one_trace_for_all:
             raise RuntimeError(f"thunder_tp.DecodeStep: strategy={self.strategy!r} cannot run thunder_tp.simulate's "
                                "LocalTensor programs; use 'bound'")
         output = self.module(*args, **kwargs)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import thunder_tp
 import thunder_tp.checkpoint as ck
 from thunder_tp.collectives import comm_executor
-from thunder_tp.run_mode import has_peers
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.decode_step import DecodeStep, Strategy
 from thunder_tp.runtimes.divergence import check_same_tensors, checksum
 
@@ -133,7 +133,7 @@ def _encode(prompt: str, tokenizer, config, device: torch.device) -> torch.Tenso
 def check_same_prompt(prompt: torch.Tensor) -> None:
     """Every rank must prefill the same prompt (one model computed over it): raise on every rank otherwise (one
     all_gather of its length and a checksum of its token ids)."""
-    if not dist.is_initialized() or not has_peers():
+    if not dist.is_initialized() or not ranks_of().has_peers:
         return
     try:
         check_same_tensors({"length": prompt.numel(), "token ids": checksum(prompt)}, dist.group.WORLD, "the prompt",
@@ -278,7 +278,7 @@ def _synchronize(t: torch.Tensor) -> None:
 def _check_ranks_agree(tokens: list[int]) -> None:
     """Every rank must have picked the same tokens (else their caches diverged): raise, never a silent mix. Under a
     fake group (``thunder_tp.one_rank``) nothing was exchanged and there is no other rank to compare with."""
-    if not dist.is_initialized() or not has_peers():
+    if not dist.is_initialized() or not ranks_of().has_peers:
         return
     everyone: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, tokens)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Layout, Shard, StackShard, rank_pieces
-from thunder_tp.run_mode import group_device
+from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]
@@ -66,7 +66,7 @@ def grad_norm(module: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     groups = _groups_of(module)
     named = _named_grads(module)
     dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in named) else torch.float32
-    device = named[0][1].device if named else group_device(groups.tp_group)
+    device = named[0][1].device if named else ranks_of(groups.tp_group).device
     parts = [part for name, grad in named for part in _counted_parts(name, grad, groups) if part.numel()]
     norms = [torch.linalg.vector_norm(p, norm_type, dtype=dtype) for p in parts]
     infinite = math.isinf(norm_type)

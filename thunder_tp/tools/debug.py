@@ -42,7 +42,7 @@ from thunder.core.trace import TraceCtx
 from thunder_tp.collectives import COLLECTIVE_KINDS, ISSUED_INSIDE
 from thunder_tp.collectives.labels import label_of, layers_globbed
 from thunder_tp.collectives.reshard import nbytes
-from thunder_tp.run_mode import is_simulating
+from thunder_tp.run_mode import ranks_of
 
 __all__ = ["CollectivesTable", "collective_calls", "collective_kind", "collectives_table", "dump_traces",
            "format_table", "totals"]
@@ -271,7 +271,7 @@ def dump_traces(jitted, directory: str | os.PathLike) -> list[Path]:
     rank, world = _rank()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    ranks = range(world) if is_simulating() else (rank,)
+    ranks = ranks_of().computed if dist.is_initialized() else (rank,)
     return [path for r in ranks for path in _write_rank_files(directory, forward, backward, r, world)]
 
 

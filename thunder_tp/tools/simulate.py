@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from thunder_tp.run_mode import active_simulation, is_simulating, simulated_ranks
+from thunder_tp.run_mode import simulated_ranks, simulated_world
 from thunder_tp.thunder_internals.private import fake_args_built_under
 
 __all__ = ["per_rank", "simulate"]
@@ -40,7 +40,7 @@ def simulate(world_size: int) -> Iterator[None]:
 
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"thunder_tp.simulate: world_size must be a positive int, got {world_size!r}")
-    if is_simulating():
+    if simulated_world() is not None:
         raise RuntimeError("thunder_tp.simulate: a simulation is already active; simulations do not nest")
     if dist.is_initialized():
         raise RuntimeError(
@@ -67,4 +67,8 @@ def per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
         return {r: t._local_tensors[r] for r in sorted(t._local_tensors)}
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"thunder_tp.per_rank expects a tensor, got {type(t).__name__}")
-    return {r: t for r in range(active_simulation("per_rank").world_size)}
+    simulation = simulated_world()
+    if simulation is None:
+        raise RuntimeError("thunder_tp.per_rank needs an active simulation: call it inside `with "
+                           "thunder_tp.simulate(world_size=N):`")
+    return {r: t for r in range(simulation.world_size)}
