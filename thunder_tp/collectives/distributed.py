@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.packing import pack, unpack
-from thunder_tp.layouts import Layout, Pieces, Shard, StackShard, padded_lengths, rank_pieces
+from thunder_tp.layouts import Layout, Pieces, Shard, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, shard_tensor, take_piece, trimmed_piece
 from thunder_tp.run_mode import for_each_rank, is_simulating
 
@@ -80,8 +80,7 @@ def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: di
     different shapes: in a simulation the others hold zeros of its full shape instead."""
     if not is_simulating():
         return shard_tensor(t, layout, rank, size)
-    if isinstance(layout, StackShard):
-        owner = layout.owner(size)
+    if (owner := layout.owner(size)) is not None:
         return for_each_rank(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), group, t.detach())
     return for_each_rank(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), group, t.detach())
 
