@@ -1,8 +1,9 @@
 """thunder_tp's import graph keeps its layers (docs/design.md "The folders"): the pipeline's stages in order (front,
 analysis, rewrite, execution, ...) and what is built on them; no circle among the imports a module runs when it is
 imported, and no module imports a layer above its own. In benchmarks/, ``benchmarks/lib`` is the only
-shared layer: no other benchmark module is imported by one, and nothing imports tests/. Read from the source with ast;
-nothing is imported.
+shared layer: no other benchmark module is imported by one, and nothing imports tests/. Outside thunder_tp/layouts.py
+no module tests a layout for `StackShard` by type (it asks the layout, e.g. ``layout.owner(size)``). Read from the
+source with ast; nothing is imported.
 """
 
 from __future__ import annotations
@@ -211,3 +212,44 @@ def test_a_planted_benchmark_import_is_found(line, target):
     source = f"def f():\n{line}\n" if line.startswith(" ") else line + "\n"
     sources = {**benchmark_sources(), "benchmarks.lib.planted": source}
     assert benchmark_imports_outside_lib(sources) == [f"benchmarks.lib.planted -> {target}"]
+
+
+
+def stackshard_type_tests(sources: dict[str, str]) -> list[str]:
+    """Every use of the class `StackShard` in ``sources`` (module name -> source) outside thunder_tp.layouts (which
+    defines the layouts and the questions they answer) other than constructing one or a type hint, as ``module:line``:
+    ``isinstance(x, StackShard)``, ``StackShard in (type(x), ...)``, ``case StackShard()``."""
+    found = []
+    for module, source in sources.items():
+        if module == "thunder_tp.layouts":
+            continue
+        tree = ast.parse(source)
+        allowed = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for hint in (h for n in ast.walk(tree) for h in (getattr(n, "annotation", None), getattr(n, "returns", None))):
+            allowed |= {id(part) for part in ast.walk(hint)} if isinstance(hint, ast.AST) else set()
+        found += [f"{module}:{n.lineno}" for n in ast.walk(tree) if id(n) not in allowed
+                  and "StackShard" in (getattr(n, "id", None), getattr(n, "attr", None))]  # a Name, an Attribute
+    return found
+
+
+def package_sources() -> dict[str, str]:
+    """The source of every module of thunder_tp, by module name."""
+    return {module_name(path): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_stackshard_is_tested_by_type_only_in_layouts():
+    found = stackshard_type_tests(package_sources())
+    assert not found, "StackShard tested by type outside layouts.py; ask the layout (e.g. layout.owner(size)):\n" + (
+        "\n".join(found))
+
+
+@pytest.mark.parametrize("body", ["if isinstance(layout, StackShard):\n        pass",
+                                  "return isinstance(layout, (Shard, StackShard))",
+                                  "return StackShard in (type(src), type(dst))",
+                                  "return type(layout) is layouts.StackShard",
+                                  "match layout:\n        case StackShard(index=0):\n            pass"])
+def test_a_planted_stackshard_type_test_is_found(body):
+    sources = package_sources()
+    planted = sources["thunder_tp.pieces"] + f"\n\ndef planted(layout, src, dst):\n    {body}\n"
+    line = next(i for i, text in enumerate(planted.splitlines(), 1) if "StackShard" in text)
+    assert stackshard_type_tests({**sources, "thunder_tp.pieces": planted}) == [f"thunder_tp.pieces:{line}"]

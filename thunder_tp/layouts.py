@@ -17,6 +17,10 @@ class Replicate:
     def __repr__(self) -> str:
         return "Replicate()"
 
+    def owner(self, size: int) -> int | None:
+        """The rank that alone holds the tensor; None: every rank holds it."""
+        return None
+
 
 @dataclass(frozen=True)
 class Split:
@@ -106,6 +110,10 @@ class Shard:
         """Whether some piece is held by more than one rank."""
         return any(s is not None and s.replicated for s in self.block_splits())
 
+    def owner(self, size: int) -> int | None:
+        """The rank that alone holds the tensor; None: every rank holds a piece of it."""
+        return None
+
 
 @dataclass(frozen=True)
 class Partial:
@@ -119,6 +127,10 @@ class Partial:
 
     def __repr__(self) -> str:
         return "Partial()"
+
+    def owner(self, size: int) -> int | None:
+        """The rank that alone holds the tensor; None: every rank holds a summand of it."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,7 @@ class StackShard:
         return f"StackShard({self.index} of {self.count})"
 
     def owner(self, size: int) -> int:
-        """The rank that holds the tensor."""
+        """The rank that alone holds the tensor, whole (the others hold nothing of it)."""
         return self.index // (self.count // size)
 
 

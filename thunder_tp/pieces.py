@@ -14,7 +14,6 @@ from thunder_tp.layouts import (
     Pieces,
     Replicate,
     Shard,
-    StackShard,
     held_chunks,
     padded_lengths,
     rank_pieces,
@@ -94,8 +93,8 @@ def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int, ops=torc
                  padded: bool = False) -> torch.Tensor:
     """This rank's piece of a full tensor (meta tensors too; proxies inside a trace with ops=thunder.torch);
     `padded`: each block's part padded with zeros to the longest piece's (rank 0's), as a simulation holds it."""
-    if isinstance(layout, StackShard):
-        return t if rank == layout.owner(size) else t[:0]
+    if (owner := layout.owner(size)) is not None:
+        return t if rank == owner else t[:0]
     if not isinstance(layout, Shard):
         return t
     every = rank_pieces(layout, t.shape[layout.dim], size)
@@ -104,8 +103,8 @@ def shard_tensor(t: torch.Tensor, layout: Layout, rank: int, size: int, ops=torc
 
 def piece_parts(piece: torch.Tensor, layout: Layout, rank: int, size: int, ops=torch) -> list[torch.Tensor]:
     """A rank's piece cut into the chunks it holds (views, in held_chunks' order); an unsharded tensor whole."""
-    if isinstance(layout, StackShard):
-        return [piece] if rank == layout.owner(size) else []
+    if (owner := layout.owner(size)) is not None:
+        return [piece] if rank == owner else []
     if not isinstance(layout, Shard) or layout.blocks is None:
         return [piece]
     lengths = [length for _, length in held_chunks(layout, sum(layout.blocks), rank, size)]
@@ -116,8 +115,8 @@ def shard_chunks(shape: Sequence[int], layout: Layout, rank: int, size: int) -> 
                                                                                            tuple[int, ...]]]:
     """(global offsets, sizes) of the slices of the full tensor that make up this rank's piece (held_chunks in
     every dim); the piece is their concatenation along the layout's dim, in this order."""
-    if isinstance(layout, StackShard):
-        return [((0,) * len(shape), tuple(shape))] if rank == layout.owner(size) else []
+    if (owner := layout.owner(size)) is not None:
+        return [((0,) * len(shape), tuple(shape))] if rank == owner else []
     if not isinstance(layout, Shard):
         return [((0,) * len(shape), tuple(shape))]
     dim = layout.dim % len(shape)
@@ -133,8 +132,8 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout, ops=torch) ->
     proxies inside a trace with ops=thunder.torch)."""
     if isinstance(layout, Replicate):
         return pieces[0]
-    if isinstance(layout, StackShard):
-        return pieces[layout.owner(len(pieces))]
+    if (owner := layout.owner(len(pieces))) is not None:
+        return pieces[owner]
     if isinstance(layout, Partial):
         return torch.stack(list(pieces)).sum(0)
     size = len(pieces)

@@ -21,7 +21,7 @@ from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
 from thunder_tp.execution.overlap_cost import Costs
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
 from thunder_tp.families import prepare_for_tracing
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, StackShard, TPGroup, local_shape
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, local_shape
 from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
@@ -195,25 +195,24 @@ class TensorParallel(Transform):
         return {k: self._gather_full(prefix + k, v) for k, v in state_dict.items()}
 
     def _gather_full(self, name: str, value: Any) -> Any:
-        layout = self.parameter_layouts.get(name)
-        if isinstance(layout, StackShard) and isinstance(value, torch.Tensor):
-            return self._broadcast_whole(name, value.detach(), layout)
+        layout = self.parameter_layouts.get(name, REPLICATE)
+        if (owner := layout.owner(self.tp.size)) is not None and isinstance(value, torch.Tensor):
+            return self._broadcast_whole(name, value.detach(), owner)
         if not isinstance(layout, Shard) or not isinstance(value, torch.Tensor):
             return value
         n = original_module(self._module).get_parameter(name).shape[layout.dim]
         return gather_full(value.detach(), layout, n, self.tp.group)
 
-    def _broadcast_whole(self, name: str, piece: torch.Tensor, layout: StackShard) -> torch.Tensor:
-        """A StackShard tensor whole on every rank, from the one rank that holds it."""
-        owner = layout.owner(self.tp.size)
+    def _broadcast_whole(self, name: str, piece: torch.Tensor, owner: int) -> torch.Tensor:
+        """A tensor that rank `owner` alone holds (an expert), whole on every rank, from that rank."""
         shape = original_module(self._module).get_parameter(name).shape
         whole = piece.clone() if self.tp.rank == owner else piece.new_empty(shape)
         dist.broadcast(whole, dist.get_global_rank(self.tp.group, owner), group=self.tp.group)
         return whole
 
     def _shard_full(self, name: str, value: Any) -> Any:
-        layout = self.parameter_layouts.get(name)
-        if isinstance(layout, (Shard, StackShard)) and isinstance(value, torch.Tensor):
+        layout = self.parameter_layouts.get(name, REPLICATE)
+        if (isinstance(layout, Shard) or layout.owner(self.tp.size) is not None) and isinstance(value, torch.Tensor):
             return local_piece(value, layout, self.tp.rank, self.tp.size, self.tp.group).clone()
         return value
 
@@ -237,7 +236,7 @@ class TensorParallel(Transform):
         one_trace = ranks_of(self.tp.group).one_trace_for_all
         # a simulation runs one trace for every rank: StackShard tensors keep their full shape there (local_piece)
         sharded = {name: layout for name, layout in layouts.items()
-                   if isinstance(layout, Shard) or (isinstance(layout, StackShard) and not one_trace)}
+                   if isinstance(layout, Shard) or (layout.owner(self.tp.size) is not None and not one_trace)}
         parameters = frozenset(p for p, name in param_names.items() if name in self.parameter_layouts)
         input_shapes = {a.name: tuple(a.shape) for a in flat_args(computation)}
         # a simulation holds parameters at each rank's true size and pads them where the program reads them: their

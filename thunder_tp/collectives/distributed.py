@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.packing import pack, unpack
-from thunder_tp.layouts import Layout, Pieces, Shard, StackShard, padded_lengths, rank_pieces
+from thunder_tp.layouts import Layout, Pieces, Shard, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, shard_tensor, take_piece, trimmed_piece
 from thunder_tp.run_mode import ranks_of
 
@@ -80,8 +80,7 @@ def local_piece(t: torch.Tensor, layout: Layout, rank: int, size: int, group: di
     ranks = ranks_of(group)
     if not ranks.one_trace_for_all:
         return shard_tensor(t, layout, rank, size)
-    if isinstance(layout, StackShard):
-        owner = layout.owner(size)
+    if (owner := layout.owner(size)) is not None:
         return ranks.for_each(lambda r, full: full.clone() if r == owner else torch.zeros_like(full), t.detach())
     return ranks.for_each(lambda r, full: shard_tensor(full, layout, r, size, padded=padded).clone(), t.detach())
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
-from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, StackShard, padded_lengths, rank_pieces
+from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, padded_lengths, rank_pieces
 from thunder_tp.run_mode import ranks_of
 
 #: latency of one collective, in bytes-equivalent (alpha / beta)
@@ -65,8 +65,8 @@ def redistribute_cost(src: Layout, dst: Layout, t: TensorProxy, size: int, *, is
     """Alpha-beta cost of turning `t` from `src` into `dst` over `size` ranks."""
     if src == dst:
         return 0.0
-    # -> Partial is never chosen; a StackShard tensor (an expert) is only read where it is, by its MoE layer
-    if _replicated_shard(src, dst) or isinstance(dst, Partial) or StackShard in (type(src), type(dst)):
+    # -> Partial is never chosen; a tensor one rank holds alone (an expert) is only read there, by its MoE layer
+    if _replicated_shard(src, dst) or isinstance(dst, Partial) or any(x.owner(size) is not None for x in (src, dst)):
         return math.inf
     kind = collective_kind(src, dst, t.shape, size)
     cost = collective_cost(kind, collective_bytes(src, dst, t, size), size) if kind else 0.0

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from thunder_tp.layouts import Layout, Shard, StackShard, held_chunks
+from thunder_tp.layouts import Layout, Shard, held_chunks
 from thunder_tp.pieces import piece_parts
 from thunder_tp.runtimes.agreement import gathered
 from thunder_tp.thunder_internals.private import wrap_module_call
@@ -132,7 +132,7 @@ def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout, tuple[int, 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1:
         return
-    replicated = {name: x for name, x in sorted(tensors.items()) if _has_copies(x[1])}
+    replicated = {name: x for name, x in sorted(tensors.items()) if _has_copies(x[1], size)}
     sums = [checksum(part) for t, layout, _ in replicated.values() for part in piece_parts(t, layout, rank, size)]
     every = gathered(sums, group) if sums else [[] for _ in range(size)]
     copies: dict[tuple[str, tuple[int, int] | None], set[int]] = {}
@@ -178,9 +178,9 @@ def _alike(ranks: list[int], values: list[list[int]]) -> list[list[int]]:
     return sorted(groups.values())
 
 
-def _has_copies(layout: Layout) -> bool:
-    """Whether several ranks hold a copy of (some chunk of) a tensor of this layout."""
-    if isinstance(layout, StackShard):  # one rank holds it
+def _has_copies(layout: Layout, size: int) -> bool:
+    """Whether several of `size` ranks hold a copy of (some chunk of) a tensor of this layout."""
+    if layout.owner(size) is not None:  # one rank holds it
         return False
     return not isinstance(layout, Shard) or layout.is_replicated
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from thunder_tp.layouts import REPLICATE, Layout, Shard, StackShard, rank_pieces
+from thunder_tp.layouts import REPLICATE, Layout, Shard, rank_pieces
 from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 
@@ -146,9 +146,9 @@ def _fsdp_rows(name: str, groups: _Groups) -> tuple[int, int, int] | None:
 def _segments(layout: Layout, grad: torch.Tensor, held: int, groups: _Groups,
               full_shape: torch.Size | None) -> tuple[int, list[tuple[int, int]]]:
     """(dim, [(start, length)]) of the TP piece that this rank counts, in the piece's coordinates along its split
-    dim: each chunk on its first holder; a replicated tensor on TP rank 0; a StackShard tensor (an expert) where it is
-    (the other ranks hold nothing of it, or in a simulation zeros). `held`: the piece's length of dim 0."""
-    if isinstance(layout, StackShard):
+    dim: each chunk on its first holder; a replicated tensor on TP rank 0; a tensor one rank holds alone (an expert)
+    where it is (the other ranks hold nothing of it, or in a simulation zeros). `held`: the piece's length of dim 0."""
+    if layout.owner(groups.tp_size) is not None:
         return 0, [(0, held)]
     if not isinstance(layout, Shard):
         return 0, [] if groups.tp_rank else [(0, held)]

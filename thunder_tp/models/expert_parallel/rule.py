@@ -22,7 +22,7 @@ Issued = tuple[tuple[str, int], ...]
 def moe_layer_rule(op: Op) -> list[Strategy]:
     """Experts whole on their ranks (StackShard): the layer on each rank's tokens; else split like dense MLPs."""
     experts = _expert_layouts(op)
-    if not any(isinstance(layout, StackShard) for layout in experts.values()):
+    if not any(layout.owner(op.tp.size) is not None for layout in experts.values()):
         return sharded_experts(op)
     x, *others = op.tensors
     forward, backward = _issued(op)
@@ -49,7 +49,7 @@ def _expert_layouts(op: Op) -> dict[str, Layout]:
     """The current layout of every expert tensor of the layer, checked: all expert-parallel in the order of the
     experts, or none."""
     layouts = {t.name: op.layout_of(t) for argument in EXPERT_ARGUMENTS for t in op.arg(argument) or ()}
-    stacked = [isinstance(layout, StackShard) for layout in layouts.values()]
+    stacked = [layout.owner(op.tp.size) is not None for layout in layouts.values()]
     n_expert = len(op.arg("fc_1"))
     misplaced = [
         t.name for argument in EXPERT_ARGUMENTS for i, t in enumerate(op.arg(argument) or ())
