@@ -134,6 +134,13 @@ def test_reduce_scatter_gives_this_rank_chunk_and_is_restored():
     assert dist.reduce_scatter_tensor is original and not dist.is_initialized()
 
 
+def test_without_a_process_group_the_ranks_live_on_the_cpu():
+    from thunder_tp.run_mode import ranks_of
+
+    assert not torch.distributed.is_initialized()
+    assert ranks_of().device == torch.device("cpu")  # ck.load of a meta model on one device (the CLI's TP=1 run)
+
+
 def test_nothing_to_agree_with_under_one_rank():
     from thunder_tp.run_mode import ranks_of
     from thunder_tp.runtimes.generation import _check_ranks_agree

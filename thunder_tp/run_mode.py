@@ -59,8 +59,8 @@ class Ranks:
 
     @property
     def device(self) -> torch.device:
-        """Where the group's tensors live: the current CUDA device for NCCL, else the CPU."""
-        if dist.get_backend(self.group) == "nccl":
+        """Where the group's tensors live: the current CUDA device for NCCL, else (or with no process group) the CPU."""
+        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
