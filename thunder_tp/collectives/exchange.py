@@ -55,7 +55,7 @@ class RankExchange:
     def counts(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
         """All_to_all of counts: each rank sends (size * n,) numbers, chunk r to rank r; each receives (size, n), row s
         from rank s."""
-        if self._all_here():
+        if self.run.one_trace_for_all:  # every rank's values are here: exchanged in memory
             chunks = [c.view(self.size, -1) for c in sent]
             return [torch.stack([chunks[s][r] for s in range(self.size)]) for r in self.ranks]
         (mine,), (rank,) = sent, self.ranks
@@ -69,7 +69,7 @@ class RankExchange:
              recv_splits: list[Splits]) -> list[torch.Tensor]:
         """All_to_all of rows with uneven split sizes: each rank sends send_splits[r] rows of its tensor to rank r
         (consecutive, in rank order) and receives recv_splits[s] rows from rank s."""
-        if self._all_here():
+        if self.run.one_trace_for_all:  # every rank's values are here: exchanged in memory
             pieces = [list(t.split(list(splits))) for t, splits in zip(sent, send_splits, strict=True)]
             return [torch.cat([pieces[s][r] for s in range(self.size)]) for r in self.ranks]
         (mine,), (send,), (recv,), (rank,) = sent, send_splits, recv_splits, self.ranks
@@ -83,10 +83,6 @@ class RankExchange:
                                       async_op=True)
         self._wait(work, mine)
         return [received]
-
-    def _all_here(self) -> bool:
-        """Whether every rank's values are in this process (a simulation): exchanged in memory."""
-        return len(self.ranks) == self.size
 
     def _wait(self, work, sent: torch.Tensor) -> None:
         """Wait for an issued all_to_all; a failure names it and its group (as the trace-level collectives do)."""
