@@ -166,7 +166,7 @@ def _expected_tp(n_layer: int = 2) -> tuple[dict, dict]:
 
 
 def test_tp_inside_ddp_matches_single_device():
-    info = run_ranks(_train, WORLD, 2, 2, "ddp")[0]
+    info = run_ranks(_train, WORLD, 2, 2, "ddp", helper=True)[0]  # through thunder_tp.parallelize
     forward, backward = _expected_tp()
     assert info["forward"] == forward, info["forward"]  # DDP adds nothing to the forward
     dp_backward = {k: v for k, v in info["backward"].items() if k.startswith("dp")}
@@ -196,6 +196,7 @@ def test_tp_only_on_a_dp1_mesh():
     assert info["forward"] == forward and info["backward"] == backward, info
 
 
+@pytest.mark.slow  # parallelize(): test_tp_inside_ddp; FSDP over dp: test_tp_inside_fsdp
 def test_fsdp_only_on_a_tp1_mesh():
     info = run_ranks(_train, WORLD, 4, 1, "fsdp", helper=True)[0]
     n = info["n_params"]

@@ -207,7 +207,8 @@ def _check_priced_against_hand(case: str, model, args: tuple, kwargs: dict, worl
     return plan
 
 
-@pytest.mark.parametrize("enable", ["qv", pytest.param("qkv", marks=pytest.mark.slow)])  # slow: the same search
+@pytest.mark.slow  # LoRA pairs under TP: test_fabric_lora; the search on a litgpt model: the Llama case above
+@pytest.mark.parametrize("enable", ["qv", "qkv"])
 def test_lora_auto_plan_prices_no_worse_than_plans_litgpt(enable):
     """litgpt.lora models: each LoRA pair is decided with its base layer (the litgpt family's wrapper rule), so the
     search follows the base's style into the pair, as plans.litgpt does; priced only."""

@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist import REPO_ROOT
 
 ONE_RANK = ["--one_rank", "8", "--configs", "fine", "--tokens", "64", "--steps", "2", "--rounds", "1", "--warmup", "1"]
 
 
+@pytest.mark.slow  # the benchmark's own smoke; expert parallelism itself: test_expert_parallel
 def test_one_rank_of_8_fine_grained(tmp_path):
     """Each mode times its steps and holds the same parameter bytes; EP issues its all_to_alls (3 forward, 2
     backward) where TP all-reduces once each way."""

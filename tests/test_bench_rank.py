@@ -8,12 +8,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist import REPO_ROOT
 
 TINY = ["--model", "tiny", "--tp", "4", "--quick", "--layers", "0,1", "--full_layers", "2", "--peak_at_full",
         "--seq", "32", "--context", "16", "--decode_batches", "1", "--steps", "2", "--warmup", "1", "--project"]
 
 
+@pytest.mark.slow  # the benchmark's own smoke, run before measuring with it (its two reports are default tests)
 def test_tiny_tp4_on_cpu(tmp_path):
     json_path = tmp_path / "rank.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_rank", *TINY, "--json_path", str(json_path)],

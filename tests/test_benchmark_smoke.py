@@ -226,6 +226,7 @@ def _close(a: list[float], b: list[float]) -> bool:
     return all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow  # accumulation: test_fabric's pretrain; checkpointed blocks: test_fabric_checkpointing, test_simulate
 def test_accumulation_and_activation_checkpointing_are_exact():
     """TP=2: 2 micro-batches of 1 = one of 2; checkpointed blocks save less and give the same losses."""
     from tests.dist import run_ranks

@@ -107,7 +107,7 @@ def saved(tmp_path_factory) -> tuple[str, list[float]]:
     return path, losses[0]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: test_saved_at_tp3_resumes_...
 def test_resume_at_another_tp_size(saved, world, tmp_path):
     """At TP=4 the K/V heads are replicated: loaded into both holders, saved once, and loaded back by a plain module."""
     path, expected = saved

@@ -14,6 +14,7 @@ pytest.importorskip("accelerate")  # from_pretrained(tp_plan="auto")
 TIMEOUT_S = 1200
 
 
+@pytest.mark.slow  # compare.py's runs and gates: test_compare_smoke; HF models under TP: test_hf
 def test_compare_hf_smoke(tmp_path):
     json_path = tmp_path / "compare_hf.json"
     args = ["--n_layers", "1", "--batch", "1", "--seq", "16", "--steps", "2", "--rounds", "2", "--warmup", "0",

@@ -339,6 +339,7 @@ def test_transport_threads_fifo_refused_on_cuda():
         compare.prioritize_transport_threads(torch.device("cuda", 0))
 
 
+@pytest.mark.slow  # a side benchmark of gloo's collectives: run before measuring with it
 def test_bench_gloo_runs(tmp_path):
     """benchmarks/bench_gloo.py on 2 ranks: every row, and the all_reduce after a matmul at the default scheduling of
     gloo's threads and, where the machine allows it, at SCHED_FIFO."""

@@ -289,6 +289,7 @@ def _benchmark_llama(kind: str, loss_parallel: bool) -> dict:
     pytest.param("default", False, id="tp", marks=pytest.mark.slow(reason="sp-lp runs the same styles")),
     pytest.param("best", True, id="tp-prepare-input-lp", marks=pytest.mark.slow(reason="sp-lp has the same styles")),
 ])
+@pytest.mark.slow  # torchtitan's plan verbatim with SP and LP: test_torchtitan's tp_sp_lp on torchtitan's own Llama
 def test_benchmark_llama_dtensor_plan_as_thunder_tp_plan(kind, loss_parallel):
     """compare_modes.dtensor_plan (torchtitan's plan for `sp`), DTensor's styles only, gives one device's loss and grads
     and the collectives and parameter splits of thunder_tp's own plan for the Llama (llama.thunder_tp_plan)."""

@@ -38,7 +38,7 @@ def _check_equal_to_one_device(results: list[dict], init: str, rows: int = 2) ->
 
 
 @pytest.mark.parametrize("init", [
-    "plain",
+    pytest.param("plain", marks=pytest.mark.slow),  # slow: test_fabric's pretrain sets up a plain model
     pytest.param("init_module", marks=pytest.mark.slow),  # slow: on CPU the same path as "plain" (the root device)
     "meta",
 ])

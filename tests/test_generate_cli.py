@@ -54,13 +54,14 @@ def _run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
 
 def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
     """Seeded once per run: the two samples differ, and TP=2 draws the single-device ones (float64 logits agree to
-    ~1e-15, so the same random numbers pick the same tokens); the CLI raises if any rank sampled otherwise."""
+    ~1e-15, so the same random numbers pick the same tokens); the CLI raises if any rank sampled otherwise. Thunder's
+    executors (no Inductor compile; generation under thunder_tp's: tests/test_decode_step.py)."""
     config = make_checkpoint_dir(tmp_path)
     common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "6", "--temperature", "0.8",
               "--num_samples", "2", "--precision", "64-true"]
     single = _run([*common, "--compile", "eager", "--json_path", str(tmp_path / "single.json")], 1)
     assert single.returncode == 0, single.stderr[-3000:]
-    tp = _run([*common, "--json_path", str(tmp_path / "tp.json")], 2)
+    tp = _run([*common, "--compile", "thunder_default", "--json_path", str(tmp_path / "tp.json")], 2)
     assert tp.returncode == 0, tp.stderr[-3000:]
     single, tp_report = (json.loads((tmp_path / name).read_text()) for name in ("single.json", "tp.json"))
     samples = [s["generated_ids"] for s in tp_report["samples"]]

@@ -4,6 +4,8 @@ number of compiled regions does not grow with the depth."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import thunder
 import torch
@@ -14,12 +16,14 @@ import thunder_tp
 from tests.generation import MAX_SEQ, greedy, models_with_cache
 from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch
 from tests.tp_checks import FAST_EXECUTORS
+from thunder_tp.execution import repeated_blocks
 from thunder_tp.execution.repeated_blocks import TraceStats, stats_of
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group():
+def _no_process_group(monkeypatch):
     assert not dist.is_initialized(), "these tests simulate ranks in this process"
+    monkeypatch.setattr(repeated_blocks, "_verified_kinds", set())  # each test's first trace checks its kinds
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield
@@ -63,10 +67,15 @@ def _assert_same(interpreted: dict, once: dict) -> None:
 def test_the_first_two_blocks_are_interpreted_the_rest_replayed_bit_for_bit():
     """3 blocks: the first interpreted and recorded, the second interpreted and checked against it, the last
     appended from the recording; loss and every grad equal to interpreting each block (compile_once=False: the
-    switch), bit for bit."""
+    switch), bit for bit. A second model of the same blocks, their kind checked by the first's trace: one block
+    interpreted, two replayed, bit for bit too."""
     interpreted, once = _both(lambda: GPTWithLoss(_config(3)))
     assert interpreted["stats"] == TraceStats(0, 0) and once["stats"] == TraceStats(interpreted=2, replayed=1)
     _assert_same(interpreted, once)
+    torch.manual_seed(0)  # _both's weights
+    again = _train_step(GPTWithLoss(_config(3)), True)
+    assert again["stats"] == TraceStats(interpreted=1, replayed=2)
+    _assert_same(interpreted, again)
 
 
 def test_simulated_tp_sp_loss_parallel_gives_the_same_program():
@@ -157,6 +166,33 @@ def test_blocks_that_differ_where_the_key_cannot_see_are_interpreted_each():
     assert stats_of(model) == TraceStats(interpreted=4, replayed=0)
 
 
+@dataclass
+class _Settings:
+    scale: float
+
+
+class _Configured(nn.Module):
+    """A block holding a config object, as litgpt's and HF's blocks do."""
+
+    def __init__(self, settings: _Settings):
+        super().__init__()
+        self.linear, self.settings = nn.Linear(8, 8), settings
+
+    def forward(self, x):
+        return self.linear(x) * self.settings.scale
+
+
+def test_blocks_holding_another_config_are_checked_again():
+    """Blocks of a kind checked with one config: blocks holding another config (by its repr) are checked again,
+    blocks holding an equal one are not; each result eager's."""
+    x = torch.randn(2, 8)
+    for scale, stats in ((1.0, TraceStats(2, 1)), (1.0, TraceStats(1, 2)), (3.0, TraceStats(2, 1))):
+        model = nn.Sequential(*(_Configured(_Settings(scale)) for _ in range(3)))
+        jm = thunder.jit(model, executors=FAST_EXECUTORS, compile_once=True)
+        torch.testing.assert_close(jm(x), model(x), rtol=0, atol=0)
+        assert stats_of(model) == stats, (scale, stats_of(model))
+
+
 def test_compiled_regions_do_not_grow_with_depth():
     """Inductor regions (thunder_tp.executors()): the regions compiled for a 3-block and a 5-block model of other
     widths are as many (the blocks' regions compiled once for all blocks; from 3 blocks on, a model has every kind
@@ -173,3 +209,22 @@ def test_compiled_regions_do_not_grow_with_depth():
         compiled.append(COMPILED_REGIONS.compiles - before)
     assert compiled[0] == compiled[1], compiled
 
+
+
+def test_the_interpreter_decodes_each_code_object_once():
+    """Thunder's interpreter reads a code object's instructions from thunder_tp's cache: dis's own, decoded once."""
+    import dis
+
+    import thunder.core.interpreter as interpreter
+
+    from thunder_tp.thunder_internals import instructions
+
+    def f(x):
+        return (x * 2).sin()
+
+    assert interpreter.dis.get_instructions(f.__code__) == tuple(dis.get_instructions(f.__code__))
+    torch.testing.assert_close(thunder.jit(f)(torch.ones(3)), f(torch.ones(3)))
+    before = instructions.instructions.cache_info()
+    torch.testing.assert_close(thunder.jit(f)(torch.ones(3)), f(torch.ones(3)))  # interpreted again: nothing decoded
+    after = instructions.instructions.cache_info()
+    assert after.hits > before.hits and after.misses == before.misses, (before, after)

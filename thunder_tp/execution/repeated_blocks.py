@@ -8,7 +8,10 @@ class, every submodule's class and plain attributes but the family's index attri
 and buffers' metadata, the call's tensor metadata and other arguments). The first call of a kind is interpreted and
 its bound symbols recorded; the second is interpreted too and must give the same program up to names (a block
 whose behaviour the key does not capture is then interpreted every time); every later call is not interpreted: the
-recorded symbols are appended again with its own parameters, buffers and arguments swapped in and fresh names.
+recorded symbols are appended again with its own parameters, buffers and arguments swapped in and fresh names. A
+kind checked so in one trace is not checked again in a later trace of the process (a retrace under no_grad, another
+model of the same blocks: the same key) if the blocks also hold the same other objects (a config, by its repr):
+there the first call alone is interpreted.
 
 The trace that results is the one interpretation gives, so everything after it (TensorParallel, autodiff, fusion,
 DDP/FSDP, checkpoints, generation, the trace dumps) is as before. What a replayed block's interpretation would
@@ -76,6 +79,8 @@ class _TraceState:
 _states: weakref.WeakKeyDictionary[TraceCtx, _TraceState] = weakref.WeakKeyDictionary()
 _repeated: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKeyDictionary()
 _latest: weakref.WeakKeyDictionary[nn.Module, TraceStats] = weakref.WeakKeyDictionary()
+#: the kinds (`_kind`) whose second call gave the first's program, in any trace of this process
+_verified_kinds: set[Hashable] = set()
 
 
 def stats_of(model: nn.Module) -> TraceStats:
@@ -161,8 +166,18 @@ def _module_call(module, args: tuple, kwargs: dict):
         return _replayed(recording, module, args, kwargs)
     state.stats.interpreted += 1
     result, new = _record(m, module, args, kwargs)
-    state.recordings[key] = new if recording is None else _verified(recording, new)
+    state.recordings[key] = _checked(recording, new, _kind(key, m))
     return result
+
+
+def _kind(key: Hashable, module: nn.Module) -> Hashable:
+    """`key` and the other objects the block holds (not modules, tensors or constants): by their repr, or by
+    identity where their class has no repr of its own."""
+    held = tuple((name, k, repr(v) if type(v).__repr__ is not object.__repr__ and not isinstance(v, torch.Tensor)
+                  else id(v))
+                 for name, sub in module.named_modules() for k, v in vars(sub).items()
+                 if not k.startswith("_") and not isinstance(v, (*_CONSTANTS, nn.Module)))
+    return key, held
 
 
 def _record(m: nn.Module, module, args: tuple, kwargs: dict) -> tuple[Any, _Recording | None]:
@@ -189,11 +204,18 @@ def _replayable(bsyms: list[BoundSymbol], inputs: tuple, output: Any) -> bool:
     return all(isinstance(x, Proxy) or isinstance(x, _CONSTANTS) for x in items)
 
 
-def _verified(first: _Recording, second: _Recording | None) -> _Recording | None:
-    """The first recording, verified if the second call gave the same program; None (interpret every call) if not."""
-    if second is None or second.form != first.form:
+def _checked(first: _Recording | None, new: _Recording | None, kind: Hashable) -> _Recording | None:
+    """The kind's recording after a call interpreted: the first call's (verified at once if an earlier trace
+    verified its kind), or the first verified by the second if they gave the same program; None (interpret every
+    call) if not."""
+    if first is None:
+        if new is not None and kind in _verified_kinds:
+            new.verified = True
+        return new
+    if new is None or new.form != first.form:
         return None
     first.verified = True
+    _verified_kinds.add(kind)
     return first
 
 
