@@ -25,7 +25,7 @@ def _collectives(cases):
     import torch
     import torch.distributed as dist
 
-    import thunder_tp
+    from tests.tp_checks import FAST_EXECUTORS
     from thunder_tp.collectives import tp_gather, tp_reduce_from_tp, tp_reduce_scatter
     from thunder_tp.layouts import Shard, rank_pieces
     from thunder_tp.pieces import shard_tensor
@@ -51,7 +51,7 @@ def _collectives(cases):
         total = sum(summands[1:], summands[0].clone())
         inputs += [shard_tensor(full, layout, rank, size), summands[rank]]
         expected += [full, shard_tensor(total, layout, rank, size), total]
-    jitted = thunder.jit(program, executors=thunder_tp.executors())
+    jitted = thunder.jit(program, executors=FAST_EXECUTORS)
     for got, want in zip(jitted(*inputs), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     names = [b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols]

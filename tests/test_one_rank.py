@@ -25,8 +25,6 @@ from tests.dist import run_ranks
 from tests.litgpt_models import MODES, SEQ, GPTWithLoss, batch, make_config
 from tests.tp_checks import FAST_EXECUTORS
 
-#: the cases: the training modes of tests/litgpt_models.py and a decode step of the plain TP plan
-CASES = (*MODES, "decode")
 PROMPT = 4
 
 
@@ -67,7 +65,8 @@ def _jit(model: torch.nn.Module, case: str, meta: bool) -> torch.nn.Module:
 
 
 def _program(case: str, meta: bool) -> dict:
-    """This rank's local parameter shapes, the collectives of its final traces and its loss (or logits) finite."""
+    """A case (a training mode of tests/litgpt_models.py, or "decode": a decode step of the plain TP plan): this
+    rank's local parameter shapes, the collectives of its final traces and its loss (or logits) finite."""
     jm = _jit(_model(case, meta), case, meta)
     idx, targets = batch()
     if case == "decode":
@@ -106,18 +105,19 @@ def _check_same_program(world: int, cases: tuple[str, ...]) -> None:
         assert real[case]["forward"], f"{case}: no collectives in the forward: the check would be empty"
 
 
+def test_tp2_rank_alone_runs_the_real_rank_program():
+    _check_same_program(2, ("tp_sp", "decode"))
+
+
+@pytest.mark.slow  # reason: a real 4-rank group (on 2 cores) and the same cases as at TP 2
 def test_tp4_rank_alone_runs_the_real_rank_program():
     _check_same_program(4, ("tp_sp", "decode"))
 
 
-@pytest.mark.slow  # reason: four more programs compiled on every rank of a real 4-rank group
-def test_tp4_rank_alone_without_sequence_parallel():
+@pytest.mark.slow  # reason: every other case compiled on every rank of a real group
+def test_rank_alone_without_sequence_parallel():
+    _check_same_program(2, ("tp", "tp_lp"))
     _check_same_program(4, ("tp", "tp_lp"))
-
-
-@pytest.mark.slow  # reason: another real (2-rank) group and every case compiled again
-def test_tp2_rank_alone_runs_the_real_rank_program():
-    _check_same_program(2, CASES)
 
 
 def test_reduce_scatter_gives_this_rank_chunk_and_is_restored():

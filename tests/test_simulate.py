@@ -49,7 +49,8 @@ def _pieces(t: torch.Tensor, world: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "world, mode", [(4, "tp"), pytest.param(4, "tp_sp", marks=pytest.mark.slow), (4, "tp_lp"), (8, "tp_sp")]
+    "world, mode", [pytest.param(4, "tp", marks=pytest.mark.slow),  # slow: tp_lp runs the same plan and its head
+                    pytest.param(4, "tp_sp", marks=pytest.mark.slow), (4, "tp_lp"), (8, "tp_sp")]
 )
 def test_gqa_gpt_on_simulated_ranks_matches_single_device(world, mode, tmp_path):
     torch.set_default_dtype(torch.float64)
