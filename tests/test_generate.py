@@ -130,23 +130,6 @@ def test_litgpt_generate_loops(temperature):
         assert torch.equal(single, want_single) and torch.equal(batched, want_batched)
 
 
-def _reset_zeroes_the_pieces() -> list[bool]:
-    config = gen_config("gqa")
-    _, model = models_with_cache(config, 1)
-    jm = _jit(model)
-    greedy(jm, torch.randint(0, VOCAB, (1, PROMPT)), 2)
-    written = [bool(jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.k").abs().sum() > 0) for i in range(config.n_layer)]
-    for block in model.transformer.h:
-        block.attn.kv_cache.reset_parameters()
-    return written + [bool((jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.v") == 0).all())
-                      for i in range(config.n_layer)]
-
-
-@pytest.mark.slow  # test_litgpt_generate_loops resets the caches between its loops and checks the pieces zeroed
-def test_cache_reset_acts_on_the_pieces():
-    assert run_ranks(_reset_zeroes_the_pieces, 2) == [[True, True, True, True]] * 2
-
-
 def _cache_after_jit() -> str:
     config = gen_config("gqa")
     _, model = models_with_cache(config, 1)
