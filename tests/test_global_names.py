@@ -20,7 +20,7 @@ def _scaled(x):
 
 @pytest.fixture
 def thunder_lookups(monkeypatch):
-    """How many names Thunder's own lookup answered, and the results of both lookups compared name by name."""
+    """The names Thunder's own lookup answered."""
     calls = []
     thunders = global_names._thunder_globals_lookup
 
@@ -39,7 +39,7 @@ def test_globals_and_builtins_are_read_without_thunders_lookup(thunder_lookups):
 
 
 def test_a_global_changed_after_the_first_call_is_seen(monkeypatch):
-    """The wrapper's provenance is the module dict's item: the prologue checks SCALE, a new value retraces."""
+    """Thunder's guard of a global read (SCALE) still holds: a new value retraces and is used."""
     jitted, x = thunder.jit(_scaled), torch.randn(4, 3)
     torch.testing.assert_close(jitted(x), _scaled(x), rtol=0, atol=0)
     monkeypatch.setattr(sys.modules[__name__], "SCALE", -3.0)

@@ -126,8 +126,8 @@ def test_huggingface_decoder_layers_called_with_keywords_are_traced_once():
     config = make_config("llama")
     config.num_hidden_layers = 3
     torch.manual_seed(0)
-    reference = thunder_tp.plans.hf.CausalLMLoss(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64))
-    model = thunder_tp.plans.hf.CausalLMLoss(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64))
+    reference, model = (thunder_tp.plans.hf.CausalLMLoss(
+        AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64)) for _ in range(2))
     model.load_state_dict(reference.state_dict())
     ids = torch.randint(0, VOCAB, (2, SEQ))
     jm = thunder.jit(model, executors=FAST_EXECUTORS, compile_once=True)

@@ -3,7 +3,7 @@
 The interpreter's ``globals_lookup`` (every ``LOAD_GLOBAL``) interprets ``lambda d, k: d[k]`` on the wrapped globals
 dict, and for a builtin (``len``, ``isinstance``, ``super``: most of the names torch's and litgpt's code loads) twice,
 once for ``__builtins__`` and once in it. Each is a Python frame, a ``BINARY_SUBSCR`` and a method call interpreted
-to reach the dict wrapper's ``__getitem__``: about 40% of the interpretation of a litgpt block on this project's
+to reach the dict wrapper's ``__getitem__``: nearly half of the interpretation of a litgpt step on this project's
 machine. What that call returns is the dict's item wrapper (``populate_single_dict_item_wrapper``, provenance
 ``BINARY_SUBSCR`` of the dict and the name), so a plain dict answers here with that same wrapper; anything else (a
 missing name, ``__builtins__`` as a module, a dict subclass, no provenance tracking) takes Thunder's own path.
