@@ -187,22 +187,22 @@ def test_blocks_holding_another_config_are_checked_again():
         assert stats_of(model) == stats, (scale, stats_of(model))
 
 
-def test_compiled_regions_do_not_grow_with_depth():
-    """Inductor regions (thunder_tp.executors()): the regions compiled for a 3-block and a 5-block model of other
-    widths are as many (the blocks' regions compiled once for all blocks; from 3 blocks on, a model has every kind
-    of region its depth can give: the first block's, a middle one's, the last's)."""
-    from thunder_tp.execution.executor import COMPILED_REGIONS
+def test_compiled_regions_do_not_grow_with_depth(monkeypatch):
+    """Inductor regions (thunder_tp.executors()): a 5-block model compiles as many regions as a 3-block one, each
+    from an empty region cache (the blocks' regions compiled once for all blocks; from 3 blocks on, a model has every
+    kind of region its depth can give: the first block's, a middle one's, the last's). The second's compilations
+    are served by Inductor's on-disk cache, which the count does not see."""
+    from thunder_tp.execution import executor
+    from thunder_tp.execution.region_cache import CompiledRegions
 
     compiled = []
-    for layers, width in ((3, 32), (5, 48)):
-        config = _config(layers, n_embd=width, head_size=width // 8, intermediate_size=2 * width)
-        before = COMPILED_REGIONS.compiles
+    for layers in (3, 5):
+        monkeypatch.setattr(executor, "COMPILED_REGIONS", CompiledRegions())
         torch.manual_seed(0)
-        run = _train_step(GPTWithLoss(config), True, executors=thunder_tp.executors())
+        run = _train_step(GPTWithLoss(_config(layers)), True, executors=thunder_tp.executors())
         assert run["stats"].replayed == layers - 2
-        compiled.append(COMPILED_REGIONS.compiles - before)
-    assert compiled[0] == compiled[1], compiled
-
+        compiled.append(executor.COMPILED_REGIONS.compiles)
+    assert compiled[0] == compiled[1] > 0, compiled
 
 
 def test_the_interpreter_decodes_each_code_object_once():

@@ -1,0 +1,47 @@
+"""Thunder's rematerialization solves each distinct min-cut once: a graph of a form seen before gets its cut renamed."""
+
+import networkx
+import thunder.core.rematerialization as rematerialization
+
+from thunder_tp.thunder_internals import min_cuts
+
+
+def _flow_graph(prefix: str, narrow: float) -> networkx.DiGraph:
+    """find_cut's shape: source -> a value in/out pair per value -> sink; the cheapest cut is the `narrow` value."""
+    g = networkx.DiGraph()
+    names = [f"{prefix}{i}" for i in range(4)]
+    g.add_edge("source", f"{names[0]}_in", capacity=float("inf"))
+    for i, name in enumerate(names):
+        g.add_edge(f"{name}_in", f"{name}_out", capacity=narrow if i == 2 else 4.0)
+        if i + 1 < len(names):
+            g.add_edge(f"{name}_out", f"{names[i + 1]}_in", capacity=float("inf"))
+    g.add_edge(f"{names[-1]}_out", "sink", capacity=float("inf"))
+    return g
+
+
+def test_rematerialization_uses_the_cached_cut():
+    assert rematerialization.nx.minimum_cut is min_cuts.minimum_cut
+    assert rematerialization.nx.DiGraph is networkx.DiGraph
+
+
+def test_a_graph_of_a_form_seen_before_gets_its_cut_renamed(monkeypatch):
+    first = _flow_graph("a", narrow=1.0)
+    assert min_cuts.minimum_cut(first, "source", "sink") == networkx.minimum_cut(first, "source", "sink")
+    solves = []
+    monkeypatch.setattr(min_cuts.networkx, "minimum_cut",
+                        lambda *args, **kwargs: solves.append(args) or networkx.algorithms.minimum_cut(*args))
+    renamed = _flow_graph("b", narrow=1.0)
+    value, (reachable, non_reachable) = min_cuts.minimum_cut(renamed, "source", "sink")
+    assert not solves, "a graph of a known form was solved again"
+    assert value == 1.0
+    assert reachable == {"source", "b0_in", "b0_out", "b1_in", "b1_out", "b2_in"}
+    assert non_reachable == set(renamed) - reachable
+
+
+def test_other_capacities_are_another_form(monkeypatch):
+    min_cuts.minimum_cut(_flow_graph("c", narrow=1.0), "source", "sink")
+    solves = []
+    monkeypatch.setattr(min_cuts.networkx, "minimum_cut",
+                        lambda *args, **kwargs: solves.append(args) or networkx.algorithms.minimum_cut(*args))
+    value, _ = min_cuts.minimum_cut(_flow_graph("d", narrow=8.0), "source", "sink")
+    assert len(solves) == 1 and value == 4.0
