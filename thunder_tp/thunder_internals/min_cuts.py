@@ -5,7 +5,7 @@ of the pair's values and runs networkx's ``minimum_cut`` on it: 157 cuts in a 32
 one device, 12 s of its 95 s first call under cProfile. Consecutive blocks give pairs of the same structure, so
 their graphs are the same up to the values' names. A graph's canonical form (its edges in insertion order, nodes
 named by order of first appearance, with capacities) keys the cut found for it; a graph of a form seen before gets
-that cut with its own names. ``find_cut`` builds its graphs in a fixed order, so the cut is the one networkx finds.
+that cut with its own names: a minimum cut of that graph (where several tie, the one found for the first graph).
 """
 
 from __future__ import annotations
