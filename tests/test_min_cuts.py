@@ -1,6 +1,7 @@
 """Thunder's rematerialization solves each distinct min-cut once: a graph of a form seen before gets its cut renamed."""
 
 import networkx
+import pytest
 import thunder.core.rematerialization as rematerialization
 
 from thunder_tp.thunder_internals import min_cuts
@@ -19,17 +20,24 @@ def _flow_graph(prefix: str, narrow: float) -> networkx.DiGraph:
     return g
 
 
+@pytest.fixture
+def solves(monkeypatch) -> list:
+    """The graphs networkx is asked to cut from here on."""
+    asked = []
+    monkeypatch.setattr(min_cuts.networkx, "minimum_cut",
+                        lambda *args, **kwargs: asked.append(args) or networkx.algorithms.minimum_cut(*args))
+    return asked
+
+
 def test_rematerialization_uses_the_cached_cut():
     assert rematerialization.nx.minimum_cut is min_cuts.minimum_cut
     assert rematerialization.nx.DiGraph is networkx.DiGraph
 
 
-def test_a_graph_of_a_form_seen_before_gets_its_cut_renamed(monkeypatch):
+def test_a_graph_of_a_form_seen_before_gets_its_cut_renamed(solves):
     first = _flow_graph("a", narrow=1.0)
-    assert min_cuts.minimum_cut(first, "source", "sink") == networkx.minimum_cut(first, "source", "sink")
-    solves = []
-    monkeypatch.setattr(min_cuts.networkx, "minimum_cut",
-                        lambda *args, **kwargs: solves.append(args) or networkx.algorithms.minimum_cut(*args))
+    assert min_cuts.minimum_cut(first, "source", "sink") == networkx.algorithms.minimum_cut(first, "source", "sink")
+    solves.clear()
     renamed = _flow_graph("b", narrow=1.0)
     value, (reachable, non_reachable) = min_cuts.minimum_cut(renamed, "source", "sink")
     assert not solves, "a graph of a known form was solved again"
@@ -38,10 +46,8 @@ def test_a_graph_of_a_form_seen_before_gets_its_cut_renamed(monkeypatch):
     assert non_reachable == set(renamed) - reachable
 
 
-def test_other_capacities_are_another_form(monkeypatch):
+def test_other_capacities_are_another_form(solves):
     min_cuts.minimum_cut(_flow_graph("c", narrow=1.0), "source", "sink")
-    solves = []
-    monkeypatch.setattr(min_cuts.networkx, "minimum_cut",
-                        lambda *args, **kwargs: solves.append(args) or networkx.algorithms.minimum_cut(*args))
+    solves.clear()
     value, _ = min_cuts.minimum_cut(_flow_graph("d", narrow=8.0), "source", "sink")
     assert len(solves) == 1 and value == 4.0

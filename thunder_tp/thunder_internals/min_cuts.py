@@ -21,25 +21,25 @@ __all__ = ["minimum_cut"]
 _solved: dict[Hashable, tuple[float, frozenset[int]]] = {}
 
 
-def _canonical(graph: networkx.DiGraph, source: str, sink: str) -> tuple[Hashable, list]:
-    """The graph's form (names replaced by order of first appearance, the source and sink kept) and its nodes in
-    that order."""
+def _canonical(graph: networkx.DiGraph, source: str, sink: str) -> tuple[Hashable, dict[Any, int]]:
+    """The graph's form (names replaced by order of first appearance, the source and sink kept) and each node's
+    position in that order."""
     order: dict[Any, int] = {source: 0, sink: 1}
     edges = tuple((order.setdefault(u, len(order)), order.setdefault(v, len(order)), capacity)
                   for u, v, capacity in graph.edges(data="capacity"))
-    return edges, list(order)
+    return edges, order
 
 
 def minimum_cut(graph: networkx.DiGraph, source: str, sink: str, **kwargs: Any) -> tuple[float, tuple[set, set]]:
     """networkx's ``minimum_cut``, computed once per canonical form of the graph (``kwargs``: networkx's, uncached)."""
     if kwargs:
         return networkx.minimum_cut(graph, source, sink, **kwargs)
-    form, nodes = _canonical(graph, source, sink)
+    form, order = _canonical(graph, source, sink)
     if form not in _solved:
         value, (reachable, _) = networkx.minimum_cut(graph, source, sink)
-        index = {node: i for i, node in enumerate(nodes)}
-        _solved[form] = value, frozenset(index[node] for node in reachable)
+        _solved[form] = value, frozenset(order[node] for node in reachable)
     value, reachable_at = _solved[form]
+    nodes = list(order)
     reachable = {nodes[i] for i in reachable_at}
     return value, (reachable, set(nodes) - reachable)
 
