@@ -11,9 +11,7 @@ whose behaviour the key does not capture is then interpreted every time); every 
 recorded symbols are appended again with its own parameters, buffers and arguments swapped in and fresh names. A
 kind checked so in one trace is not checked again in a later trace of the process (a retrace under no_grad, another
 model of the same blocks: the same key) if the blocks also hold the same other objects (a config, by its repr):
-there the first call alone is interpreted, and not even that where the interpretation would read what the checked
-one read besides the block (`_context`: Thunder's options and lookasides, grad and autocast modes, the default
-dtype, the rank, a simulation): every call then replays the checked recording, kept under names of its own.
+there the first call alone is interpreted.
 
 The trace that results is the one interpretation gives, so everything after it (TensorParallel, autodiff, fusion,
 DDP/FSDP, checkpoints, generation, the trace dumps) is as before. What a replayed block's interpretation would
@@ -34,10 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from thunder.core.compile_data import get_compile_data
-from thunder.core.jit_ext import _general_jit_lookaside_map
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
@@ -46,7 +42,6 @@ from thunder.core.trace import TraceCtx, get_tracectx
 from thunder_tp.collectives import comm_executor
 from thunder_tp.execution.region_cache import canonical_form, compile_once_option
 from thunder_tp.families import is_index_attribute
-from thunder_tp.run_mode import simulated_world
 from thunder_tp.thunder_internals import replay
 
 __all__ = ["TraceStats", "block_key", "repeated_blocks", "stats_of"]
@@ -87,8 +82,6 @@ _repeated: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKe
 _latest: weakref.WeakKeyDictionary[nn.Module, TraceStats] = weakref.WeakKeyDictionary()
 #: the kinds (`_kind`) whose second call gave the first's program, in any trace of this process
 _verified_kinds: set[Hashable] = set()
-#: a verified kind's recording, by kind and `_context`: what a later trace of this process replays from its first call
-_kept: dict[Hashable, _Recording] = {}
 
 
 def stats_of(model: nn.Module) -> TraceStats:
@@ -177,36 +170,13 @@ def _module_call(module, args: tuple, kwargs: dict):
     if key is None or (key in state.recordings and recording is None):
         state.stats.interpreted += 1
         return replay.interpret_module_call(module, args, kwargs)
-    kind = _kind(key, m)
-    if recording is None and (kind, _context()) in _kept:
-        recording = state.recordings[key] = _kept[kind, _context()]
     if recording is not None and recording.verified:
         state.stats.replayed += 1
         return _replayed(recording, module, args, kwargs)
     state.stats.interpreted += 1
     result, new = _record(m, module, args, kwargs)
-    state.recordings[key] = _checked(recording, new, kind)
-    if state.recordings[key] is not None and state.recordings[key].verified:
-        _kept[kind, _context()] = _detached(state.recordings[key])
+    state.recordings[key] = _checked(recording, new, _kind(key, m))
     return result
-
-
-def _detached(recording: _Recording) -> _Recording:
-    """`recording` under names of its own, for the traces that replay it from their first call."""
-    inputs, bsyms, output = replay.detached(recording.inputs, recording.bsyms, recording.output)
-    return _Recording(inputs, recording.names, bsyms, output, recording.form, verified=True)
-
-
-def _context() -> Hashable:
-    """What an interpretation reads besides the block and its call: Thunder's options and lookasides (its own and
-    the executors'), grad and autocast modes, the default dtype, the process group's rank and size, a simulation."""
-    cd = get_compile_data()
-    group = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
-    simulation = simulated_world()
-    return (cd.is_grad_enabled, repr(cd.autocast_stack.stack), torch.is_autocast_enabled(), torch.get_default_dtype(),
-            tuple(id(fn) for fn in cd.executor_lookasides), len(_general_jit_lookaside_map), cd.sharp_edges,
-            cd.disable_torch_autograd_support, repr(sorted(cd.compile_options.items())), group,
-            simulation and simulation.world_size)
 
 
 def _kind(key: Hashable, module: nn.Module) -> Hashable:

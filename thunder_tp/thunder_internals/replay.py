@@ -20,7 +20,6 @@ What this relies on, with no public route in Thunder 0.2.6:
 
 from __future__ import annotations
 
-import itertools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +39,7 @@ from thunder.core.proxies import Proxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import get_tracectx
 
-__all__ = ["append_replayed", "detached", "interpret_module_call", "module_tensors", "opaque", "recorded",
+__all__ = ["append_replayed", "interpret_module_call", "module_tensors", "opaque", "recorded",
            "set_module_call_handler", "unwrap", "unwrapped_call"]
 
 #: Module._wrapped_call_impl's code under another function object, interpreted as Thunder interprets a module call
@@ -107,26 +106,6 @@ def append_replayed(bsyms: Sequence[BoundSymbol], swap: dict) -> None:
             if v not in swap:
                 swap[v] = p.replace(name=None, tags=set(p.tags))
         scope.append(_copied_tags(bsym.from_bsym_swap_proxies(swap)))
-
-
-_detached_names = itertools.count()
-
-
-def detached(inputs: tuple[Proxy, ...], bsyms: Sequence[BoundSymbol], output: Any) -> tuple[tuple, tuple, Any]:
-    """`inputs`, `bsyms` and `output` (proxies, or a tuple of proxies and constants) with every proxy renamed
-    `_rb<n>`, a name no trace makes: `append_replayed` into another trace then meets none of that trace's names
-    among the recording's (Thunder's swap follows a value's name on to its own swap)."""
-    swap: dict = {}
-    for p in (*inputs, *(q for b in bsyms for q in _produced(b))):
-        if variableify(p) not in swap:
-            swap[variableify(p)] = p.replace(name=f"_rb{next(_detached_names)}", tags=set(p.tags))
-
-    def renamed(x):
-        return swap[variableify(x)] if isinstance(x, Proxy) else x
-
-    output = tuple(renamed(x) for x in output) if isinstance(output, tuple) else renamed(output)
-    return (tuple(renamed(p) for p in inputs), tuple(_copied_tags(b.from_bsym_swap_proxies(swap)) for b in bsyms),
-            output)
 
 
 def _produced(bsym: BoundSymbol):
