@@ -6,8 +6,8 @@ interpreter's wrapped values. At Python's default threshold (a young collection 
 ran 1,933 times in a one-device first step of pythia-14m at 8 layers on this project's machine, 4.3 s of its 60.4 s;
 with the young generation's threshold at 50,000 while Thunder compiles, 16 times, 1.0 s (the step 59.7 s: each
 collection has more to scan; 58.7 s against 60.2 s in a second pair). Where compiles are many and small it pays
-more: 3 steps of a 2-layer litgpt model under TP=2 with its block kind checked before (tests/test_litgpt.py's), 8.9
-s to 8.1 s. The old thresholds come back when the compile returns or raises; garbage made meanwhile is collected as
+more: 3 steps of a 2-layer litgpt model under TP=2 with its block kind checked before (tests/test_litgpt.py's),
+8.9 s to 8.1 s. The old thresholds come back when the compile returns or raises; garbage made meanwhile is collected as
 usual after it.
 Both functions are closures of ``thunder.jit``, called by its ``get_computation_and_inputs`` (a cache lookup, on a
 miss the compile, then the prologue), which ``thunder.jit`` decorates with the module-level
@@ -16,38 +16,31 @@ miss the compile, then the prologue), which ``thunder.jit`` decorates with the m
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import thunder
 
-__all__ = ["COMPILE_THRESHOLD", "fewer_collections"]
+__all__ = ["COMPILE_THRESHOLD"]
 
 #: allocations between two young-generation collections while Thunder compiles (Python's default: 700)
 COMPILE_THRESHOLD = 50_000
 
 
-@contextlib.contextmanager
-def fewer_collections() -> Iterator[None]:
-    """The young generation's collection threshold at least COMPILE_THRESHOLD for the duration."""
-    previous = gc.get_threshold()
-    gc.set_threshold(max(previous[0], COMPILE_THRESHOLD), *previous[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*previous)
-
-
 def _with_fewer_collections(decorate: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+    """`decorate`, its result run with the young generation's threshold at least COMPILE_THRESHOLD."""
     def decorating(fn: Callable) -> Callable:
         decorated = decorate(fn)
 
         @functools.wraps(decorated)
         def compiling(*args, **kwargs):
-            with fewer_collections():
+            previous = gc.get_threshold()
+            gc.set_threshold(max(previous[0], COMPILE_THRESHOLD), *previous[1:])
+            try:
                 return decorated(*args, **kwargs)
+            finally:
+                gc.set_threshold(*previous)
 
         return compiling
 
