@@ -50,7 +50,8 @@ class _Hooked(nn.Module):
         if "shift" in options and "shift" in self.flags and len(self.flags):
             y = y + options["shift"]
         if "absent" not in options:
-            y = y * self.scales["a"] + len(items) + items[-1].sum()
+            n = len(items) * 3 - 1
+            y = y * self.scales["a"] + n // 2 + 2**n % 7 + n / 4 + items[-1].sum()
         return torch.cat([*items, y]).view(-1, *y.shape[1:]).sum(0, keepdim=True)
 
 

@@ -14,14 +14,16 @@ Here those calls go to the same wrapper method directly (`_wrapper_method`: the 
 aside to for the container's method), so the items are tracked as before and ``len``, ``[]`` and ``in`` return the
 very wrapped value Thunder's path returns; ``bool`` returns ``len != 0`` of it (``None``, ``int`` and ``float``:
 their ``__bool__``), as a value of an opaque call; a partial without keywords calls its function on the same wrapped
-arguments. Anything else (a proxy, a module, a subclass, a user's class) takes Thunder's path. The traces are those
-Thunder's path gives (``tests/test_builtin_containers.py``).
+arguments. Arithmetic of two ints or floats (``n // 2``: Thunder interprets an ``impl`` calling ``int.__floordiv__``,
+about 16 ms) is computed. Anything else (a proxy, a module, a subclass, a user's class) takes Thunder's path. The
+traces are those Thunder's path gives (``tests/test_builtin_containers.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -38,19 +40,22 @@ from thunder.core.interpreter import (
 )
 
 __all__ = [
-    "binary_subscr_handler", "bool_lookaside", "contains_handler", "dict_merge_handler", "len_lookaside",
-    "list_extend_handler", "partial_call_lookaside", "wrap_args_from_list", "wrap_kwargs_from_dict",
+    "binary_op_handler", "binary_subscr_handler", "bool_lookaside", "contains_handler", "dict_merge_handler",
+    "len_lookaside", "list_extend_handler", "partial_call_lookaside", "wrap_args_from_list", "wrap_kwargs_from_dict",
 ]
 
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict)
 _MAPPINGS = (dict, collections.OrderedDict)
 _NUMBERS = (type(None), int, float)
 _KEYS = (str, int)
+#: BINARY_OP's operators by its argument (the in-place ones, 13 on, are the same: int and float have no ``__iadd__``)
+_OPERATORS = (operator.add, operator.and_, operator.floordiv, operator.lshift, None, operator.mul, operator.mod,
+              operator.or_, operator.pow, operator.rshift, operator.sub, operator.truediv, operator.xor)
 
 #: Thunder's own: lookasides (by the function looked aside), opcode handlers (by opcode), interpreter functions
 _thunder_lookasides = {fn: interpreter._default_lookaside_map[fn] for fn in (bool, len, functools.partial.__call__)}
 _thunder_handlers = {name: interpreter._default_opcode_handler_map[name]
-                     for name in ("BINARY_SUBSCR", "CONTAINS_OP", "DICT_MERGE", "LIST_EXTEND")}
+                     for name in ("BINARY_OP", "BINARY_SUBSCR", "CONTAINS_OP", "DICT_MERGE", "LIST_EXTEND")}
 _thunder_functions = {name: getattr(interpreter, name) for name in ("wrap_args_from_list", "wrap_kwargs_from_dict")}
 
 
@@ -84,6 +89,22 @@ def bool_lookaside(x: Any) -> Any:
     if isinstance(x, WrappedValue) and type(x.value) in _NUMBERS:
         return _opaque_result(type(x.value).__bool__(x.value), x)
     return _thunder_lookasides[bool](x)
+
+
+def binary_op_handler(inst, /, stack, **kwargs) -> None | INTERPRETER_SIGNALS:
+    """BINARY_OP of two ints or floats: computed, as Thunder's interpreted impl computes it through their methods;
+    else Thunder's handler."""
+    a, b = stack.getitem_wrapped(-2), stack.getitem_wrapped(-1)
+    op = _OPERATORS[inst.arg % len(_OPERATORS)]
+    if op is None or not all(isinstance(x, WrappedValue) and type(x.value) in (int, float) for x in (a, b)):
+        return _thunder_handlers["BINARY_OP"](inst, stack=stack, **kwargs)
+    stack.pop_wrapped(), stack.pop_wrapped()
+    try:
+        result = op(a.value, b.value)
+    except Exception as e:
+        return do_raise(e)
+    stack.append(result)
+    return None
 
 
 def binary_subscr_handler(inst, /, stack, **kwargs) -> None | INTERPRETER_SIGNALS:
@@ -169,6 +190,6 @@ if interpreter._default_lookaside_map[bool] is _thunder_lookasides[bool]:
     interpreter._default_lookaside_map.update({
         bool: bool_lookaside, len: len_lookaside, functools.partial.__call__: partial_call_lookaside})
     interpreter._default_opcode_handler_map.update({
-        "BINARY_SUBSCR": binary_subscr_handler, "CONTAINS_OP": contains_handler, "DICT_MERGE": dict_merge_handler,
-        "LIST_EXTEND": list_extend_handler})
+        "BINARY_OP": binary_op_handler, "BINARY_SUBSCR": binary_subscr_handler, "CONTAINS_OP": contains_handler,
+        "DICT_MERGE": dict_merge_handler, "LIST_EXTEND": list_extend_handler})
     interpreter.wrap_args_from_list, interpreter.wrap_kwargs_from_dict = wrap_args_from_list, wrap_kwargs_from_dict
