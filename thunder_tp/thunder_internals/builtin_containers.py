@@ -15,8 +15,9 @@ aside to for the container's method), so the items are tracked as before and ``l
 very wrapped value Thunder's path returns; ``bool`` returns ``len != 0`` of it (``None``, ``int`` and ``float``:
 their ``__bool__``), as a value of an opaque call; a partial without keywords calls its function on the same wrapped
 arguments. Arithmetic of two ints or floats (``n // 2``: Thunder interprets an ``impl`` calling ``int.__floordiv__``,
-about 16 ms) is computed. Anything else (a proxy, a module, a subclass, a user's class) takes Thunder's path. The
-traces are those Thunder's path gives (``tests/test_builtin_containers.py``).
+about 16 ms) is computed; a Python method bound to an object (``self.forward``) is called as its function on the
+object, without the ``_impl`` Thunder interprets to make that call. Anything else (a proxy, a module, a subclass, a
+user's class) takes Thunder's path. The traces are those Thunder's path gives (``tests/test_builtin_containers.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import functools
 import operator
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +42,9 @@ from thunder.core.interpreter import (
 )
 
 __all__ = [
-    "binary_op_handler", "binary_subscr_handler", "bool_lookaside", "contains_handler", "dict_merge_handler",
-    "len_lookaside", "list_extend_handler", "partial_call_lookaside", "wrap_args_from_list", "wrap_kwargs_from_dict",
+    "binary_op_handler", "binary_subscr_handler", "bool_lookaside", "call_dispatch", "contains_handler",
+    "dict_merge_handler", "len_lookaside", "list_extend_handler", "partial_call_lookaside", "wrap_args_from_list",
+    "wrap_kwargs_from_dict",
 ]
 
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict)
@@ -56,7 +59,8 @@ _OPERATORS = (operator.add, operator.and_, operator.floordiv, operator.lshift, N
 _thunder_lookasides = {fn: interpreter._default_lookaside_map[fn] for fn in (bool, len, functools.partial.__call__)}
 _thunder_handlers = {name: interpreter._default_opcode_handler_map[name]
                      for name in ("BINARY_OP", "BINARY_SUBSCR", "CONTAINS_OP", "DICT_MERGE", "LIST_EXTEND")}
-_thunder_functions = {name: getattr(interpreter, name) for name in ("wrap_args_from_list", "wrap_kwargs_from_dict")}
+_thunder_functions = {name: getattr(interpreter, name)
+                      for name in ("_call_dispatch", "wrap_args_from_list", "wrap_kwargs_from_dict")}
 
 
 def _wrapper_method(x: Any, name: str, types: tuple[type, ...] = _CONTAINERS) -> Callable | None:
@@ -146,6 +150,21 @@ def partial_call_lookaside(partial_object: Any, *args, **kwargs) -> Any:
     return interpreter._interpret_call(func, *wrap_args_from_list(bound), *args, **kwargs)
 
 
+def call_dispatch(compilectx, runtimectx, fn: Any, /, *args, **kwargs) -> Any:
+    """A call of a Python method bound to an object: its function on the object and the arguments (Thunder
+    interprets a function making that call); any other call Thunder's dispatch."""
+    if not (isinstance(fn, WrappedValue) and type(fn.value) is types.MethodType
+            and compilectx._with_provenance_tracking and not hasattr(fn.value, "__thunder_interpreter_orig_fn")):
+        return _thunder_functions["_call_dispatch"](compilectx, runtimectx, fn, *args, **kwargs)
+    function = interpreter._interpret_call(getattr, fn, wrap_const("__func__"))
+    if function is INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+        return function
+    bound_to = interpreter._interpret_call(getattr, fn, wrap_const("__self__"))
+    if bound_to is INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+        return bound_to
+    return interpreter._interpret_call(function, bound_to, *args, **kwargs)
+
+
 def contains_handler(inst, /, stack, **kwargs) -> None | INTERPRETER_SIGNALS:
     """CONTAINS_OP: a str or int key in a dict through the wrapper's ``__contains__``, else Thunder's handler."""
     container, key = stack.getitem_wrapped(-1), stack.getitem_wrapped(-2)
@@ -193,3 +212,4 @@ if interpreter._default_lookaside_map[bool] is _thunder_lookasides[bool]:
         "BINARY_OP": binary_op_handler, "BINARY_SUBSCR": binary_subscr_handler, "CONTAINS_OP": contains_handler,
         "DICT_MERGE": dict_merge_handler, "LIST_EXTEND": list_extend_handler})
     interpreter.wrap_args_from_list, interpreter.wrap_kwargs_from_dict = wrap_args_from_list, wrap_kwargs_from_dict
+    interpreter._call_dispatch = call_dispatch
