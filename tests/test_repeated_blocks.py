@@ -248,27 +248,42 @@ def test_compiled_regions_do_not_grow_with_depth(monkeypatch):
 
 def test_the_interpreter_decodes_each_code_object_once():
     """Thunder's interpreter reads a code object's instructions from thunder_tp's cache (dis's own, decoded once),
-    and the frame of an exception raised at a line it compiled before from another."""
+    and the frame of an exception raised at a line it made a frame for before from another; its tracebacks name
+    the lines Python's do, and the call site it records is ``inspect.stack()``'s."""
     import dis
+    import inspect
+    import traceback
 
     import thunder.core.interpreter as interpreter
 
     from thunder_tp.thunder_internals import instructions
 
-    def fails():
+    def fails(x):
         raise ValueError("caught")
 
     def f(x):
-        try:  # an exception leaving an interpreted frame: the frame compiled for its traceback
-            fails()
+        try:  # an exception leaving an interpreted frame: a frame made for its traceback
+            fails(x)
         except ValueError:
             return (x * 2).sin()
 
     assert interpreter.dis.get_instructions(f.__code__) == tuple(dis.get_instructions(f.__code__))
     torch.testing.assert_close(thunder.jit(f)(torch.ones(3)), f(torch.ones(3)))
-    caches = (instructions.instructions, instructions.compiled)
+    caches = (instructions.instructions, instructions.python_frame)
     before = [cache.cache_info() for cache in caches]
-    torch.testing.assert_close(thunder.jit(f)(torch.ones(3)), f(torch.ones(3)))  # again: nothing decoded or compiled
+    torch.testing.assert_close(thunder.jit(f)(torch.ones(3)), f(torch.ones(3)))  # again: nothing decoded or made
     after = [cache.cache_info() for cache in caches]
     for was, now in zip(before, after, strict=True):
         assert now.hits > was.hits and now.misses == was.misses, (before, after)
+
+    def lines(call) -> list[tuple[str, int]]:
+        with pytest.raises(ValueError) as raised:
+            call(torch.ones(3))
+        return [(entry.name, entry.lineno) for entry in traceback.extract_tb(raised.value.__traceback__)
+                if entry.filename == __file__ and entry.name != "lines"]
+
+    assert lines(thunder.jit(fails)) == lines(fails) == [("fails", fails.__code__.co_firstlineno + 1)]
+    ours, python = interpreter.inspect.stack(), inspect.stack()
+    assert [(e.frame, e.filename, e.lineno, e.function) for e in ours] == [
+        (e.frame, e.filename, e.lineno, e.function) for e in python[:3]]
+    assert ours[1:] == python[1:3]
