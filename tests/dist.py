@@ -14,11 +14,14 @@
 Design
 ------
 * One pool of ``world_size`` worker processes per world size, created lazily on
-  first use (``spawn`` start method) and kept for the rest of the process, so a
-  test pays neither process start-up nor ``import torch``/``import thunder``
-  again.  Pools are shut down at exit (``atexit``; ``tests/conftest.py`` also
-  does it at the end of the pytest session).
-* Each worker sets ``OMP_NUM_THREADS=1`` before importing torch, calls
+  first use and kept for the rest of the process, so a test pays neither process
+  start-up nor ``import torch``/``import thunder`` again.  Pools are shut down at
+  exit (``atexit``; ``tests/conftest.py`` also does it at the end of the pytest
+  session).
+* Workers are forked from a fork server (the ``forkserver`` start method) that
+  imported ``PRELOADED_MODULES`` once, with ``OMP_NUM_THREADS=1`` set before it
+  imported torch: a pool starts without about 20 s of imports per rank, and a
+  pool started again after a failure too.  Each worker calls
   ``torch.set_num_threads(1)`` and joins ``init_process_group("gloo")`` over
   ``tcp://127.0.0.1:<port>``.  The port is found free at pool creation (bind to
   port 0) and kept bound (SO_REUSEADDR, not listening) by the parent until the
@@ -77,6 +80,10 @@ SYNC_TIMEOUT_S = 30.0
 STARTUP_ATTEMPTS = 3
 
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+#: What the fork server imports before forking the first worker (no threads started by any of them): torch, Thunder,
+#: thunder_tp and litgpt, which the tests' workers import (through the tests' shared modules) about 20 s per rank.
+PRELOADED_MODULES = ["torch", "torch.distributed", "thunder", "thunder_tp.api", "litgpt", "tests.tp_checks",
+                     "tests.litgpt_models"]
 if sys.platform.startswith("linux"):
     # Everything runs on loopback; don't depend on the hostname resolving.
     _WORKER_ENV_DEFAULTS = {"GLOO_SOCKET_IFNAME": "lo"}
@@ -208,8 +215,8 @@ def _send(conn, obj) -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    # If the parent dies (even by SIGKILL) while this rank is stuck in a
-    # collective, don't linger as an orphan.
+    # If the parent (the fork server, which leaves with the test process) dies, even by SIGKILL, while this rank is
+    # stuck in a collective, don't linger as an orphan.
     while True:
         time.sleep(2.0)
         if os.getppid() != parent_pid:
@@ -228,9 +235,9 @@ def _process_defaults_restored(torch):
         torch.set_grad_enabled(grad)
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, stack_file: str) -> None:
-    # Must happen before torch is imported in this process. (The parent's sys.path, the repo root first, comes with
-    # the spawn start method.)
+def _worker_main(rank: int, world_size: int, port: int, conn, stack_file: str) -> None:
+    # The fork server imported torch with these set. (The parent's sys.path, the repo root first, comes with the
+    # forkserver start method.)
     os.environ.update(_WORKER_ENV)
     for k, v in _WORKER_ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
@@ -242,7 +249,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int, s
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="watch-parent").start()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="watch-parent").start()
 
     import faulthandler
 
@@ -335,8 +342,8 @@ class _Pool:
                 self.broken = False
         raise RuntimeError(
             f"could not start a gloo pool of {world_size} ranks ({STARTUP_ATTEMPTS} attempts); see the workers' "
-            "stderr (a script calling run_ranks needs the `if __name__ == '__main__':` guard that the spawn "
-            f"start method requires); last error:\n{last_error}"
+            "stderr (a script calling run_ranks needs the `if __name__ == '__main__':` guard that the "
+            f"forkserver start method requires); last error:\n{last_error}"
         )
 
     # -- lifecycle ---------------------------------------------------------
@@ -344,11 +351,14 @@ class _Pool:
     def _start(self) -> None:
         import multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOADED_MODULES)
         holder, port = _reserve_port()
         self.port = port
+        # the fork server, started by the first pool, imports with these (the repo root on its path for `tests`)
+        path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         try:
-            with _patched_environ(_WORKER_ENV, _WORKER_ENV_DEFAULTS):
+            with _patched_environ({**_WORKER_ENV, "PYTHONPATH": path}, _WORKER_ENV_DEFAULTS):
                 for rank in range(self.world_size):
                     fd, stack_file = tempfile.mkstemp(prefix=f"dist-rank{rank}-", suffix=".stack")
                     os.close(fd)
@@ -356,7 +366,7 @@ class _Pool:
                     parent_conn, child_conn = ctx.Pipe(duplex=True)
                     p = ctx.Process(
                         target=_worker_main,
-                        args=(rank, self.world_size, port, child_conn, os.getpid(), stack_file),
+                        args=(rank, self.world_size, port, child_conn, stack_file),
                         name=f"dist-w{self.world_size}-r{rank}",
                         daemon=False,  # daemonic processes may not start children
                     )
