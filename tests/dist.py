@@ -60,6 +60,7 @@ from typing import Any
 
 __all__ = [
     "run_ranks",
+    "start_forked",
     "free_port",
     "assert_close",
     "shutdown_pools",
@@ -144,6 +145,32 @@ def torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = R
     assert proc.returncode == 0, (f"exit {proc.returncode}: {' '.join(command)}\n{stdout[-3000:]}\n--- first traceback "
                                   f"---\n{stderr[max(first, 0):][:6000]}\n--- end ---\n{stderr[-6000:]}")
     return stdout, stderr
+
+
+def _forkserver_context():
+    """multiprocessing's ``forkserver`` context, its server (one per test process) preloading ``PRELOADED_MODULES``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED_MODULES)
+    return ctx
+
+
+def _fork_server_environ():
+    """The environment the fork server starts in, if a process started now starts it: one thread per rank, the repo
+    root on its path for the ``tests`` modules it preloads."""
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return _patched_environ({**_WORKER_ENV, "PYTHONPATH": path}, _WORKER_ENV_DEFAULTS)
+
+
+def start_forked(target: Callable, *args: Any, name: str):
+    """A started process running ``target(*args)`` (a module-level function), forked from the pools' fork server:
+    torch, Thunder and litgpt already imported, one thread."""
+    ctx = _forkserver_context()
+    with _fork_server_environ():
+        process = ctx.Process(target=target, args=args, name=name, daemon=False)
+        process.start()
+    return process
 
 
 def _reserve_port() -> tuple[socket.socket, int]:
@@ -349,16 +376,11 @@ class _Pool:
     # -- lifecycle ---------------------------------------------------------
 
     def _start(self) -> None:
-        import multiprocessing as mp
-
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOADED_MODULES)
+        ctx = _forkserver_context()
         holder, port = _reserve_port()
         self.port = port
-        # the fork server, started by the first pool, imports with these (the repo root on its path for `tests`)
-        path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         try:
-            with _patched_environ({**_WORKER_ENV, "PYTHONPATH": path}, _WORKER_ENV_DEFAULTS):
+            with _fork_server_environ():
                 for rank in range(self.world_size):
                     fd, stack_file = tempfile.mkstemp(prefix=f"dist-rank{rank}-", suffix=".stack")
                     os.close(fd)

@@ -2,22 +2,21 @@
 quickly when the peer's process is gone (gloo sees the connection reset), within the process group's timeout when it
 is alive but never joins the collective.
 
-Ranks are two plain processes (started as a batch scheduler starts them: no torchrun agent, no test worker pool);
-the parent only watches them.
+Ranks are two plain processes, forked from the test pools' fork server (torch and Thunder imported; no torchrun
+agent, not the pool's workers); the parent only watches them.
 """
 
 import os
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tests.dist import free_port, run_ranks
+from tests.dist import free_port, run_ranks, start_forked
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 FAILING_STEP = 2
 SURVIVOR_LIMIT_S = 60.0
@@ -66,6 +65,13 @@ def _rank_main(mode: str, rank: int, port: int) -> None:
     print("finished every step", flush=True)
 
 
+def _rank_with_output_in(out_path: str, err_path: str, mode: str, rank: int, port: int) -> None:
+    """`_rank_main`, its standard output and error written to two files."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    _rank_main(mode, rank, port)
+
+
 def _stamp(text: str, event: str) -> float:
     return float(next(line.split(" at ")[1] for line in text.splitlines() if line.startswith(event + " at ")))
 
@@ -73,32 +79,30 @@ def _stamp(text: str, event: str) -> float:
 def _run_pair(mode: str) -> tuple[subprocess.CompletedProcess, float, float]:
     """Rank 0's outcome, how long after rank 1 failed it raised, and how long after rank 1 exited it exited."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    code = ("import sys; from tests.test_failures import _rank_main; "
-            "_rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, mode, str(r), str(port)], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    try:
-        if mode == "hang":  # rank 1 stays alive: rank 0 has to give up on its own
-            out, err = procs[0].communicate(timeout=300)
-            procs[1].kill()
-            failed, _ = procs[1].communicate(timeout=30)
-            after = float("nan")
-        else:
-            failed, _ = procs[1].communicate(timeout=300)
-            died = time.monotonic()
-            out, err = procs[0].communicate(timeout=SURVIVOR_LIMIT_S + 30)
-            after = time.monotonic() - died
-    finally:
-        for p in procs:
-            if p.poll() is None:
+    with tempfile.TemporaryDirectory(prefix=f"failures-{mode}-") as logs:
+        outputs = [(Path(logs, f"rank{r}.out"), Path(logs, f"rank{r}.err")) for r in range(2)]
+        procs = [start_forked(_rank_with_output_in, str(out), str(err), mode, r, port, name=f"{mode}-rank{r}")
+                 for r, (out, err) in enumerate(outputs)]
+        try:
+            if mode == "hang":  # rank 1 stays alive: rank 0 has to give up on its own
+                procs[0].join(300)
+                procs[1].kill()
+                after = float("nan")
+            else:
+                procs[1].join(300)
+                died = time.monotonic()
+                procs[0].join(SURVIVOR_LIMIT_S + 30)
+                after = time.monotonic() - died
+        finally:
+            for p in procs:
                 p.kill()
-    assert procs[1].returncode != 0, "rank 1 was meant to fail"
+                p.join()
+        out, err = (path.read_text() for path in outputs[0])
+        failed = outputs[1][0].read_text()
+    assert procs[0].exitcode is not None and procs[0].exitcode >= 0, f"rank 0 did not finish: {out}{err[-3000:]}"
+    assert procs[1].exitcode != 0, "rank 1 was meant to fail"
     raised = _stamp(out, "raised") - _stamp(failed, "failing") if "raised at" in out else float("nan")
-    return subprocess.CompletedProcess(procs[0].args, procs[0].returncode, out, err), raised, after
+    return subprocess.CompletedProcess(mode, procs[0].exitcode, out, err), raised, after
 
 
 def _check_survivor(mode: str, kind: str, tensor: str = "(32, 4, 128) torch.float32") -> float:

@@ -15,7 +15,7 @@ import torch
 from litgpt import GPT, Config
 
 from tests.dist import REPO_ROOT, free_port, run_ranks
-from thunder_tp.generate import main
+from thunder_tp.generate import cli, main
 from thunder_tp.runtimes.generation import prefill_chunks
 from thunder_tp.tools.debug import totals
 
@@ -44,9 +44,10 @@ def make_checkpoint_dir(directory) -> Config:
     return config
 
 
-def _run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-                 "127.0.0.1", "--master-port", str(free_port())] if nproc > 1 else [sys.executable])
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    """The command line on two ranks under torchrun."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
     return subprocess.run([*launcher, "-m", "thunder_tp.generate", *args], capture_output=True, text=True,
                           env=env, cwd=REPO_ROOT, timeout=600)
@@ -59,11 +60,10 @@ def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
     config = make_checkpoint_dir(tmp_path)
     common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "6", "--temperature", "0.8",
               "--num_samples", "2", "--precision", "64-true"]
-    single = _run([*common, "--compile", "eager", "--json_path", str(tmp_path / "single.json")], 1)
-    assert single.returncode == 0, single.stderr[-3000:]
-    tp = _run([*common, "--compile", "thunder_default", "--json_path", str(tmp_path / "tp.json")], 2)
+    single = main([*common, "--compile", "eager"])  # one device: in this process
+    tp = _run([*common, "--compile", "thunder_default", "--json_path", str(tmp_path / "tp.json")])
     assert tp.returncode == 0, tp.stderr[-3000:]
-    single, tp_report = (json.loads((tmp_path / name).read_text()) for name in ("single.json", "tp.json"))
+    tp_report = json.loads((tmp_path / "tp.json").read_text())
     samples = [s["generated_ids"] for s in tp_report["samples"]]
     assert samples == [s["generated_ids"] for s in single["samples"]], (samples, single["samples"])
     assert samples[0] != samples[1], samples
@@ -92,17 +92,18 @@ def test_cli_bad_input(tmp_path, extra, message):
         main(["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, *extra])
 
 
-def test_cli_error_is_one_line_on_rank_0(tmp_path):
-    """A refused request (prompt + new tokens past block_size): one line, no traceback, exit code 2; under torchrun
-    printed once (rank 0) and every rank exits (torchrun then adds its own failure report)."""
+def test_cli_error_is_one_line_on_rank_0(tmp_path, capsys):
+    """A refused request (prompt + new tokens past block_size): one line, no traceback, exit code 2 (the command
+    line's ``cli``, in this process); under torchrun printed once (rank 0) and every rank exits (torchrun then adds
+    its own failure report)."""
     make_checkpoint_dir(tmp_path)
     args = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "100"]
     message = "thunder_tp.generate: error: a prompt of 5 tokens plus 100 new tokens needs 105 positions"
-    plain = _run(args, 1)
-    assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
-    assert [line for line in plain.stderr.splitlines() if "error" in line.lower()] == [
-        message + ", but the model's block_size is 64: shorten the prompt or lower --max_new_tokens"], plain.stderr
-    ranks = _run(args, 2)
+    assert cli(args) == 2
+    plain = capsys.readouterr().err
+    assert plain.splitlines() == [
+        message + ", but the model's block_size is 64: shorten the prompt or lower --max_new_tokens"], plain
+    ranks = _run(args)
     assert ranks.returncode != 0 and ranks.stderr.count(message) == 1, ranks.stderr
     assert 'generate.py", line' not in ranks.stderr, ranks.stderr  # no traceback from the CLI's processes
 
@@ -115,7 +116,7 @@ def test_cli_tp2_bf16_with_sampling(tmp_path):
     args = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "8", "--temperature", "0.9",
             "--top_k", "20", "--top_p", "0.95", "--num_samples", "2", "--precision", "bf16-true",
             "--compile", "thunder_default", "--json_path", str(tmp_path / "bf16.json")]
-    proc = _run(args, 2)
+    proc = _run(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bf16.json").read_text())
     assert len(report["samples"]) == 2 and all(s["generated_ids"] for s in report["samples"])
