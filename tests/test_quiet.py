@@ -11,18 +11,26 @@ import thunder_tp.thunder_internals.quiet  # noqa: F401
 from tests.dist import REPO_ROOT
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter where every UserWarning is an error."""
-    return subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=300)
+def _pythons(*codes: str) -> list[subprocess.CompletedProcess]:
+    """Each of ``codes`` in a fresh interpreter where every UserWarning is an error, side by side."""
+    command = [sys.executable, "-W", "error::UserWarning", "-c"]
+    procs = [subprocess.Popen([*command, code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO_ROOT) for code in codes]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def test_importing_thunder_tp_does_not_raise_the_transformer_engine_warning():
-    control = _python("import thunder")  # the warning this environment raises (no Transformer Engine here)
+    control, quiet = _pythons(
+        "import thunder",  # the warning this environment raises (no Transformer Engine here)
+        "import thunder_tp, thunder, warnings\n"
+        "try:\n    warnings.warn('a user warning', UserWarning)\n"
+        "except UserWarning:\n    print('user warnings untouched')")
     assert control.returncode != 0 and "transformer_engine module not found!" in control.stderr, control
-    quiet = _python("import thunder_tp, thunder, warnings\n"
-                    "try:\n    warnings.warn('a user warning', UserWarning)\n"
-                    "except UserWarning:\n    print('user warnings untouched')")
     assert quiet.returncode == 0 and "transformer_engine" not in quiet.stderr, quiet.stderr
     assert quiet.stdout.strip() == "user warnings untouched", quiet
 
