@@ -115,11 +115,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = REPO_ROOT) -> tuple[str, str]:
+def launch_torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = REPO_ROOT):
     """Run `command` (a script and its arguments, or ``-m module ...``) on `nproc` ranks under torchrun, with this
-    checkout's thunder_tp first on the path and one thread per rank; its (stdout, stderr). The launch runs in its own
-    session, so a timeout (a test failure) or an interrupt kills the ranks too, not only torchrun; a rank's failure
-    fails the test with the first traceback and torchrun's summary."""
+    checkout's thunder_tp first on the path and one thread per rank; the finished process, whatever its exit code.
+    The launch runs in its own session, so a timeout (a test failure) or an interrupt kills the ranks too, not only
+    torchrun."""
     import subprocess
 
     import pytest
@@ -141,6 +141,14 @@ def torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = R
     finally:
         if proc.poll() is None:  # interrupted
             os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def torchrun(command: list[str], *, timeout: float, nproc: int = 2, cwd: str = REPO_ROOT) -> tuple[str, str]:
+    """`launch_torchrun`, its (stdout, stderr); a rank's failure fails the test with the first traceback and
+    torchrun's summary."""
+    proc = launch_torchrun(command, timeout=timeout, nproc=nproc, cwd=cwd)
+    stdout, stderr = proc.stdout, proc.stderr
     first = stderr.find("Traceback")
     assert proc.returncode == 0, (f"exit {proc.returncode}: {' '.join(command)}\n{stdout[-3000:]}\n--- first traceback "
                                   f"---\n{stderr[max(first, 0):][:6000]}\n--- end ---\n{stderr[-6000:]}")

@@ -6,7 +6,6 @@ bounded number of compiles and timings taken after a warm-up; bad input gets a o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from litgpt import GPT, Config
 
-from tests.dist import REPO_ROOT, free_port, run_ranks
+from tests.dist import REPO_ROOT, launch_torchrun, run_ranks
 from thunder_tp.generate import cli, main
 from thunder_tp.runtimes.generation import prefill_chunks
 from thunder_tp.tools.debug import totals
@@ -46,11 +45,7 @@ def make_checkpoint_dir(directory) -> Config:
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     """The command line on two ranks under torchrun."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port())]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-    return subprocess.run([*launcher, "-m", "thunder_tp.generate", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO_ROOT, timeout=600)
+    return launch_torchrun(["-m", "thunder_tp.generate", *args], timeout=600)
 
 
 def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
