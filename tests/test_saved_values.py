@@ -1,4 +1,6 @@
-"""What a TP backward keeps: a SwiGLU MLP saves its two projections, not the activation and product between them."""
+"""What a TP backward keeps: a SwiGLU MLP saves its two projections, not the activation and product between them.
+
+What is saved is decided by the program and its regions, before any region compiles: the regions run uncompiled."""
 
 import pytest
 import thunder
@@ -7,7 +9,7 @@ import torch.nn as nn
 
 import thunder_tp
 from tests.dist import run_ranks
-from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device
+from tests.tp_checks import FAST_EXECUTORS, compare_with_single_device, regions_uncompiled
 from thunder_tp.tools.debug import saved_for_backward
 
 TOKENS, HIDDEN, FFN = 64, 64, 256
@@ -42,8 +44,9 @@ def _saved_shapes(jm) -> list[tuple[int, ...]]:
 def _swiglu_saved(fused: bool):
     executors = thunder_tp.executors() if fused else FAST_EXECUTORS
     # output, input grad and every weight grad vs one device; then what the forward saved
-    info = compare_with_single_device(SwiGLU, _input, thunder_tp.TensorParallel(PLAN), executors=executors,
-                                      inspect=_saved_shapes)
+    with regions_uncompiled():
+        info = compare_with_single_device(SwiGLU, _input, thunder_tp.TensorParallel(PLAN), executors=executors,
+                                          inspect=_saved_shapes)
     return info["inspected"]
 
 
@@ -71,7 +74,8 @@ def _recomputed_before_first_wait() -> list[str]:
     plan = {f"blocks.*.{name}": style for name, style in PLAN.items()}
     torch.manual_seed(0)
     jm = thunder.jit(_Stack(), transforms=[thunder_tp.TensorParallel(plan)], executors=thunder_tp.executors())
-    jm(*_input()).sum().backward()
+    with regions_uncompiled():
+        jm(*_input()).sum().backward()
     names = set()
     for bsym in thunder.last_backward_traces(jm)[-1].bound_symbols:
         if bsym.sym.name == "torch_wait_prim_impl":
@@ -123,8 +127,9 @@ def _litgpt_saved_from_parameters_alone():
     def make_model():
         return GPTWithLoss(config)
     transform = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(make_model()))
-    info = compare_with_single_device(make_model, batch, transform, executors=thunder_tp.executors(),
-                                      inspect=_saved_from_parameters_alone)
+    with regions_uncompiled():
+        info = compare_with_single_device(make_model, batch, transform, executors=thunder_tp.executors(),
+                                          inspect=_saved_from_parameters_alone)
     return info["inspected"]
 
 

@@ -21,6 +21,12 @@ from thunder_tp.pieces import shard_tensor
 FAST_EXECUTORS = [complex_grads_executor, comm_executor, *thunder.get_default_executors()]
 
 
+def regions_uncompiled():
+    """thunder_tp.executors()' fusion regions run op by op (torch.compile's "force_eager" stance): the same program,
+    schedule and regions, without Inductor's compilation; for tests of the program, not of Inductor's kernels."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def rank_and_size(group=None) -> tuple[int, int]:
     """This rank and the group size."""
     return dist.get_rank(group), dist.get_world_size(group)
