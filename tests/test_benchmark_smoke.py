@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import pytest
 from benchmarks import benchmark_litgpt as bench
 from benchmarks.lib import harness
 from benchmarks.lib import litgpt_setup as setup
-from tests.dist import REPO_ROOT, torchrun
+from tests.dist import REPO_ROOT, start_forked, torchrun
 
 TINY = ["--model_name", "pythia-14m", "--n_layers", "1", "--block_size", "32", "--micro_batch_size", "1",
         "--max_iters", "3", "--warmup_iters", "1", "--compile", "thunder_default"]
@@ -304,10 +304,22 @@ def test_options():
 
 
 @pytest.mark.parametrize("script", ["benchmark_litgpt", "compare", "bench_generate"])
-def test_help_exits_zero(script):
-    """``--help`` prints the usage and exits 0 (torchrun's ``@record`` returns None for a ``SystemExit(0)``)."""
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--help"], env=_env(), cwd=REPO_ROOT,
-                          capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("usage:") and not proc.stderr.strip()
+def test_help_exits_zero(script, tmp_path):
+    """``python -m benchmarks.<script> --help`` prints the usage and exits 0 (torchrun's ``@record`` returns None for a
+    ``SystemExit(0)``); its ``__main__`` run in a process forked from the test pools' server (torch imported)."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    process = start_forked(_main_with_output_in, f"benchmarks.{script}", ["--help"], str(out), str(err),
+                           name=f"{script}-help")
+    process.join(TIMEOUT_S)
+    process.kill()
+    assert process.exitcode == 0, (process.exitcode, err.read_text()[-3000:])
+    assert out.read_text().startswith("usage:") and not err.read_text().strip()
+
+
+def _main_with_output_in(module: str, argv: list[str], out_path: str, err_path: str) -> None:
+    """``python -m module *argv``, its standard output and error written to two files."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = [module, *argv]
+    sys.modules.pop(module, None)  # imported with this test module: run afresh, as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -6,6 +6,7 @@ bounded number of compiles and timings taken after a warm-up; bad input gets a o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from litgpt import GPT, Config
 
-from tests.dist import REPO_ROOT, launch_torchrun, run_ranks
+from tests.dist import REPO_ROOT, free_port, launch_torchrun, run_ranks, start_forked
 from thunder_tp.generate import cli, main
 from thunder_tp.runtimes.generation import prefill_chunks
 from thunder_tp.tools.debug import totals
@@ -87,20 +88,32 @@ def test_cli_bad_input(tmp_path, extra, message):
         main(["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, *extra])
 
 
+def _cli_on_rank(argv: list[str], rank: int, port: int, err_path: str) -> None:
+    """``cli`` as torchrun starts it on rank `rank` of 2 (its environment variables), stderr written to `err_path`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    sys.exit(cli(argv))
+
+
 def test_cli_error_is_one_line_on_rank_0(tmp_path, capsys):
     """A refused request (prompt + new tokens past block_size): one line, no traceback, exit code 2 (the command
-    line's ``cli``, in this process); under torchrun printed once (rank 0) and every rank exits (torchrun then adds
-    its own failure report)."""
+    line's ``cli``, in this process); on two ranks (torchrun's environment) printed once (rank 0) and every rank
+    exits with code 2."""
     make_checkpoint_dir(tmp_path)
     args = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "100"]
-    message = "thunder_tp.generate: error: a prompt of 5 tokens plus 100 new tokens needs 105 positions"
+    message = ("thunder_tp.generate: error: a prompt of 5 tokens plus 100 new tokens needs 105 positions, but the "
+               "model's block_size is 64: shorten the prompt or lower --max_new_tokens")
     assert cli(args) == 2
     plain = capsys.readouterr().err
-    assert plain.splitlines() == [
-        message + ", but the model's block_size is 64: shorten the prompt or lower --max_new_tokens"], plain
-    ranks = _run(args)
-    assert ranks.returncode != 0 and ranks.stderr.count(message) == 1, ranks.stderr
-    assert 'generate.py", line' not in ranks.stderr, ranks.stderr  # no traceback from the CLI's processes
+    assert plain.splitlines() == [message], plain
+    port, errors = free_port(), [tmp_path / f"rank{r}.err" for r in range(2)]
+    ranks = [start_forked(_cli_on_rank, args, r, port, str(errors[r]), name=f"generate-rank{r}") for r in range(2)]
+    for rank in ranks:
+        rank.join(300)
+        rank.kill()
+    assert [rank.exitcode for rank in ranks] == [2, 2], [rank.exitcode for rank in ranks]
+    assert [e.read_text().splitlines() for e in errors] == [[message], []], [e.read_text() for e in errors]
 
 
 @pytest.mark.slow  # bf16 generation: test_bench_generate's test_batched_bf16; sampling: the TP=2 run above
