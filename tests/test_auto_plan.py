@@ -282,6 +282,35 @@ def test_auto_plan_is_readable_and_a_plan_tensor_parallel_takes():
     assert dict(TensorParallel(plan).plan) == dict(plan)
 
 
+def _priced(pricing, decisions, choice) -> tuple | None:
+    priced = pricing.price(decisions, choice)
+    return None if priced is None else (dict(priced[0].forward), dict(priced[0].backward), priced[0].cost, priced[1])
+
+
+def test_a_search_prices_each_plan_as_a_pricing_of_it_alone():
+    """The search reuses, from one plan's pricing to the next, the bound symbols the styles emitted and the strategies
+    propagation chose (on one trace): every single move from the most sharded plan of a llama (and the plan itself)
+    costs what a pricing of that plan alone finds: collectives each way, their cost, parameter bytes."""
+    from tests.litgpt_models import make_config
+    from thunder_tp.layouts import TPGroup
+    from thunder_tp.plan_search.decisions import decisions_of
+    from thunder_tp.plan_search.pricing import Pricing
+    from thunder_tp.plan_search.search import _most_sharded
+    from thunder_tp.plan_search.tracing import traced
+
+    with torch.device("meta"):
+        model = GPTWithLoss(make_config("llama"))
+    trace = traced(model, batch(0), {})
+    pricing = Pricing(model, trace, TPGroup(None, 2, 0), training=True)
+    decisions = decisions_of(model, trace, 2)
+    start = _most_sharded(decisions, pricing, budget=2**40)
+    moves = [(*start[:i], j, *start[i + 1:]) for i, d in enumerate(decisions) for j in range(len(d.choices))]
+    reused = [_priced(pricing, decisions, choice) for choice in moves]
+    alone = [_priced(Pricing(model, trace, TPGroup(None, 2, 0), training=True), decisions, c) for c in moves]
+    assert reused == alone
+    assert len(set(map(str, reused))) > 5, reused  # the moves price differently
+
+
 def test_auto_plan_for_inference_shards_the_kv_cache_like_the_hand_plan():
     from litgpt import GPT
 

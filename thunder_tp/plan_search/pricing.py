@@ -11,7 +11,8 @@ from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
 from thunder_tp.plan_search.decisions import Decision
 from thunder_tp.plan_search.tracing import Traced
 from thunder_tp.propagation import Propagation
-from thunder_tp.propagation.constraints import constrain_styled_ops
+from thunder_tp.propagation.constraints import Emitted, constrain_styled_ops
+from thunder_tp.propagation.engine import Choices
 from thunder_tp.rewriting.communication import Communication, schedule_collectives
 from thunder_tp.styles import ModuleLayouts, Style
 from thunder_tp.styles.dtensor import read_plan
@@ -34,6 +35,9 @@ class Pricing:
     training: bool
     evaluated: int = 0
     _memo: dict = field(default_factory=dict)
+    #: what pricing the trace's other choices emitted and propagated, reused
+    _emitted: Emitted = field(default_factory=Emitted)
+    _choices: Choices = field(default_factory=Choices)
 
     def styles(self, decisions: list[Decision], choice: tuple[int, ...]) -> dict[str, Style]:
         """Module name -> style for a choice (an index into each decision's combinations)."""
@@ -87,8 +91,8 @@ class Pricing:
         inputs = flat_args(computation)
         initial = {a.name: layouts.get(names.get(a.name, ""), REPLICATE) for a in inputs}
         styled = {p: weight_styles[n] for p, n in names.items() if n in weight_styles}
-        logical = constrain_styled_ops(computation, styled)
-        propagation = Propagation(dict(initial), self.tp, frozenset(names))
+        logical = constrain_styled_ops(computation, styled, self._emitted)
+        propagation = Propagation(dict(initial), self.tp, frozenset(names), choices=self._choices)
         try:
             steps = propagation.run(trace_body(logical))
         except NotImplementedError:

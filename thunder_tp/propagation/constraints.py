@@ -8,7 +8,7 @@ once to the reduced result rather than once per rank.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from numbers import Number
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch.nn as nn
 from thunder.core.interpreter import interpreter_needs_wrap
 from thunder.core.jit_ext import ensure_recursive_proxies, register_general_jit_lookaside
 from thunder.core.proxies import ProxyTag, TensorProxy, variableify
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
@@ -35,44 +36,79 @@ def _styled_weight(bsym, styles: Mapping[str, Style]) -> Style | None:
     return None
 
 
-def _constrain(t: TensorProxy | Number, layout, memo: dict) -> TensorProxy | Number:
+class Emitted:
+    """What `constrain_styled_ops` emitted, kept across calls on the same trace (a plan search constrains one trace
+    for every plan it prices): a constraint or styled op emitted before is appended again as it was (the same bound
+    symbols and proxies), not traced again; so are the consumers of a value it replaced."""
+
+    def __init__(self, *, keep: bool = True) -> None:
+        self.keep = keep
+        self._kept: dict[tuple, tuple[tuple[BoundSymbol, ...], Any]] = {}
+
+    def emit(self, key: tuple, into: TraceCtx, make: Callable[[], Any]) -> Any:
+        """``make()``'s result, with the bound symbols it appends to `into` (the tracing context); made once per
+        `key` (the ids of bound symbols in it stay taken: the kept bound symbols hold them), every time if not
+        `keep`."""
+        if not self.keep:
+            return make()
+        kept = self._kept.get(key)
+        if kept is None:
+            start = len(into.bound_symbols)
+            result = make()
+            self._kept[key] = (tuple(into.bound_symbols[start:]), result)
+            return result
+        into.bound_symbols.extend(kept[0])
+        return kept[1]
+
+
+def _constrain(t: TensorProxy | Number, layout, memo: dict, emitted: Emitted, into: TraceCtx) -> TensorProxy | Number:
     """`t` annotated with `layout`, once per (value, layout), so that consumers share one redistribution; a number
     (Gemma's RMSNorm consumes its weight in `1 + weight`) as it is."""
     if layout is None or not isinstance(t, TensorProxy):
         return t
     key = (t.name, layout)
     if key not in memo:
-        memo[key] = tp_annotate(t, layout)
+        memo[key] = emitted.emit(("annotate", *key), into, lambda: tp_annotate(t, layout))
     return memo[key]
 
 
-def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style]) -> TraceCtx:
-    """Insert the input/output constraints of each style (keyed by weight proxy name) into `trace`."""
+def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style], emitted: Emitted | None = None) -> TraceCtx:
+    """Insert the input/output constraints of each style (keyed by weight proxy name) into `trace`; `emitted`: what
+    earlier calls on this trace emitted, reused."""
+    emitted = Emitted(keep=False) if emitted is None else emitted
     new = from_trace(trace)
     swap: dict = {}
     memo: dict = {}
     with tracectx(new):
         for bsym in trace.bound_symbols:
-            if any(variableify(p) in swap for p in bsym.flat_proxy_args):  # (the rest is reused as it is)
-                bsym = bsym.from_bsym_swap_proxies(swap)
+            replaced = tuple(swap[v].name for v in map(variableify, bsym.flat_proxy_args) if v in swap)
+            if replaced:  # (the rest is reused as it is)
+                bsym = emitted.emit(("swapped", id(bsym), replaced), new, lambda b=bsym: b.from_bsym_swap_proxies(swap))
             style = _styled_weight(bsym, styles) if isinstance(bsym.output, TensorProxy) else None
             if style is None:
                 new.bound_symbols.append(bsym)
                 continue
             emitted_from = len(new.bound_symbols)
-            x, *rest = bsym.args
-            x = _constrain(x, style.input_layout, memo)
-            bias = bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("bias")
-            split_bias = bsym.sym.id == ltorch.linear.id and isinstance(style, RowwiseParallel) and bias is not None
-            y = ltorch.linear(x, rest[0], None) if split_bias else bsym.sym(x, *rest, **bsym.kwargs)
-            y = _constrain(y, style.output_layout, memo)
-            if split_bias:
-                y = ltorch.add(y, bias)
+            x = _constrain(bsym.args[0], style.input_layout, memo, emitted, new)
+            y = emitted.emit(("styled", id(bsym), style, getattr(x, "name", x)), new,
+                             lambda b=bsym, s=style, x=x: _styled_op(b, s, x, memo, emitted, new))
             swap[variableify(bsym.output)] = y
             if ProxyTag.RECOMPUTE_IN_BACKWARD in bsym.output.tags:  # a checkpointed op: its replacement too
                 recompute_in_backward(new.bound_symbols[emitted_from:])
     new.set_provenance(TraceProvenance("thunder_tp: style constraints"))
     return new
+
+
+def _styled_op(bsym: BoundSymbol, style: Style, x: TensorProxy | Number, memo: dict, emitted: Emitted,
+               into: TraceCtx) -> TensorProxy:
+    """The op of `bsym` on its constrained input `x`, its output constrained; a row-parallel linear's bias added
+    after the output constraint."""
+    _, *rest = bsym.args
+    bias = bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("bias")
+    split_bias = bsym.sym.id == ltorch.linear.id and isinstance(style, RowwiseParallel) and bias is not None
+    y = ltorch.linear(x, rest[0], None) if split_bias else bsym.sym(x, *rest, **bsym.kwargs)
+    y = _constrain(y, style.output_layout, memo, emitted, into)
+    return ltorch.add(y, bias) if split_bias else y
 
 
 def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -> None:

@@ -123,9 +123,38 @@ class Step:
     strategy: Strategy
 
 
+class Choices:
+    """The strategies chosen for bound symbols, kept across propagations over the same bound symbols (a plan search
+    propagates one trace for every plan it prices): a choice depends only on the op, its inputs' layouts and which
+    of them a strategy already needs Replicate, for one TP group and one set of parameters."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[int, tuple[BoundSymbol, list[TensorProxy], list[TensorProxy]]] = {}
+        self._chosen: dict[tuple, tuple[BoundSymbol, Strategy | object]] = {}
+
+    def op(self, bsym: BoundSymbol, layouts: dict[str, Layout], tp: TPGroup) -> Op:
+        """`bsym`'s Op with its inputs' `layouts` (its tensor inputs and outputs flattened once per bound symbol)."""
+        known = self._tensors.get(id(bsym))
+        if known is None:
+            first = Op(bsym, [], tp)
+            known = self._tensors[id(bsym)] = (bsym, first.tensors, first.outputs)
+        op = Op(bsym, [layouts[t.name] for t in known[1]], tp)
+        op.__dict__.update(tensors=known[1], outputs=known[2])  # the cached properties' values
+        return op
+
+    def choice(self, propagation: Propagation, op: Op) -> Strategy | object:
+        """``propagation.choose(op)``, chosen once per op, input layouts and inputs already needed Replicate."""
+        key = (id(op.bsym), tuple(op.layouts), tuple(t.name in propagation.replicated for t in op.tensors))
+        known = self._chosen.get(key)
+        if known is None:  # (the value holds the bound symbol: its id stays taken)
+            known = self._chosen[key] = (op.bsym, propagation.choose(op))
+        return known[1]
+
+
 @dataclass
 class Propagation:
-    """Drives the rules over a trace; `layouts` maps proxy names to layouts."""
+    """Drives the rules over a trace; `layouts` maps proxy names to layouts. `choices`: strategies kept from earlier
+    propagations with the same TP group and parameters (None: every op chosen afresh)."""
 
     layouts: dict[str, Layout]
     tp: TPGroup
@@ -133,12 +162,17 @@ class Propagation:
     steps: list[Step] = field(default_factory=list)
     #: proxies whose Replicate version a chosen strategy already needs (the rewrite makes it once)
     replicated: set[str] = field(default_factory=set)
+    choices: Choices | None = None
 
     def run(self, bsyms: Iterable[BoundSymbol]) -> list[Step]:
         """Choose a strategy for every bound symbol, decomposing rule-less ops where needed."""
         for bsym in bsyms:
-            op = Op(bsym, [self.layouts[t.name] for t in _tensor_inputs(bsym)], self.tp)
-            strategy = self.choose(op)
+            if self.choices is None:
+                op = Op(bsym, [self.layouts[t.name] for t in _tensor_inputs(bsym)], self.tp)
+                strategy = self.choose(op)
+            else:
+                op = self.choices.op(bsym, self.layouts, self.tp)
+                strategy = self.choices.choice(self, op)
             if strategy is DECOMPOSE:
                 self.run(bsym.subsymbols)
                 continue
