@@ -171,14 +171,23 @@ def _fork_server_environ():
     return _patched_environ({**_WORKER_ENV, "PYTHONPATH": path}, _WORKER_ENV_DEFAULTS)
 
 
-def start_forked(target: Callable, *args: Any, name: str):
+def start_forked(target: Callable, *args: Any, name: str, stdout: str | None = None, stderr: str | None = None):
     """A started process running ``target(*args)`` (a module-level function), forked from the pools' fork server:
-    torch, Thunder and litgpt already imported, one thread."""
+    torch, Thunder and litgpt already imported, one thread; its standard output and error written to the files
+    `stdout` and `stderr` where given."""
     ctx = _forkserver_context()
     with _fork_server_environ():
-        process = ctx.Process(target=target, args=args, name=name, daemon=False)
+        process = ctx.Process(target=_with_output_in, args=(stdout, stderr, target, *args), name=name, daemon=False)
         process.start()
     return process
+
+
+def _with_output_in(stdout: str | None, stderr: str | None, target: Callable, *args: Any) -> None:
+    """``target(*args)``, file descriptors 1 and 2 written to the files `stdout` and `stderr` (None: as they are)."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        if path is not None:
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    target(*args)
 
 
 def _reserve_port() -> tuple[socket.socket, int]:

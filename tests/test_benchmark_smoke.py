@@ -308,18 +308,16 @@ def test_help_exits_zero(script, tmp_path):
     """``python -m benchmarks.<script> --help`` prints the usage and exits 0 (torchrun's ``@record`` returns None for a
     ``SystemExit(0)``); its ``__main__`` run in a process forked from the test pools' server (torch imported)."""
     out, err = tmp_path / "out", tmp_path / "err"
-    process = start_forked(_main_with_output_in, f"benchmarks.{script}", ["--help"], str(out), str(err),
-                           name=f"{script}-help")
+    process = start_forked(_run_as_main, f"benchmarks.{script}", ["--help"], name=f"{script}-help", stdout=str(out),
+                           stderr=str(err))
     process.join(TIMEOUT_S)
     process.kill()
     assert process.exitcode == 0, (process.exitcode, err.read_text()[-3000:])
     assert out.read_text().startswith("usage:") and not err.read_text().strip()
 
 
-def _main_with_output_in(module: str, argv: list[str], out_path: str, err_path: str) -> None:
-    """``python -m module *argv``, its standard output and error written to two files."""
-    for fd, path in ((1, out_path), (2, err_path)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+def _run_as_main(module: str, argv: list[str]) -> None:
+    """``python -m module *argv``."""
     sys.argv = [module, *argv]
     sys.modules.pop(module, None)  # imported with this test module: run afresh, as `python -m` does
     runpy.run_module(module, run_name="__main__", alter_sys=True)

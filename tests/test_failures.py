@@ -65,13 +65,6 @@ def _rank_main(mode: str, rank: int, port: int) -> None:
     print("finished every step", flush=True)
 
 
-def _rank_with_output_in(out_path: str, err_path: str, mode: str, rank: int, port: int) -> None:
-    """`_rank_main`, its standard output and error written to two files."""
-    for fd, path in ((1, out_path), (2, err_path)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    _rank_main(mode, rank, port)
-
-
 def _stamp(text: str, event: str) -> float:
     return float(next(line.split(" at ")[1] for line in text.splitlines() if line.startswith(event + " at ")))
 
@@ -81,7 +74,7 @@ def _run_pair(mode: str) -> tuple[subprocess.CompletedProcess, float, float]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix=f"failures-{mode}-") as logs:
         outputs = [(Path(logs, f"rank{r}.out"), Path(logs, f"rank{r}.err")) for r in range(2)]
-        procs = [start_forked(_rank_with_output_in, str(out), str(err), mode, r, port, name=f"{mode}-rank{r}")
+        procs = [start_forked(_rank_main, mode, r, port, name=f"{mode}-rank{r}", stdout=str(out), stderr=str(err))
                  for r, (out, err) in enumerate(outputs)]
         try:
             if mode == "hang":  # rank 1 stays alive: rank 0 has to give up on its own

@@ -88,11 +88,10 @@ def test_cli_bad_input(tmp_path, extra, message):
         main(["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, *extra])
 
 
-def _cli_on_rank(argv: list[str], rank: int, port: int, err_path: str) -> None:
-    """``cli`` as torchrun starts it on rank `rank` of 2 (its environment variables), stderr written to `err_path`."""
+def _cli_on_rank(argv: list[str], rank: int, port: int) -> None:
+    """``cli`` as torchrun starts it on rank `rank` of 2 (its environment variables)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     sys.exit(cli(argv))
 
 
@@ -108,7 +107,8 @@ def test_cli_error_is_one_line_on_rank_0(tmp_path, capsys):
     plain = capsys.readouterr().err
     assert plain.splitlines() == [message], plain
     port, errors = free_port(), [tmp_path / f"rank{r}.err" for r in range(2)]
-    ranks = [start_forked(_cli_on_rank, args, r, port, str(errors[r]), name=f"generate-rank{r}") for r in range(2)]
+    ranks = [start_forked(_cli_on_rank, args, r, port, name=f"generate-rank{r}", stderr=str(errors[r]))
+             for r in range(2)]
     for rank in ranks:
         rank.join(300)
         rank.kill()
