@@ -34,6 +34,7 @@ import functools
 from collections.abc import Callable, Iterator
 from numbers import Number
 
+import thunder.clang as clang
 import thunder.core.prims as prims
 import thunder.torch as ltorch
 import torch
@@ -78,12 +79,13 @@ def _torch_conj(x: TensorProxy) -> TensorProxy:
 
 
 def _put(x, grad: TensorProxy) -> None:
-    """Accumulate ``grad`` into a tensor input ``x``: its real part for a real ``x``, summed over broadcast dims."""
+    """Accumulate ``grad`` into a tensor input ``x`` as eager does: its real part for a real ``x``, summed over
+    broadcast dims, then cast to ``x``'s dtype (a complex64 factor of a complex128 product gets a complex64 grad)."""
     if not isinstance(x, TensorProxy):
         return
     if not dtypes.is_complex_dtype(x.dtype) and dtypes.is_complex_dtype(grad.dtype):
         grad = ltorch.real(grad)
-    put_grad(x, sum_to(grad, x.shape))
+    put_grad(x, clang.maybe_convert_to_dtype(sum_to(grad, x.shape), x.dtype))
 
 
 def _product_grad(op: Symbol) -> Callable:
@@ -146,21 +148,26 @@ def _differentiable(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+def _by_key(tree: dict) -> list[tuple]:
+    """A dict's items in key order: the order of its tensors' grads, whatever order the keywords were given in."""
+    return sorted(tree.items(), key=lambda item: str(item[0]))
+
+
 def _leaves(tree) -> list:
     """The differentiable tensors of nested tuples, lists and dicts (values in key order), in order."""
     if isinstance(tree, (tuple, list)):
         return [leaf for item in tree for leaf in _leaves(item)]
     if isinstance(tree, dict):
-        return [leaf for key in sorted(tree, key=str) for leaf in _leaves(tree[key])]
+        return [leaf for _, value in _by_key(tree) for leaf in _leaves(value)]
     return [tree] if _differentiable(tree) else []
 
 
 def _replaced(tree, leaves: Iterator):
-    """`tree` with its differentiable tensors replaced, in order, by the next of `leaves`."""
+    """`tree` with its differentiable tensors replaced by the next of `leaves`, in the order `_leaves` lists them."""
     if isinstance(tree, (tuple, list)):
         return type(tree)(_replaced(item, leaves) for item in tree)
     if isinstance(tree, dict):
-        return {key: _replaced(tree[key], leaves) for key in tree}
+        return {key: _replaced(value, leaves) for key, value in _by_key(tree)}
     return next(leaves) if _differentiable(tree) else tree
 
 
