@@ -16,7 +16,7 @@ import thunder_tp
 from tests.generation import MAX_SEQ, greedy, models_with_cache
 from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch
 from tests.tp_checks import FAST_EXECUTORS
-from thunder_tp.execution import repeated_blocks
+from thunder_tp.execution import block_keys, repeated_blocks
 from thunder_tp.execution.repeated_blocks import TraceStats, stats_of
 
 
@@ -196,7 +196,7 @@ def test_blocks_constrained_to_other_layouts_are_another_kind():
     def structures(inputs) -> list[tuple]:
         model = nn.Sequential(*(_Configured(_Settings(1.0)) for _ in range(2)))
         constrain_module_boundaries(model, {f"{i}.linear": ModuleLayouts(inputs=inputs) for i in range(2)})
-        return [repeated_blocks._structure(block) for block in model]
+        return [block_keys._Keys(block).structure() for block in model]
 
     replicated, sharded = structures((thunder_tp.Replicate(),)), structures((thunder_tp.Shard(0),))
     assert replicated[0] == replicated[1] and sharded[0] == sharded[1]

@@ -3,15 +3,15 @@
 Interpreting a model is Thunder's largest cost per layer (about 5 s of CPU for a litgpt block on this project's
 machine), and the blocks of a transformer are the same code on parameters of the same shapes. So, in a program
 jitted with thunder_tp's executors, a call of a *repeated block* (a module with children, one of at least two of its
-class in a ModuleList, ModuleDict or Sequential of the jitted model) is traced once per *kind* (`block_key`: its
-class, every submodule's class and plain attributes but the family's index attributes, its hooks, its parameters'
-and buffers' metadata, the call's tensor metadata and other arguments). The first call of a kind is interpreted and
-its bound symbols recorded; the second is interpreted too and must give the same program up to names (a block
-whose behaviour the key does not capture is then interpreted every time); every later call is not interpreted: the
-recorded symbols are appended again with its own parameters, buffers and arguments swapped in and fresh names. A
-kind checked so in one trace is not checked again in a later trace of the process (a retrace under no_grad, another
-model of the same blocks: the same key) if the blocks also hold the same other objects (a config, by its repr):
-there the first call alone is interpreted.
+class in a ModuleList, ModuleDict or Sequential of the jitted model) is traced once per *kind*
+(`block_keys.block_key`: everything its call can observe: its structure, every attribute of every submodule by value,
+its hooks and what they close over, the code it runs and the globals that code names, grad mode and autocast, the
+call's arguments). The first call of a kind is interpreted and its bound symbols recorded; the second is interpreted
+too and must give the same program up to names (a block whose behaviour the key does not capture is then interpreted
+every time); every later call is not interpreted: the recorded symbols are appended again with its own parameters,
+buffers and arguments swapped in and fresh names. A kind checked so in one trace is not checked again in a later
+trace of the process (a retrace under no_grad, another model of the same blocks: the same key): there the first call
+alone is interpreted.
 
 The trace that results is the one interpretation gives, so everything after it (TensorParallel, autodiff, fusion,
 DDP/FSDP, checkpoints, generation, the trace dumps) is as before. What a replayed block's interpretation would
@@ -25,7 +25,6 @@ with any executors.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -34,18 +33,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 from thunder.core.compile_data import get_compile_data
-from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, variableify
+from thunder.core.proxies import Proxy, variableify
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, get_tracectx
 
 from thunder_tp.collectives import comm_executor
+from thunder_tp.execution.block_keys import block_key
 from thunder_tp.execution.region_cache import canonical_form, compile_once_option
-from thunder_tp.families import is_index_attribute
 from thunder_tp.thunder_internals import replay
 
-__all__ = ["TraceStats", "block_key", "repeated_blocks", "stats_of"]
+__all__ = ["TraceStats", "repeated_blocks", "stats_of"]
 
+#: what a replayed block's output may hold besides proxies
 _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -103,44 +103,6 @@ def repeated_blocks(root: nn.Module) -> frozenset[int]:
     return _repeated[root]
 
 
-def block_key(module: nn.Module, args: tuple, kwargs: dict) -> Hashable | None:
-    """What two calls must share to be one program up to names (the module docstring); None where the call's
-    arguments cannot be keyed (a symbolic number, an object)."""
-    leaves, spec = tree_flatten((args, kwargs))
-    call = []
-    for leaf in leaves:
-        if isinstance(leaf, TensorProxy):
-            call.append(("tensor", tuple(leaf.shape), repr(leaf.dtype), repr(leaf.device), leaf.requires_grad))
-        elif isinstance(leaf, _CONSTANTS) and not isinstance(leaf, NumberProxy):
-            call.append((type(leaf).__name__, repr(leaf)))
-        else:
-            return None
-    tensors = tuple((kind, name, tuple(t.shape), t.dtype, t.device, t.requires_grad)
-                    for kind, name, t in _tensors(module))
-    return type(module), _structure(module), tensors, str(spec), tuple(call)
-
-
-def _structure(module: nn.Module) -> tuple:
-    def attributes(m: nn.Module) -> tuple:
-        return tuple(sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_")
-                            and isinstance(v, _CONSTANTS) and not is_index_attribute(m, k)))
-
-    def hooks(m: nn.Module) -> tuple:
-        return tuple(_hook_key(h) for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values())
-
-    return tuple((name, type(m).__qualname__, attributes(m), hooks(m), "forward" in vars(m))
-                 for name, m in module.named_modules())
-
-
-def _hook_key(hook) -> Hashable:
-    """A hook by its function; a partial by the objects bound to it too (a style's layouts) but its strings (the
-    labels naming their module that thunder_tp's layout hooks carry)."""
-    if isinstance(hook, functools.partial):
-        return (_hook_key(hook.func), tuple(repr(a) for a in hook.args if not isinstance(a, str)),
-                tuple(sorted((k, repr(v)) for k, v in hook.keywords.items())))
-    return getattr(hook, "__qualname__", type(hook).__name__)
-
-
 def _tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     return ([("_parameters", n, p) for n, p in module.named_parameters()]
             + [("_buffers", n, b) for n, b in module.named_buffers()])
@@ -175,18 +137,8 @@ def _module_call(module, args: tuple, kwargs: dict):
         return _replayed(recording, module, args, kwargs)
     state.stats.interpreted += 1
     result, new = _record(m, module, args, kwargs)
-    state.recordings[key] = _checked(recording, new, _kind(key, m))
+    state.recordings[key] = _checked(recording, new, key)
     return result
-
-
-def _kind(key: Hashable, module: nn.Module) -> Hashable:
-    """`key` and the other objects the block holds (not modules, tensors or constants): by their repr, or by
-    identity where their class has no repr of its own."""
-    held = tuple((name, k, repr(v) if type(v).__repr__ is not object.__repr__ and not isinstance(v, torch.Tensor)
-                  else id(v))
-                 for name, sub in module.named_modules() for k, v in vars(sub).items()
-                 if not k.startswith("_") and not isinstance(v, (*_CONSTANTS, nn.Module)))
-    return key, held
 
 
 def _record(m: nn.Module, module, args: tuple, kwargs: dict) -> tuple[Any, _Recording | None]:

@@ -15,6 +15,7 @@ from typing import Any
 import thunder.torch as ltorch
 import torch
 import torch.nn as nn
+from thunder.core.compile_data import get_compile_data
 from thunder.core.interpreter import interpreter_needs_wrap
 from thunder.core.jit_ext import ensure_recursive_proxies, register_general_jit_lookaside
 from thunder.core.proxies import ProxyTag, TensorProxy, variableify
@@ -121,48 +122,47 @@ def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -
         if not isinstance(style, ModuleLayouts):
             continue
         module, hooks = model.get_submodule(name), []
-        label = f"module {name!r}" if name else f"the model ({type(model).__name__})"
         if style.inputs is not None or style.kwarg_inputs:
-            hooks.append(module.register_forward_pre_hook(functools.partial(_constrain_inputs, label, style),
+            hooks.append(module.register_forward_pre_hook(functools.partial(_constrain_inputs, style),
                                                           with_kwargs=True))
         if style.outputs is not None:
-            hooks.append(module.register_forward_hook(functools.partial(_constrain_outputs, label, style)))
+            hooks.append(module.register_forward_hook(functools.partial(_constrain_outputs, style)))
         module.__dict__[_HOOKS] = hooks
 
 
-def _constrain_inputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+def _constrain_inputs(style: ModuleLayouts, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """A forward pre-hook: the module's inputs annotated with their layouts."""
     if style.inputs is not None:
-        args = _constrained(label, "positional input", tuple(range(len(args))), args, style.inputs)
+        args = _constrained(module, "positional input", tuple(range(len(args))), args, style.inputs)
     if style.kwarg_inputs:
         layouts, names = dict(style.kwarg_inputs), tuple(kwargs)
-        values = _constrained(label, "keyword input", names, tuple(kwargs.values()), tuple(map(layouts.get, names)))
+        values = _constrained(module, "keyword input", names, tuple(kwargs.values()), tuple(map(layouts.get, names)))
         kwargs = dict(zip(names, values, strict=True))
     return args, kwargs
 
 
-def _constrain_outputs(label: str, style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
+def _constrain_outputs(style: ModuleLayouts, module: nn.Module, args: tuple, output: Any) -> Any:
     """A forward hook: the module's outputs annotated with their layouts."""
     outputs = output if isinstance(output, tuple) else (output,)
-    constrained_outputs = _constrained(label, "output", tuple(range(len(outputs))), outputs, style.outputs)
+    constrained_outputs = _constrained(module, "output", tuple(range(len(outputs))), outputs, style.outputs)
     return constrained_outputs if isinstance(output, tuple) else constrained_outputs[0]
 
 
-def _constrained(label: str, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
+def _constrained(module: nn.Module, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
     """`values` (their positions or names: `keys`) each annotated with its layout (None: as it comes); a count of
-    layouts other than of values, or a layout for a value that is not a tensor, is an error naming `label`."""
+    layouts other than of values, or a layout for a value that is not a tensor, is an error naming `module`."""
     if len(values) != len(layouts):
         raise ValueError(
-            f"thunder_tp.TensorParallel: {label} has {len(values)} {what}s but its ModuleLayouts (DTensor's "
+            f"thunder_tp.TensorParallel: {_label(module)} has {len(values)} {what}s but its ModuleLayouts (DTensor's "
             f"PrepareModuleInput / PrepareModuleOutput) gives {len(layouts)} layouts {layouts}; give one per value, "
             "None for those left as they come"
         )
     for key, value, layout in zip(keys, values, layouts, strict=True):
         if layout is not None and not isinstance(value, (torch.Tensor, TensorProxy)):
             raise TypeError(
-                f"thunder_tp.TensorParallel: {label}: {what} {key!r} is a {type(value).__name__}, not a tensor, but "
-                f"its ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput) gives it the layout "
-                f"{layout}; give it None"
+                f"thunder_tp.TensorParallel: {_label(module)}: {what} {key!r} is a {type(value).__name__}, not a "
+                "tensor, but its ModuleLayouts (DTensor's PrepareModuleInput / PrepareModuleOutput) gives it the "
+                f"layout {layout}; give it None"
             )
     return tuple(v if layout is None else annotate(v, layout) for v, layout in zip(values, layouts, strict=True))
 
@@ -170,7 +170,17 @@ def _constrained(label: str, what: str, keys: tuple, values: tuple, layouts: tup
 @register_general_jit_lookaside(_constrained)
 @ensure_recursive_proxies
 @interpreter_needs_wrap
-def _constrained_lookaside(label: str, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
+def _constrained_lookaside(module: nn.Module, what: str, keys: tuple, values: tuple, layouts: tuple) -> tuple:
     """thunder.jit runs `_constrained` as it is, on proxies, rather than interpreting it (hooks run on every call of
     every constrained module while a program is traced)."""
-    return _constrained(label, what, keys, values, layouts)
+    return _constrained(module, what, keys, values, layouts)
+
+
+def _label(module: nn.Module) -> str:
+    """How an error names `module`: by its name in the model being traced (the hooks carry no name, so that the
+    blocks they constrain alike stay one kind: `execution/block_keys.py`)."""
+    root = getattr(get_compile_data(), "fn", None)
+    name = next((n for n, m in root.named_modules() if m is module), None) if isinstance(root, nn.Module) else None
+    if name is None:
+        return f"a {type(module).__name__}"
+    return f"module {name!r}" if name else f"the model ({type(module).__name__})"

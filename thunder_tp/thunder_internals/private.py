@@ -169,3 +169,12 @@ def _tensor_signature(t: torch.Tensor) -> tuple:
 
 
 thunder.thunder_general_jit = _reusing
+
+
+def global_module_hooks() -> tuple[list[dict], list[dict]]:
+    """torch's process-wide module hooks (forward pre, forward, backward pre, backward: id -> hook) and their flags
+    (with kwargs, always called: id -> bool), as a module's own (torch has no public getter of them)."""
+    m = torch.nn.modules.module
+    hooks = [m._global_forward_pre_hooks, m._global_forward_hooks, m._global_backward_pre_hooks,
+             m._global_backward_hooks]
+    return hooks, [{}, m._global_forward_hooks_with_kwargs, m._global_forward_hooks_always_called]

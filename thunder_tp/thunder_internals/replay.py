@@ -36,6 +36,7 @@ from thunder.core.interpreter import (
 )
 from thunder.core.jit_ext import register_general_jit_lookaside
 from thunder.core.proxies import Proxy, variableify
+from thunder.core.pytree import tree_map
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import get_tracectx
 
@@ -105,7 +106,7 @@ def append_replayed(bsyms: Sequence[BoundSymbol], swap: dict) -> None:
             v = variableify(p)
             if v not in swap:
                 swap[v] = p.replace(name=None, tags=set(p.tags))
-        scope.append(_copied_tags(bsym.from_bsym_swap_proxies(swap)))
+        scope.append(_swapped(bsym, swap))
 
 
 def _produced(bsym: BoundSymbol):
@@ -114,9 +115,17 @@ def _produced(bsym: BoundSymbol):
         yield from _produced(sub)
 
 
-def _copied_tags(bsym: BoundSymbol) -> BoundSymbol:
-    """`bsym` with tag sets of its own (Thunder's passes add tags in place)."""
-    return bsym.from_bsym(tags=set(bsym.tags), subsymbols=[_copied_tags(s) for s in bsym.subsymbols])
+def _swapped(bsym: BoundSymbol, swap: dict) -> BoundSymbol:
+    """`bsym` with each proxy replaced by its entry in `swap`, once (Thunder's ``from_bsym_swap_proxies`` follows
+    chains: a call's argument named as a value the recording produced, the recorded block's output passed straight
+    to the next block, would be swapped again), and tag sets of its own (Thunder's passes add tags in place)."""
+
+    def one(x: Any) -> Any:
+        return swap.get(variableify(x), x) if isinstance(x, Proxy) else x
+
+    return bsym.from_bsym(args=tree_map(one, bsym.args), kwargs=tree_map(one, bsym.kwargs),
+                          output=tree_map(one, bsym.output), tags=set(bsym.tags),
+                          subsymbols=[_swapped(s, swap) for s in bsym.subsymbols])
 
 
 def opaque(value: Any, module, args: Sequence):
