@@ -38,6 +38,7 @@ from thunder_tp.styles.matching import (
     styles_from_distparallel_type,
     tied_parameters,
 )
+from thunder_tp.thunder_internals.grad_mode import detached_as_eager
 from thunder_tp.thunder_internals.overlapping_inputs import separating_overlapping_views
 from thunder_tp.thunder_internals.private import (
     original_module,
@@ -222,6 +223,7 @@ class TensorParallel(Transform):
         """Rewrite the computation into the local program and fix the prologue's shape checks."""
         _check_materialized(self._module)
         check_complex_grads(computation, kwargs.get("executors_list", ()))
+        detached_as_eager(computation)  # a detached value's inputs get no grad from it, as in eager
         if self.tp.size == 1:  # every layout is the whole tensor: nothing to rewrite or communicate
             return prologue, computation, epilogue
         param_names = unpacked_tensor_names(prologue)

@@ -25,6 +25,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
 from thunder_tp.styles.annotate import annotate, tp_annotate
 from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
+from thunder_tp.thunder_internals.grad_mode import in_grad_mode_of
 
 #: the module attribute holding the hooks `constrain_module_boundaries` registered on it
 _HOOKS = "_thunder_tp_module_layouts"
@@ -91,8 +92,9 @@ def constrain_styled_ops(trace: TraceCtx, styles: Mapping[str, Style], emitted: 
                 continue
             emitted_from = len(new.bound_symbols)
             x = _constrain(bsym.args[0], style.input_layout, memo, emitted, new)
-            y = emitted.emit(("styled", id(bsym), style, getattr(x, "name", x)), new,
-                             lambda b=bsym, s=style, x=x: _styled_op(b, s, x, memo, emitted, new))
+            with in_grad_mode_of([bsym]):  # a no-grad linear's replacement is no-grad too
+                y = emitted.emit(("styled", id(bsym), style, getattr(x, "name", x)), new,
+                                 lambda b=bsym, s=style, x=x: _styled_op(b, s, x, memo, emitted, new))
             swap[variableify(bsym.output)] = y
             if ProxyTag.RECOMPUTE_IN_BACKWARD in bsym.output.tags:  # a checkpointed op: its replacement too
                 recompute_in_backward(new.bound_symbols[emitted_from:])

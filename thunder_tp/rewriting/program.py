@@ -21,6 +21,7 @@ from thunder_tp.propagation.engine import Step
 from thunder_tp.rewriting.communication import CollectiveSchedule, Need, schedule_collectives
 from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
+from thunder_tp.thunder_internals.grad_mode import grad_reaches, in_grad_mode_of
 
 
 @dataclass
@@ -109,10 +110,12 @@ def coalesce_replicated_copies(bsyms: list[BoundSymbol], coalesced: set[str], tp
     parameters used by sharded compute: norm weights and row biases under SP, per-head q/k norm weights, routers,
     replicated K/V blocks, each maybe cast or offset first) -> one copy_all_to_tp per dtype, after the inputs and
     those computations (moved up): their grads are all-reduced together in one collective at the end of the
-    backward (as Megatron-LM does)."""
+    backward (as Megatron-LM does). Copies whose grad nothing reaches (parameters used only upstream of no-grad
+    code) stay apart: their grads stay None, as one device's, rather than zeros summed with the others."""
     groups: dict[Any, list[BoundSymbol]] = {}
+    reached = grad_reaches(bsyms)
     for b in bsyms:
-        if b.sym.id == C.tp_copy_to_tp.id and b.output.name in coalesced:
+        if b.sym.id == C.tp_copy_to_tp.id and b.output.name in coalesced and b.output.name in reached:
             groups.setdefault(b.args[0].dtype, []).append(b)
     groups = {dtype: copies for dtype, copies in groups.items() if len(copies) > 1}
     if not groups:
@@ -269,7 +272,8 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     ]
     args, kwargs = tree_unflatten(local_flat, spec)
     emitted_from = len(get_tracectx().bound_symbols)
-    result = (strategy.local or bsym.sym)(*args, **kwargs)
+    with in_grad_mode_of([bsym]):
+        result = (strategy.local or bsym.sym)(*args, **kwargs)
     where = local.names.module(bsym) or bsym.sym.name
     label_collectives(get_tracectx().bound_symbols[emitted_from:], f"{where}: {bsym.sym.name} computed on shards")
     for logical, value in zip(outputs, tree_flatten(result)[0], strict=True):
