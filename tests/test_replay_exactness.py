@@ -219,3 +219,58 @@ def test_a_second_model_whose_blocks_differ_from_the_third_on():
     _assert_same(interpreted, eager, exact=False)
     _assert_same(once, interpreted, exact=True)
     assert once["stats"].replayed == 2, once["stats"]  # blocks 2 and 5; block 0 alone takes a leaf
+
+
+def _gemma3_litgpt() -> nn.Module:
+    from tests.litgpt_models import zoo_config
+    from thunder_tp.plans.litgpt import GPTWithLoss
+
+    config = zoo_config("Gemma-3-4b-it")
+    config.n_layer, config.sliding_window_indices, config.rope_indices = 6, [1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]
+    return GPTWithLoss(config)
+
+
+def _gemma3_hf() -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import make_config
+    from thunder_tp.plans.hf import CausalLMLoss
+
+    config = make_config("gemma3_text")
+    config.num_hidden_layers = 6  # layers 0-4 local (sliding window), 5 global
+    return CausalLMLoss(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64))
+
+
+def _simulated_step_matches_one_device(make: Callable[[], nn.Module], plan: Callable) -> None:
+    """One step of TP=2 + SP + loss parallel on 2 simulated ranks, blocks traced once: each rank's loss and grads
+    those of one device (float32 RMSNorms: 1e-6; a replayed block of the other kind is off by far more)."""
+    import thunder_tp
+    from tests.litgpt_models import batch
+    from tests.tp_checks import assert_simulated_grads_are_shards
+
+    torch.manual_seed(0)
+    model = make()
+    idx, targets = batch(0)
+    reference = make()
+    reference.load_state_dict(model.state_dict())
+    expected = reference(idx, targets)
+    expected.backward()
+    with thunder_tp.simulate(world_size=2):
+        tp = thunder_tp.TensorParallel(plan(model, sequence_parallel=True, loss_parallel=True))
+        jm = thunder.jit(model, transforms=[tp], executors=thunder_tp.executors(), compile_once=True)
+        loss = jm(idx, targets)
+        loss.backward()
+        for value in thunder_tp.per_rank(loss).values():
+            torch.testing.assert_close(value, expected.detach(), rtol=1e-6, atol=1e-6)
+        assert_simulated_grads_are_shards(reference, jm, tp.parameter_layouts, 2, rtol=1e-6, atol=1e-6)
+    assert stats_of(model).replayed == 3, stats_of(model)  # local blocks 2-4; the global one interpreted
+
+
+@pytest.mark.parametrize("family", ["litgpt", "hf"])
+def test_six_layers_of_local_and_global_attention_under_tp_sp_and_loss_parallel(family):
+    """Gemma-3 (litgpt's and HF's): five sliding-window layers, then a global one with its own RoPE; 2 simulated
+    ranks with SP and loss parallel, blocks traced once: one device's loss and grads on every rank."""
+    import thunder_tp
+
+    make, plan = (_gemma3_litgpt, thunder_tp.plans.litgpt) if family == "litgpt" else (_gemma3_hf, thunder_tp.plans.hf)
+    _simulated_step_matches_one_device(make, plan)
