@@ -287,6 +287,11 @@ def local_shape(shape: Sequence[int], layout: Layout, size: int, rank: int) -> t
     return tuple(out)
 
 
+def largest_piece(shape: Sequence[int], layout: Layout, size: int) -> tuple[int, ...]:
+    """Each dim's longest over the `size` ranks' pieces of a tensor of `shape`: a fact every rank knows alike."""
+    return tuple(map(max, zip(*(local_shape(shape, layout, size, rank) for rank in range(size)), strict=True)))
+
+
 def local_blocks(blocks: tuple[int, ...] | None, splits: tuple[Split | None, ...] | None, size: int,
                  rank: int) -> tuple[int, ...] | None:
     """Sizes of `rank`'s piece of each block."""

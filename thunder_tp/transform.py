@@ -29,6 +29,7 @@ from thunder_tp.rewriting.program import rewrite
 from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.agreement import CompileAgreement
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
+from thunder_tp.runtimes.same_collectives import SameCollectives
 from thunder_tp.styles import Style
 from thunder_tp.styles.dtensor import read_plan
 from thunder_tp.styles.matching import (
@@ -70,6 +71,10 @@ class TensorParallel(Transform):
     pieces that overlap those matmuls (thunder_tp.execution.overlap), forward and backward: "auto" where the cost
     model says it pays (the default), "always" wherever the shapes allow, "never"; or the cost model's constants
     (`thunder_tp.execution.overlap_cost.Costs`: a link and a matmul rate) to decide as "auto" for another machine.
+    `check_collectives`: at the end of each compile (the first call of each program) the ranks compare a hash of the
+    collectives they will issue over the TP group and all raise, naming the first that differs, where they would not
+    issue the same (thunder_tp.runtimes.same_collectives).
+    It rides on the compile agreement's all_gather (thunder_tp.runtimes.agreement).
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class TensorParallel(Transform):
         example_inputs: tuple[tuple, dict] | None = None,
         check_inputs: Literal["training", "every", "first", "never"] = "training",
         overlap: Mode = "auto",
+        check_collectives: bool = True,
     ):
         if check_inputs not in CHECK_INPUTS:
             raise ValueError(
@@ -87,9 +93,13 @@ class TensorParallel(Transform):
             )
         if not isinstance(overlap, Costs) and overlap not in MODES:
             raise ValueError(f"thunder_tp.TensorParallel: overlap must be one of {MODES}, got {overlap!r}")
+        for name, value in (("check_collectives", check_collectives),):
+            if not isinstance(value, bool):
+                raise TypeError(f"thunder_tp.TensorParallel: {name} must be True or False, got {value!r}")
         self.overlap = overlap
         self.plan = _checked_plan(plan, example_inputs)
         self.check_inputs = check_inputs
+        self.check_collectives = check_collectives
         self.example_inputs = example_inputs
         self.process_group = process_group
         self.parameter_layouts: dict[str, Layout] = {}
@@ -124,6 +134,7 @@ class TensorParallel(Transform):
         constrain_module_boundaries(module, styles)
         tied = tied_parameters(module)
         check_tied_layouts(tied, self.parameter_layouts)
+        has_peers = self.tp.size > 1 and ranks_of(self.tp.group).has_peers  # a fake group has no peer to agree with
         local = self._local_layouts(model)
         for name, layout in local.items():
             param = model.get_parameter(name)
@@ -136,8 +147,9 @@ class TensorParallel(Transform):
         self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
                                                *module.named_buffers(remove_duplicate=False))}
         wrap_module_call(model, separating_overlapping_views)  # Thunder would read one view for the other
-        if self.tp.size > 1 and ranks_of(self.tp.group).has_peers:  # a fake group has no peer to agree with
-            self._agreement = CompileAgreement(self.tp.group)
+        if has_peers:
+            checks = [SameCollectives(self.tp.group)] if self.check_collectives else []
+            self._agreement = CompileAgreement(self.tp.group, checks)
             self._agreement.install(model)
             if self.check_inputs != "never":
                 InputAgreement(self.tp.group, self.check_inputs).install(model)  # runs first
@@ -247,12 +259,13 @@ class TensorParallel(Transform):
                           unchecked=parameters if one_trace else frozenset())
         local = rewrite(logical, steps, propagation.layouts, self.tp, input_shapes, parameters, param_names)
         # the chains feeding matmuls are tagged first: a decomposition reads them through its chunks' views
-        return prologue, decompose_for_overlap(recompute_matmul_inputs(local), self.tp, self.overlap), epilogue
+        inputs = {name: (shape, layouts[name]) for name, shape in input_shapes.items()}
+        return prologue, decompose_for_overlap(recompute_matmul_inputs(local), self.tp, self.overlap, inputs), epilogue
 
     def transform_trace_post_optimization(self, computation: TraceCtx, **kwargs) -> TraceCtx:
         """The end of a compile: every rank of the TP group compiled, or all raise (thunder_tp.runtimes.agreement)."""
         if self._agreement is not None:
-            self._agreement.compiled(self._module)
+            self._agreement.compiled(self._module, computation)
         return computation
 
     def _initial_layouts(self, computation: TraceCtx, param_names: dict[str, str]) -> dict[str, Layout]:

@@ -22,6 +22,11 @@ input grad's all_reduce into chunks. The waits go as late as data allows (Thunde
 
 ``mode``: "auto" decomposes a site where ``overlap_cost`` says it pays, "always" wherever the shapes allow (tests),
 "never" nowhere; an ``overlap_cost.Costs`` is "auto" priced with its link and matmul rate (another machine's).
+Every rank must decompose alike (a rank that shifts pieces its peer all-reduces waits forever), so the decisions read
+only what every rank knows alike: the bytes of the communicated tensor and the tokens are the same on every rank, and
+each linear is priced at its weight's largest piece over the ranks, never at this rank's own (where the TP size
+divides no head count, ranks hold weights of different widths); a weight that is not an input of the program (whose
+pieces are not known) leaves its site undecomposed.
 Never in a simulation (one trace runs for every rank there, and a shift's order is the rank's), nor under symbolic
 values (shapes must be known), nor on fewer than ``MIN_CHUNK_ROWS`` rows a chunk, nor on one token a sequence (a
 decode step).
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +51,7 @@ from thunder_tp import collectives as C
 from thunder_tp.collectives.labels import label_collectives, label_of
 from thunder_tp.collectives.packing import is_plain
 from thunder_tp.execution import overlap_cost as cost
-from thunder_tp.layouts import TPGroup
+from thunder_tp.layouts import Layout, TPGroup, largest_piece
 from thunder_tp.run_mode import ranks_of
 
 Mode = Literal["auto", "always", "never"] | cost.Costs
@@ -67,11 +72,13 @@ class _Site:
     emit: Callable[..., list[TensorProxy]]
 
 
-def decompose_for_overlap(trace: TraceCtx, tp: TPGroup, mode: Mode) -> TraceCtx:
-    """``trace`` (the local program) with each collective that pays (``mode``) decomposed with its matmuls."""
+def decompose_for_overlap(trace: TraceCtx, tp: TPGroup, mode: Mode,
+                          inputs: Mapping[str, tuple[tuple[int, ...], Layout]]) -> TraceCtx:
+    """``trace`` (the local program) with each collective that pays (``mode``) decomposed with its matmuls;
+    ``inputs``: the full shape and layout of each of its inputs (proxy name), whence each weight's largest piece."""
     if mode == "never" or tp.size == 1 or ranks_of(tp.group).one_trace_for_all or using_symbolic_values():
         return trace
-    sites = _Finder(trace, tp, mode).sites()
+    sites = _Finder(trace, tp, mode, inputs).sites()
     if not sites:
         return trace
     at = {id(site.anchor): site for site in sites}
@@ -120,20 +127,16 @@ def _too_few_rows(t: TensorProxy, pieces: int) -> bool:
     return _rows(t) < pieces * cost.MIN_CHUNK_ROWS or (t.ndim >= 3 and int(t.shape[-2]) == 1)
 
 
-def _linears(x: TensorProxy, linears: list[BoundSymbol]) -> cost.Linears:
-    """The rows of ``x`` through each linear's weight."""
-    return cost.Linears(_rows(x), tuple((int(b.args[1].shape[1]), int(b.args[1].shape[0])) for b in linears))
-
-
 def _nbytes(t: TensorProxy) -> int:
     return math.prod(int(d) for d in t.shape) * t.dtype.bytes
 
 
 class _Finder:
-    """The sites of a local program, priced."""
+    """The sites of a local program, priced alike on every rank."""
 
-    def __init__(self, trace: TraceCtx, tp: TPGroup, mode: Mode):
+    def __init__(self, trace: TraceCtx, tp: TPGroup, mode: Mode, inputs: Mapping[str, tuple[tuple[int, ...], Layout]]):
         self.tp = tp
+        self.inputs = inputs
         self.given = mode if isinstance(mode, cost.Costs) else None
         self.mode = "auto" if self.given is not None else mode
         self.bsyms = trace.bound_symbols
@@ -153,6 +156,15 @@ class _Finder:
                 sites.append(site)
                 taken |= {id(b) for b in site.replaced}
         return sites
+
+    def _matmuls(self, x: TensorProxy, linears: list[BoundSymbol]) -> cost.Linears | None:
+        """The rows of ``x`` through each linear's weight at its largest piece over the ranks; None if a weight is not
+        an input of the program (its pieces unknown)."""
+        weights = [self.inputs.get(b.args[1].name) for b in linears]
+        if None in weights:
+            return None
+        shapes = [largest_piece(shape, layout, self.tp.size) for shape, layout in weights]
+        return cost.Linears(_rows(x), tuple((k, n) for n, k in shapes))
 
     def _costs(self, t: TensorProxy) -> cost.Costs:
         return self.given or cost.costs_for(self.tp.group, t.device.type, to_torch_dtype(t.dtype))
@@ -181,7 +193,9 @@ class _Finder:
         linears = self._linears_reading(out)
         if linears is None or not is_plain(pieces) or dim == out.ndim - 1 or _too_few_rows(out, n):
             return None
-        matmuls = _linears(out, linears)
+        matmuls = self._matmuls(out, linears)
+        if matmuls is None:
+            return None
         if self.mode == "auto" and not cost.gather_pays(self._costs(out), n, _nbytes(out), matmuls):
             return None
         emit = functools.partial(_gathered_matmuls, dim=dim, group=group, rank=self.tp.rank, size=n)
@@ -198,7 +212,10 @@ class _Finder:
         if dim == y.ndim - 1 or int(y.shape[dim]) % n or _too_few_rows(y, n):
             return None
         h, w, _ = operands
-        if self.mode == "auto" and not cost.scatter_pays(self._costs(y), n, _nbytes(y), _linears(h, [linear])):
+        matmuls = self._matmuls(h, [linear])
+        if matmuls is None:
+            return None
+        if self.mode == "auto" and not cost.scatter_pays(self._costs(y), n, _nbytes(y), matmuls):
             return None
         emit = functools.partial(_matmul_scattered, dim=dim, group=group, rank=self.tp.rank, size=n)
         return _Site(r, (linear, r), (h, w), (r.output,), emit)
@@ -210,7 +227,7 @@ class _Finder:
         if operands is None or operands[2] is not None or self._sole_consumer(y) is not r:
             return None
         h, w, _ = operands
-        chunks = self._chunks(y, _linears(h, [linear]), backward=False)
+        chunks = self._chunks(y, self._matmuls(h, [linear]), backward=False)
         if chunks == 1:
             return None
         emit = functools.partial(_matmul_reduced, group=group, chunks=chunks)
@@ -221,7 +238,7 @@ class _Finder:
         linears = self._linears_reading(copy.output)
         if linears is None:
             return None
-        chunks = self._chunks(x, _linears(x, linears), backward=True)
+        chunks = self._chunks(x, self._matmuls(x, linears), backward=True)
         if chunks == 1:
             return None
         emit = functools.partial(_copied_matmuls, group=group, chunks=chunks)
@@ -232,8 +249,8 @@ class _Finder:
         at = self.produced_at.get(t.name)
         return None if at is None else self.bsyms[at]
 
-    def _chunks(self, t: TensorProxy, linears: cost.Linears, *, backward: bool) -> int:
-        if _too_few_rows(t, 2):
+    def _chunks(self, t: TensorProxy, linears: cost.Linears | None, *, backward: bool) -> int:
+        if linears is None or _too_few_rows(t, 2):
             return 1
         return cost.reduce_chunks(self._costs(t), self.tp.size, _nbytes(t), linears, backward=backward,
                                   at_least_two=self.mode == "always")

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from thunder_tp.layouts import Layout, Shard, held_chunks
 from thunder_tp.pieces import piece_parts
-from thunder_tp.runtimes.agreement import gathered
+from thunder_tp.runtimes.agreement import gathered, ranks_alike
 from thunder_tp.thunder_internals.private import wrap_module_call
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: checksums stay exact int64s
@@ -113,10 +113,11 @@ class InputAgreement:
         if all(f == every[0] for f in every):
             return
         ranks = dist.get_process_group_ranks(self.group)
+        alike = ranks_alike(ranks, [tuple(v) for v in every])
         shapes = "their shapes or dtypes differ" if len({f[0] for f in every}) > 1 else "same shapes, different values"
         raise RuntimeError(
             f"thunder_tp: the ranks of a TP group (global ranks {ranks}) were handed different inputs ({shapes}; ranks "
-            f"with equal inputs: {_alike(ranks, every)}). Every rank of a TP group computes one program over the same "
+            f"with equal inputs: {alike}). Every rank of a TP group computes one program over the same "
             "batch; a sampler or data loader that shards the data over the whole world (a DistributedSampler with the "
             "world's rank, litdata's StreamingDataset) hands each rank its own. Shard the data by the data-parallel "
             "group instead: DistributedSampler(dataset, num_replicas=mesh.dp, rank=mesh.dp_rank) with mesh = "
@@ -163,19 +164,12 @@ def check_same_tensors(checksums: Mapping[str, int], group: dist.ProcessGroup, w
     differing = [n for i, n in enumerate(names) if len({values[i] for values in every}) > 1]
     if differing:
         ranks = dist.get_process_group_ranks(group)
+        alike = ranks_alike(ranks, [tuple(v) for v in every])
         raise RuntimeError(
             f"thunder_tp: {what}: {len(differing)} of {len(names)} tensors differ across the ranks (global ranks "
-            f"with equal tensors: {_alike(ranks, every)}): {', '.join(differing[:6])}"
+            f"with equal tensors: {alike}): {', '.join(differing[:6])}"
             f"{f' and {len(differing) - 6} more' if len(differing) > 6 else ''}. {cause}"
         )
-
-
-def _alike(ranks: list[int], values: list[list[int]]) -> list[list[int]]:
-    """The ranks grouped by equal `values` (each rank's, in `ranks`' order)."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank, v in zip(ranks, values, strict=True):
-        groups.setdefault(tuple(v), []).append(rank)
-    return sorted(groups.values())
 
 
 def _has_copies(layout: Layout, size: int) -> bool:

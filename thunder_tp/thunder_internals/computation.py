@@ -7,7 +7,9 @@ returned and call the computation again; ``CompileData.get_computation_and_input
 each call runs) is that first half. A fusion region's torch.compile wrapper is built by ``make_compiled``, which has no
 option to leave it uncompiled; ``region_function`` lowers the same region trace to torch ops the same way, through
 ``sub_program``, which makes a function of any run of a trace's symbols (a trace's private ``_siginfo`` names its
-parameters: Thunder sets it the same way for its regions).
+parameters: Thunder sets it the same way for its regions). A compile hands its final traces to the transforms one by one
+(the forward, then the backward where there is one); ``backward_follows`` tells from the forward whether a backward
+comes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import thunder
 from thunder.core import prims
 from thunder.core.codeutils import SigInfo
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, tracectx
+from thunder.core.trace import TraceCtx, TraceTag, tracectx
 from thunder.executors.passes import transform_for_execution
 from thunder.executors.torchex import ex as pytorch_ex
 
@@ -28,6 +30,21 @@ def computation_and_inputs(jm: Any, args: tuple, kwargs: dict) -> tuple[Any, lis
     """The cache entry ``jm(*args, **kwargs)`` runs (compiling it on a miss), the computation's inputs the prologue
     unpacked (the call's tensors, the module's parameters and buffers) and what the prologue passes to the epilogue."""
     return thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
+
+
+def backward_follows(trace: TraceCtx) -> bool:
+    """Whether a backward trace of the same compile certainly reaches the transforms after this final trace: ``trace``
+    is a forward that returns values saved for it. Thunder 0.2.6's ``split_into_forward_and_backward`` returns the
+    forward as ``return outputs, (saved tensors, saved others)``, what its backward symbols read, and a backward
+    wherever there is one. A backward that reads nothing saved (the grad of a slice) is not announced: False there, as
+    after the last trace of a compile."""
+    if TraceTag.BACKWARD in trace.tags:
+        return False
+    ret = trace.bound_symbols[-1] if trace.bound_symbols else None
+    if ret is None or ret.sym.id != prims.PrimIDs.RETURN or len(ret.args) != 2:
+        return False
+    saved = ret.args[1]
+    return isinstance(saved, (tuple, list)) and any(saved)
 
 
 def sub_program(bsyms: list[BoundSymbol], inputs: list, outputs: list, name: str, *,
