@@ -57,11 +57,11 @@ def test_setup_model_and_optimizer_on_a_2x2_mesh_equals_one_device(data_parallel
     _check_equal_to_one_device(results, "meta", rows=4)  # each data-parallel rank 2 of one device's 4 rows
 
 
-def _setup_with_rank_seeds(init: str) -> str:
-    """fabric.seed_everything(42 + rank) before the model is built: setup raises."""
+def _setup_with_rank_seeds(init: str, check_weights: bool = True) -> str:
+    """fabric.seed_everything(42 + rank) before the model is built: setup raises (unless the check is off)."""
     import torch.distributed as dist
 
-    f = fabric_loops.fabric(FAST, fabric_loops.Losses())
+    f = fabric_loops.fabric(FAST | {"check_weights": check_weights}, fabric_loops.Losses())
     f.seed_everything(42 + dist.get_rank())
     model = fabric_loops.build_gpt(f, init)
     try:
@@ -77,6 +77,11 @@ def test_per_rank_seeds_raise_at_setup_on_every_rank(init):
         assert "ThunderTPStrategy setup:" in m and "tensors differ across the ranks" in m, m
         assert "lm_head.weight, transformer.h.0.attn.proj.bias" in m, m  # the parameters
         assert "fabric.seed_everything(seed)" in m, m  # the fix
+        assert "ThunderTPStrategy(check_weights=False)" in m, m  # the switch
+
+
+def test_check_weights_false_sets_up_ranks_seeded_apart():
+    assert run_ranks(_setup_with_rank_seeds, 2, "plain", False, timeout=TIMEOUT_S) == ["no error", "no error"]
 
 
 def test_different_batches_at_step_3_raise_on_every_rank_at_that_call():

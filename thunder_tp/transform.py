@@ -28,7 +28,7 @@ from thunder_tp.propagation.constraints import constrain_module_boundaries, cons
 from thunder_tp.rewriting.program import rewrite
 from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.agreement import CompileAgreement
-from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement
+from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement, SameWeights
 from thunder_tp.runtimes.same_collectives import SameCollectives
 from thunder_tp.styles import Style
 from thunder_tp.styles.dtensor import read_plan
@@ -74,7 +74,10 @@ class TensorParallel(Transform):
     `check_collectives`: at the end of each compile (the first call of each program) the ranks compare a hash of the
     collectives they will issue over the TP group and all raise, naming the first that differs, where they would not
     issue the same (thunder_tp.runtimes.same_collectives).
-    It rides on the compile agreement's all_gather (thunder_tp.runtimes.agreement).
+    `check_weights`: the ranks compare checksums of the full parameters each sharded (at jit, or handed in full
+    later: MaterializationTransform, load_original_state_dict) at the end of each compile and all raise, naming those
+    that differ (thunder_tp.runtimes.divergence.SameWeights); False for ranks that shard from different sources on
+    purpose. Both ride on the compile agreement's all_gather (thunder_tp.runtimes.agreement).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class TensorParallel(Transform):
         check_inputs: Literal["training", "every", "first", "never"] = "training",
         overlap: Mode = "auto",
         check_collectives: bool = True,
+        check_weights: bool = True,
     ):
         if check_inputs not in CHECK_INPUTS:
             raise ValueError(
@@ -93,13 +97,14 @@ class TensorParallel(Transform):
             )
         if not isinstance(overlap, Costs) and overlap not in MODES:
             raise ValueError(f"thunder_tp.TensorParallel: overlap must be one of {MODES}, got {overlap!r}")
-        for name, value in (("check_collectives", check_collectives),):
+        for name, value in (("check_collectives", check_collectives), ("check_weights", check_weights)):
             if not isinstance(value, bool):
                 raise TypeError(f"thunder_tp.TensorParallel: {name} must be True or False, got {value!r}")
         self.overlap = overlap
         self.plan = _checked_plan(plan, example_inputs)
         self.check_inputs = check_inputs
         self.check_collectives = check_collectives
+        self.check_weights = check_weights
         self.example_inputs = example_inputs
         self.process_group = process_group
         self.parameter_layouts: dict[str, Layout] = {}
@@ -109,6 +114,7 @@ class TensorParallel(Transform):
         self._tp: TPGroup | None = None
         self._module = None
         self._agreement: CompileAgreement | None = None
+        self._weights: SameWeights | None = None
         self._tensors_at_jit: set[str] = set()
 
     @property
@@ -135,6 +141,10 @@ class TensorParallel(Transform):
         tied = tied_parameters(module)
         check_tied_layouts(tied, self.parameter_layouts)
         has_peers = self.tp.size > 1 and ranks_of(self.tp.group).has_peers  # a fake group has no peer to agree with
+        if has_peers and self.check_weights:
+            self._weights = SameWeights(n for n, _ in module.named_parameters(remove_duplicate=False))
+            for name, param in module.named_parameters():
+                self._weights.saw_whole(name, param.detach())
         local = self._local_layouts(model)
         for name, layout in local.items():
             param = model.get_parameter(name)
@@ -149,7 +159,7 @@ class TensorParallel(Transform):
         wrap_module_call(model, separating_overlapping_views)  # Thunder would read one view for the other
         if has_peers:
             checks = [SameCollectives(self.tp.group)] if self.check_collectives else []
-            self._agreement = CompileAgreement(self.tp.group, checks)
+            self._agreement = CompileAgreement(self.tp.group, [*checks, *filter(None, [self._weights])])
             self._agreement.install(model)
             if self.check_inputs != "never":
                 InputAgreement(self.tp.group, self.check_inputs).install(model)  # runs first
@@ -200,7 +210,17 @@ class TensorParallel(Transform):
     def transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
         """Shard full tensors of a submodule's state dict (keys relative to the submodule)."""
         prefix = f"{submodule_name}." if submodule_name else ""
+        if self._weights is not None:
+            for k, v in state_dict.items():
+                if isinstance(v, torch.Tensor):
+                    self._weights.saw_whole(prefix + k, v)
         return {k: self._shard_full(prefix + k, v) for k, v in state_dict.items()}
+
+    def loaded_from_checkpoint(self, names: list[str]) -> None:
+        """Parameters that a checkpoint replaced on every rank (thunder_tp.checkpoint): the weight check no longer
+        compares the values seen of them before."""
+        if self._weights is not None:
+            self._weights.loaded(names)
 
     def reverse_transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict) -> dict:
         """Full tensors from this rank's shards (collective: every rank of the TP group must call it)."""

@@ -18,6 +18,7 @@ from thunder_tp.checkpoint.tensors import (
     HeldTensor,
     model_tensors,
     parameter_names,
+    replaced_from_checkpoint,
     sharded_tensor_without_deprecation_warnings,
     state_like,
 )
@@ -52,6 +53,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             for offsets, sizes, view in t.slices():
                 view.copy_(full[name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))])
     install(model, tensors, optimizer)
+    replaced_from_checkpoint(model, tensors)
 
 
 def _agree(error: Exception | None, path: str) -> None:

@@ -16,6 +16,7 @@ from thunder_tp.checkpoint.tensors import (
     model_tensor,
     model_tensors,
     parameter_names,
+    replaced_from_checkpoint,
     sharded_tensor_without_deprecation_warnings,
     state_like,
 )
@@ -57,6 +58,7 @@ def set_state_dict(
     tensors = model_tensors(model)
     for name, value in model_state_dict.items():
         tensors[name].copy_from(value)
+    replaced_from_checkpoint(model, model_state_dict)
     if optimizer is None or not optim_state_dict:
         return
     params = {name: model_tensor(model, name) for name in optim_state_dict["state"]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,13 @@ def _tensor_parallel(model: nn.Module):
 
     _check_data_parallel(model)
     return next((t for t in applied_transforms(model) if isinstance(t, TensorParallel)), None)
+
+
+def replaced_from_checkpoint(model: nn.Module, names: Iterable[str]) -> None:
+    """Tell the model's TensorParallel that these tensors now hold a checkpoint's values, alike on every rank."""
+    tp = _tensor_parallel(model)
+    if tp is not None:
+        tp.loaded_from_checkpoint(list(names))
 
 
 def _check_data_parallel(model: nn.Module) -> None:

@@ -48,6 +48,9 @@ class ModelOptions:
     executors: Sequence | None = None
     activation_checkpointing: frozenset[type] = field(default_factory=frozenset)
     check_inputs: str = "first"
+    check_collectives: bool = True
+    #: the full parameters compared at setup, over the world (so TensorParallel's own check is off)
+    check_weights: bool = True
     example_inputs: tuple[tuple, dict] | None = None
 
 
@@ -134,7 +137,8 @@ def jit(module: nn.Module, options: ModelOptions, mesh: Mesh, device: torch.devi
     checksums = {name: checksum(p) for name, p in module.named_parameters() if not p.is_meta}
     plan = resolve_plan(module, options, mesh.tp)
     checkpoint_activations(module, options.activation_checkpointing)
-    transforms: list = [TensorParallel(plan, process_group=mesh.tp_group, check_inputs=options.check_inputs)]
+    transforms: list = [TensorParallel(plan, process_group=mesh.tp_group, check_inputs=options.check_inputs,
+                                       check_collectives=options.check_collectives, check_weights=False)]
     if mesh.dp > 1:
         transforms.append(_data_parallel(options.data_parallel, mesh, device))
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):

@@ -72,7 +72,10 @@ class ThunderTPStrategy(ParallelStrategy):
     thunder_tp.executors()). activation_checkpointing_policy: module types whose forward is recomputed in the
     backward (e.g. {litgpt.model.Block}). check_inputs: when the ranks of a TP group compare a fingerprint of the
     model's inputs: "training" (every call with autograd on, and the first without), "every" call, the "first"
-    call, or "never". example_inputs: (args, kwargs) of a call, for plan="auto".
+    call, or "never". check_collectives: the ranks of a TP group compare the collectives each compiled program
+    issues and all raise where they differ (TensorParallel's). check_weights: setup compares the full parameters
+    every rank shards and all raise where they differ; False for ranks that shard from different sources on purpose.
+    example_inputs: (args, kwargs) of a call, for plan="auto".
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class ThunderTPStrategy(ParallelStrategy):
         executors: Sequence | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
         check_inputs: Literal["training", "every", "first", "never"] = "training",
+        check_collectives: bool = True,
+        check_weights: bool = True,
         example_inputs: tuple[tuple, dict] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -102,6 +107,9 @@ class ThunderTPStrategy(ParallelStrategy):
                 raise ValueError(f'ThunderTPStrategy: {name} must be a positive int or "auto", got {size!r}')
         if check_inputs not in CHECK_INPUTS:
             raise ValueError(f"ThunderTPStrategy: check_inputs must be one of {CHECK_INPUTS}, got {check_inputs!r}")
+        for name, value in (("check_collectives", check_collectives), ("check_weights", check_weights)):
+            if not isinstance(value, bool):
+                raise TypeError(f"ThunderTPStrategy: {name} must be True or False, got {value!r}")
         if parallelize_fn is not None and plan is not None:
             raise ValueError("ThunderTPStrategy: give plan= or parallelize_fn=, not both (the parallelize_fn's "
                              "parallelize_module calls are the plan)")
@@ -109,7 +117,8 @@ class ThunderTPStrategy(ParallelStrategy):
             plan=plan, parallelize_fn=parallelize_fn, data_parallel=data_parallel,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
             executors=executors, activation_checkpointing=frozenset(activation_checkpointing_policy or ()),
-            check_inputs=check_inputs, example_inputs=example_inputs,
+            check_inputs=check_inputs, check_collectives=check_collectives, check_weights=check_weights,
+            example_inputs=example_inputs,
         )
         self._sizes = (data_parallel_size, tensor_parallel_size)
         self._num_nodes = 1
@@ -204,7 +213,8 @@ class ThunderTPStrategy(ParallelStrategy):
         if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             module.to(self.root_device)
         jitted, checksums = jit(module, self.options, self.mesh, self.root_device)
-        check_same_tensors(checksums, dist.group.WORLD, "ThunderTPStrategy setup", _DIFFERENT_INITIALIZATION)
+        if self.options.check_weights:
+            check_same_tensors(checksums, dist.group.WORLD, "ThunderTPStrategy setup", _DIFFERENT_INITIALIZATION)
         for tensor, name in stand_ins(jitted, self.root_device):
             self._owners[tensor] = (jitted, name)
         route_state_dicts_to_shards(jitted)
@@ -301,7 +311,8 @@ _DIFFERENT_INITIALIZATION = (
     "rank): seed every rank alike before building the model (fabric.seed_everything(seed)). The ranks of a TP group "
     "must also draw the same random numbers inside the model; for randomness per data-parallel replica, reseed with "
     "seed + strategy.mesh.dp_rank after fabric.setup. (Weights loaded on some ranks only differ too: load them on "
-    "every rank, or with fabric.load_raw after setup.) Nothing was set up."
+    "every rank, or with fabric.load_raw after setup.) ThunderTPStrategy(check_weights=False) if the ranks shard from "
+    "different sources on purpose. Nothing was set up."
 )
 
 

@@ -4,9 +4,9 @@ A compile error can be rank-local (the interpreter, a transform or an executor p
 the ranks that compiled would then wait in the module's first collective until the process group's timeout.
 So each compile ends with one agreement, after the last trace pass (the backward's, where the compile has one): the
 ranks all-gather a flag (compiled / failed) and a fingerprint of each check's facts (`Agreed`: the collectives the
-program issues, `runtimes/same_collectives.py`). A rank whose compile raised contributes "failed" from its error
-path, and every rank raises; where a check's fingerprints differ, every rank takes that check's error path (a
-collective that names what differs) and raises.
+program issues, `runtimes/same_collectives.py`; the full weights every rank sharded, `runtimes/divergence.py`). A
+rank whose compile raised contributes "failed" from its error path, and every rank raises; where a check's
+fingerprints differ, every rank takes that check's error path (a collective that names what differs) and raises.
 All of it happens before the program first runs, so no rank is left waiting in a collective of the program.
 A fake process group (``thunder_tp.one_rank``, ``thunder_tp.simulate``) has no peer process: TensorParallel holds
 no agreement there.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 import thunder
 import torch
@@ -36,7 +36,7 @@ class Agreed(Protocol):
     def fingerprint(self, traces: Sequence[TraceCtx]) -> int:
         """This rank's fingerprint (an int64), from the compile's final traces (the forward, then the backward)."""
 
-    def raise_differences(self, traces: Sequence[TraceCtx], group: dist.ProcessGroup) -> NoReturn:
+    def raise_differences(self, traces: Sequence[TraceCtx], group: dist.ProcessGroup) -> None:
         """Raise on every rank, naming what differs (collective: every rank of `group` calls it)."""
 
 

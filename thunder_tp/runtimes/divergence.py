@@ -1,4 +1,5 @@
-"""Nothing silent: the ranks of a TP group were handed the same inputs, and hold the same replicated tensors.
+"""Nothing silent: the ranks of a TP group were handed the same inputs, shard the same weights, and hold the same
+replicated tensors.
 
 Inputs. A TP-jitted module computes one program over the ranks of its TP group, from inputs that every rank must
 hold whole and alike. Handed a different batch on each rank (a data loader that shards by the world's rank, where
@@ -8,6 +9,13 @@ call (autograd on) and the first call without autograd, by default, the ranks al
 call's inputs (the structure, each tensor's shape and dtype, a checksum of its bytes) and every rank raises if they
 differ: two integers per rank in one all_gather, before anything else of the call runs, so no rank is left waiting
 in a collective.
+
+Weights. Each rank shards the full weights it holds; ranks that built their models from different seeds would
+each compute with its piece of a different model, and nothing would say so. So each rank takes a checksum of every
+full parameter where it sees it whole (at jit; a meta-device parameter where it is handed in full, by
+MaterializationTransform or `load_original_state_dict`; a checkpoint loaded since replaces them all alike), and the
+compile agreement (`runtimes/agreement.py`) compares their combination at the end of every compile, the first
+call's included: `SameWeights`.
 
 Replicated tensors. Replicated parameters stay equal across the TP group as long as every rank applies the same
 update; a checkpoint save checks that they do (each replicated tensor's checksum, each chunk that several ranks hold
@@ -19,11 +27,12 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from thunder.core.trace import TraceCtx
 from torch.utils._pytree import tree_flatten
 
 from thunder_tp.layouts import Layout, Shard, held_chunks
@@ -42,10 +51,15 @@ def checksum(t: torch.Tensor) -> int:
     aligned = data.numel() % 4 == 0 and data.storage_offset() % 4 == 0
     words = data.view(torch.int32) if aligned else data
     weights = _position_weights(words.device)
+    parts = (words[start : start + _CHUNK] for start in range(0, words.numel(), _CHUNK))
+    return combined(int((part * weights[: part.numel()]).sum()) for part in parts)
+
+
+def combined(values: Iterable[int]) -> int:
+    """One checksum of several, in their order (each below 2^63)."""
     total = 0
-    for start in range(0, words.numel(), _CHUNK):
-        part = words[start : start + _CHUNK]
-        total = (total * 1_000_003 + int((part * weights[: part.numel()]).sum())) % _MODULUS
+    for value in values:
+        total = (total * 1_000_003 + value) % _MODULUS
     return total
 
 
@@ -60,15 +74,15 @@ def fingerprint(args: tuple, kwargs: Mapping[str, Any]) -> list[int]:
     """[structure, data] of a call's inputs: a CRC of the pytree structure with every tensor's shape and dtype and
     every plain value, and a combination of the tensors' checksums."""
     leaves, spec = tree_flatten((args, dict(kwargs)))
-    described, data = [str(spec)], 0
+    described = [str(spec)]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             described.append(f"{tuple(x.shape)}:{x.dtype}")
-            data = (data * 1_000_003 + checksum(x)) % _MODULUS
         elif isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
             described.append(repr(x))
         else:
             described.append(type(x).__qualname__)
+    data = combined(checksum(x) for x in leaves if isinstance(x, torch.Tensor))
     return [zlib.crc32("|".join(described).encode()), data]
 
 
@@ -124,6 +138,55 @@ class InputAgreement:
             "thunder_tp.init_mesh(...), or with Lightning Fabric the strategy thunder_tp.fabric.ThunderTPStrategy, "
             "whose setup_dataloaders does it."
         )
+
+
+class SameWeights:
+    """The compile agreement's check (`runtimes.agreement.Agreed`) that every rank of a TP group sharded the same full
+    parameters (of those named `parameters`)."""
+
+    def __init__(self, parameters: Iterable[str]):
+        self.parameters = frozenset(parameters)
+        self.checksums: dict[str, int] = {}
+
+    def saw_whole(self, name: str, full: torch.Tensor) -> None:
+        """Take the checksum of `full`, the whole value of `name` that this rank shards (a buffer's, or a meta
+        tensor's, is not taken)."""
+        if name in self.parameters and not full.is_meta:
+            self.checksums[name] = checksum(full)
+
+    def loaded(self, names: Iterable[str]) -> None:
+        """Forget the values seen of parameters that a checkpoint (loaded by every rank) replaced."""
+        for name in names:
+            self.checksums.pop(name, None)
+
+    def fingerprint(self, traces: Sequence[TraceCtx]) -> int:
+        """The names and checksums, combined."""
+        names = sorted(self.checksums)
+        return combined([_crc(names), *(self.checksums[n] for n in names)])
+
+    def raise_differences(self, traces: Sequence[TraceCtx], group: dist.ProcessGroup) -> None:
+        """Raise on every rank, naming the parameters whose values differ among the ranks (collective)."""
+        names = sorted(self.checksums)
+        every = gathered([len(names), _crc(names)], group, "the weight check's all_gather")
+        if any(values != every[0] for values in every):
+            raise RuntimeError(
+                f"thunder_tp: the ranks of a TP group (global ranks {dist.get_process_group_ranks(group)}) saw "
+                f"different parameters whole ({len(names)} here): give every rank the same model, and load a "
+                "checkpoint on every rank or on none"
+            )
+        check_same_tensors(self.checksums, group, "TensorParallel's weight check", _DIFFERENT_WEIGHTS)
+
+
+_DIFFERENT_WEIGHTS = (
+    "Each rank shards its own full weights, so the ranks would compute with pieces of different models. Seed every "
+    "rank alike before building the model (e.g. torch.manual_seed(0)), or load the same checkpoint on every rank "
+    "(thunder_tp.checkpoint.load); pass TensorParallel(..., check_weights=False) if the ranks shard from different "
+    "sources on purpose. Nothing ran."
+)
+
+
+def _crc(names: list[str]) -> int:
+    return zlib.crc32("|".join(names).encode())
 
 
 def check_replicas(tensors: Mapping[str, tuple[torch.Tensor, Layout, tuple[int, ...]]], group: dist.ProcessGroup,
