@@ -18,6 +18,13 @@ def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The elementwise max of `a` over `group`, as a copy."""
+    out = a.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
 def gather_full(a: torch.Tensor, layout: Shard, n: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The full tensor (its sharded dim `n` long) from every rank's piece of `layout` (synchronous; replicated chunks
     from their first holder)."""

@@ -31,6 +31,7 @@ from thunder_tp.collectives.symbols import (
     tp_copy_to_tp,
     tp_gather,
     tp_gather_to_tp,
+    tp_max_all_reduce,
     tp_name_work,
     tp_pack,
     tp_padded_piece,
@@ -61,13 +62,14 @@ def _synchronous() -> bool:
 # --- collectives: Thunder's torchex prims + wait (sorted late by thunder's sort_waits) ---------------------
 
 
-def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+def _async_all_reduce(a: TensorProxy, group: dist.ProcessGroup, op: DistributedReduceOps = DistributedReduceOps.SUM
+                      ) -> TensorProxy:
     from thunder.executors.torchex import all_reduce_prim_impl, wait_prim_impl
 
     if _synchronous():
-        return tp_reduce_from_tp(a, group)
+        return (tp_reduce_from_tp if op is DistributedReduceOps.SUM else tp_max_all_reduce)(a, group)
 
-    future = all_reduce_prim_impl(a, DistributedReduceOps.SUM, group, True, False)
+    future = all_reduce_prim_impl(a, op, group, True, False)
     return wait_prim_impl(tp_name_work(future, "all_reduce", a, group))
 
 
@@ -129,6 +131,8 @@ def _async_all_to_all(a: TensorProxy, src_dim: int, dst_dim: int, group: dist.Pr
 
 
 comm_executor.register_implementation(tp_reduce_from_tp, execution_transform=_async_all_reduce)
+comm_executor.register_implementation(
+    tp_max_all_reduce, execution_transform=partial(_async_all_reduce, op=DistributedReduceOps.MAX))
 comm_executor.register_implementation(tp_gather, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_gather_to_tp, execution_transform=_async_all_gather)
 comm_executor.register_implementation(tp_reduce_scatter, execution_transform=_async_reduce_scatter)

@@ -96,6 +96,8 @@ tp_copy_all_to_tp = comm_executor.register_operator(
     "tp_copy_all_to_tp", meta=_all_like, fn=lambda tensors, group: tuple(tensors)
 )
 tp_reduce_from_tp = comm_executor.register_operator("tp_reduce_from_tp", meta=_like, fn=D.all_reduce)
+#: the elementwise max over the group (a float8 scale's amax of a sharded tensor): no grad flows through it
+tp_max_all_reduce = comm_executor.register_operator("tp_max_all_reduce", meta=_like, fn=D.all_reduce_max)
 tp_gather = comm_executor.register_operator("tp_gather", meta=_gathered_meta, fn=D.gather_shards)
 tp_gather_to_tp = comm_executor.register_operator("tp_gather_to_tp", meta=_gathered_meta, fn=D.gather_shards)
 tp_scatter = comm_executor.register_operator("tp_scatter", meta=_scattered_meta, fn=D.local)
@@ -107,6 +109,7 @@ tp_to_partial = comm_executor.register_operator("tp_to_partial", meta=_like, fn=
 #: symbol name -> the kind of collective it issues
 COLLECTIVE_KINDS: dict[str, str] = {
     "tp_reduce_from_tp": "all_reduce",
+    "tp_max_all_reduce": "all_reduce",
     "tp_gather": "all_gather",
     "tp_gather_to_tp": "all_gather",
     "tp_reduce_scatter": "reduce_scatter",
@@ -183,6 +186,10 @@ def _copy_all_to_tp_grad(tensors: list[TensorProxy], group: dist.ProcessGroup) -
     return outs
 
 
+def _max_all_reduce_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
+    return tp_max_all_reduce(a, group)  # an amax: what it scales is differentiated, not the scale
+
+
 def _reduce_from_tp_grad(a: TensorProxy, group: dist.ProcessGroup) -> TensorProxy:
     out = tp_reduce_from_tp(a, group)
     put_grad(a, get_grad(out))
@@ -231,6 +238,7 @@ def _padding_filled_grad(a: TensorProxy, dim: int, pieces: Pieces, value: float,
 register_grad(tp_copy_to_tp, _copy_to_tp_grad)
 register_grad(tp_copy_all_to_tp, _copy_all_to_tp_grad)
 register_grad(tp_reduce_from_tp, _reduce_from_tp_grad)
+register_grad(tp_max_all_reduce, _max_all_reduce_grad)
 register_grad(tp_all_to_all, _all_to_all_grad)
 register_grad(tp_to_partial, _to_partial_grad)
 register_grad(tp_gather, _conjugate(tp_gather, tp_scatter))

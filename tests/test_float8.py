@@ -1,0 +1,108 @@
+"""Float8 training (torchao's convert_to_float8_training, emulated on the CPU) under thunder.jit: one device equals
+torchao eager; TP and TP+SP equal the one-device float8 run (scales from the whole tensors: amaxes reduced over the
+group where an operand is sharded)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import thunder
+import torch
+import torch.nn as nn
+
+import thunder_tp
+from tests.dist import run_ranks
+from tests.litgpt_models import batch, make_config
+from tests.tp_checks import FAST_EXECUTORS, rank_and_size
+
+torchao = pytest.importorskip("torchao", reason="torchao is the optional extra thunder_tp[float8]")
+
+RECIPES = ["tensorwise", "rowwise"]
+STEPS, LR = 3, 0.5
+
+
+def _config(recipe: str):
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+
+
+def _converted(model: nn.Module, recipe: str) -> nn.Module:
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model, config=_config(recipe),
+                                      module_filter_fn=lambda m, name: "lm_head" not in name)
+
+
+def _llama(recipe: str) -> nn.Module:
+    """A 2-layer litgpt llama (GQA, SwiGLU), float32, its linears but the head converted to float8."""
+    from thunder_tp.plans.litgpt import GPTWithLoss
+
+    torch.manual_seed(0)
+    return _converted(GPTWithLoss(make_config("llama")), recipe)
+
+
+def _steps(model: nn.Module, run, parameters) -> list[dict]:
+    """STEPS SGD steps of `run` (the model eager or jitted): each step's loss and grads."""
+    optimizer = torch.optim.SGD(parameters, lr=LR)
+    history = []
+    for step in range(STEPS):
+        loss = run(*batch(step))
+        loss.backward()
+        history.append({"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in parameters_named(run)}})
+        optimizer.step()
+        optimizer.zero_grad()
+    return history
+
+
+def parameters_named(run) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in run.named_parameters()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_device_equals_torchao_eager(recipe):
+    """thunder.jit of the converted model, 3 steps: torchao eager's losses and grads (its own casts and gemms)."""
+    eager = _llama(recipe)
+    jitted = thunder.jit(copy.deepcopy(eager), executors=FAST_EXECUTORS)
+    want, got = _steps(eager, eager, eager.parameters()), _steps(jitted, jitted, jitted.parameters())
+    for step, (w, g) in enumerate(zip(want, got, strict=True)):
+        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-6, atol=1e-6, msg=f"loss of step {step}")
+        for name, grad in w["grads"].items():
+            torch.testing.assert_close(g["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.norm().item(),
+                                       msg=f"{name} at step {step}")
+
+
+def _tp_steps(recipe: str, mode: str) -> None:
+    """TP=2 (+SP) against one device, both float8 under thunder.jit: 3 SGD steps, every loss and grad shard."""
+    from thunder_tp.pieces import shard_tensor
+
+    reference = _llama(recipe)
+    model = copy.deepcopy(reference)
+    plan = thunder_tp.plans.litgpt(model, sequence_parallel=mode == "tp_sp")
+    tp = thunder_tp.TensorParallel(plan)
+    jm = thunder.jit(model, transforms=[tp], executors=FAST_EXECUTORS)
+    one = thunder.jit(reference, executors=FAST_EXECUTORS)
+    want, got = _steps(one, one, one.parameters()), _steps(jm, jm, jm.parameters())
+    rank, size = rank_and_size()
+    for step, (w, g) in enumerate(zip(want, got, strict=True)):
+        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=0, msg=f"loss of step {step}")
+        for name, grad in w["grads"].items():
+            piece = shard_tensor(grad, tp.parameter_layouts.get(name, thunder_tp.Replicate()), rank, size)
+            _assert_within_norm(g["grads"][name], piece, 1e-4, f"{name} at step {step}")
+
+
+def _assert_within_norm(got: torch.Tensor, want: torch.Tensor, fraction: float, what: str) -> None:
+    """Every entry of `got` within `fraction` of `want`'s norm: an fp32 rounding difference that moves a value across
+    a float8 rounding boundary changes that entry by a float8 step, not the whole tensor."""
+    error, norm = (got - want).abs().max().item(), want.norm().item()
+    assert error <= fraction * norm, f"{what}: largest difference {error:.3g}, {error / norm:.3g} of the norm"
+
+
+@pytest.mark.parametrize("mode", ["tp", "tp_sp"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tp_equals_one_device_float8(recipe, mode):
+    """2 gloo ranks, TP and TP+SP: the one-device float8 run's losses and grads for 3 steps (a rank's own amax for a
+    sharded weight, input or output grad would be off by ~1e-2)."""
+    run_ranks(_tp_steps, 2, recipe, mode)
