@@ -17,7 +17,11 @@ the first token), batch > 1 ``batched_generate_fn``. Modes (``--modes``):
   first leaves them at a near-tie (``NEAR_TIE_EPS``: (b)'s teacher-forced logits of the two tokens within rounding,
   frequent in bf16 with random weights), reported in the table;
 - ``thunder_tp`` (c): ``model.set_kv_cache(batch_size=B)``, then ``thunder.jit(model, transforms=[TensorParallel(
-  plans.litgpt(model))], executors=...)`` on every rank;
+  plans.litgpt(model))], executors=...)`` on every rank; litgpt's loops sample inside its program, on each rank's
+  vocabulary shard (``thunder_tp.models.litgpt_sampling``: each rank's (largest logit, index) gathered, not the
+  logits);
+- ``thunder_tp_gather`` (c'): the same, its generations under ``thunder_tp.set_sampling("gather")``: litgpt's own
+  sampler on the logits, which the program gathers (the way before the sampler on shards);
 - ``manual_tp`` (d): gpt-fast-style TP in eager PyTorch on every rank (``shard_by_hand``): q|k|v split per block,
   column/row splits of the MLP, an all_reduce after attention and after the MLP of each block, the KV cache of the
   local K/V heads only, the embedding replicated (a lookup: sharding it would add an all_reduce), the lm_head split
@@ -90,6 +94,10 @@ PROMPT_SEED = 1234
 NEAR_TIE_EPS = 32
 
 
+#: the sampler of litgpt's loops by mode (thunder_tp.set_sampling), "shards" where not listed
+SAMPLERS = {"thunder_tp_gather": "gather"}
+
+
 class TokenMismatch(Exception):
     """A mode generated other tokens than single-device eager litgpt."""
 
@@ -124,6 +132,8 @@ def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
         Mode("single_thunder", "(a) single device, thunder.jit", 1, thunder_build, runtime="thunder"),
         Mode("single_eager", "(b) single device, eager litgpt", 1, lambda shared: shared),
         Mode("thunder_tp", f"(c) thunder_tp TP={world}", world, thunder_tp_build, runtime="thunder"),
+        Mode("thunder_tp_gather", f"(c') thunder_tp TP={world}, logits gathered", world, thunder_tp_build,
+             runtime="thunder"),
         Mode("manual_tp", f"(d) hand-written TP={world}, eager", world, manual_build),
         Mode("eager_2threads", "(e) eager litgpt, one process, 2 threads", 1, lambda shared: shared, threads=2),
     ]
@@ -244,10 +254,12 @@ def timed_generation(mode: Mode, module: nn.Module, prompts: torch.Tensor, args:
     """One generation of ``mode``: its time to the first token and decode tokens/s (the slowest rank's) and its
     near-ties with the reference (checked on rank 0, ``ref`` None elsewhere: a TP mode's ranks sample the same
     gathered logits)."""
+    from thunder_tp.models.litgpt_sampling import sampling
+
     if mode.ranks != 1:
         dist.barrier()
     around = threads(mode.threads, cores) if mode.threads != 1 else contextlib.nullcontext()
-    with around:
+    with around, sampling(SAMPLERS.get(mode.name, "shards")):
         tokens, ttft, decode_s = generation(module, prompts, args.new_tokens)
     ties = check_tokens(mode.name, tokens, ref) if ref is not None else []
     if mode.ranks != 1:

@@ -26,14 +26,15 @@ def gen_config(arch: str) -> Config:
 
 
 def models_with_cache(config: Config, batch: int, dtype: torch.dtype = torch.float64,
-                      device: torch.device | None = None) -> tuple[GPT, GPT]:
-    """The single-device model and an identical one for TP, both with a KV cache for `batch` sequences."""
+                      device: torch.device | None = None, max_seq: int = MAX_SEQ) -> tuple[GPT, GPT]:
+    """The single-device model and an identical one for TP, both with a KV cache for `batch` sequences of up to
+    `max_seq` tokens."""
     torch.manual_seed(0)
     reference = GPT(config).to(device=device, dtype=dtype)
     model = GPT(config).to(device=device, dtype=dtype)
     model.load_state_dict(reference.state_dict())
     for m in (reference, model):
-        m.max_seq_length = MAX_SEQ
+        m.max_seq_length = max_seq
         m.set_kv_cache(batch_size=batch, dtype=dtype, device=device)
     return reference, model
 

@@ -22,8 +22,9 @@ pytest.importorskip("litgpt")
 
 def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
     """Every mode timed with the reference tokens; (d) at Megatron's decode collectives, minus the embedding's
-    all_reduce (its embedding is replicated), and with half the KV cache; (c), where it ran, exactly at the minimum
-    (1 all_gather) and with half the cache."""
+    all_reduce (its embedding is replicated), and with half the KV cache; (c), where it ran, at the minimum with the
+    sampler's all_gather of each rank's (largest logit, index) in place of the logits', and with half the cache;
+    (c'), where it ran, with the logits' all_gather."""
     results = res["results"]
     assert list(results) == modes, results
     for name, r in results.items():
@@ -35,18 +36,21 @@ def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
                                                           "all_gather": {"count": 1, "bytes": logits}}, results
     full_kv = 2 * batch * 2 * (8 + 3) * 16 * itemsize  # k and v: (batch, 2 K/V groups, context, head size)
     assert results["manual_tp"]["kv_cache_bytes"] == full_kv // 2, results
-    if "thunder_tp" in results:
-        tp = results["thunder_tp"]["decode_collectives"]
-        assert tp == {"all_reduce": {"count": 3, "bytes": 3 * act}, "all_gather": {"count": 1, "bytes": logits}}, tp
-        assert results["thunder_tp"]["kv_cache_bytes"] == full_kv // 2, results
-        assert results["thunder_tp"]["param_bytes"] < results["single_eager"]["param_bytes"], results
+    candidates = batch * 2 * 8 * 2  # one float64 (value, index) pair a row from each of the 2 ranks
+    for name, gathered in (("thunder_tp", candidates), ("thunder_tp_gather", logits)):
+        if name in results:
+            tp = results[name]["decode_collectives"]
+            want = {"all_reduce": {"count": 3, "bytes": 3 * act}, "all_gather": {"count": 1, "bytes": gathered}}
+            assert tp == want, (name, tp)
+            assert results[name]["kv_cache_bytes"] == full_kv // 2, results
+            assert results[name]["param_bytes"] < results["single_eager"]["param_bytes"], results
 
 
 # the command line; test_batched_bf16 runs the benchmark on the warm ranks (~2 minutes on 2 cores)
 @pytest.mark.slow
 def test_torchrun(tmp_path):
     """Batch 1 (litgpt's generate loop), fp32, from the command line: every mode."""
-    modes = ["single_eager", "single_thunder", "thunder_tp", "manual_tp", "eager_2threads"]
+    modes = ["single_eager", "single_thunder", "thunder_tp", "thunder_tp_gather", "manual_tp", "eager_2threads"]
     json_path = tmp_path / "results.json"
     stdout, stderr = torchrun(["-m", "benchmarks.bench_generate", *TINY, "--modes", ",".join(modes), "--json_path",
                                str(json_path)],
@@ -69,11 +73,12 @@ def _run(argv: list[str]) -> tuple[int, dict]:
 
 
 def test_batched_bf16():
-    """Batch 2 (litgpt's batched loop), bf16, on the warm gloo ranks of tests/dist.py; the one Thunder build is
-    thunder_tp's (test_torchrun, slow, runs every mode from the command line)."""
+    """Batch 2 (litgpt's batched loop), bf16, on the warm gloo ranks of tests/dist.py; the Thunder builds are
+    thunder_tp's, sampling on shards and with the logits gathered (test_torchrun, slow, runs every mode from the
+    command line)."""
     from tests.dist import run_ranks
 
-    modes = ["single_eager", "thunder_tp", "manual_tp"]
+    modes = ["single_eager", "thunder_tp", "thunder_tp_gather", "manual_tp"]
     (code, res), (code1, _) = run_ranks(_run, 2, ["--batch", "2", "--dtype", "bfloat16", "--modes", ",".join(modes)])
     assert code == code1 == 0
     _check(res, modes, 2, 2)

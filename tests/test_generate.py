@@ -89,18 +89,24 @@ def test_batched_greedy_generation():
 
 
 def _litgpt_loops(temperature: float) -> dict:
-    """litgpt's generate (batch 1) and batched_generate_fn (batch 2) on the jitted module; seeded alike on every
-    rank, sampling picks the same tokens everywhere. Between the loops the caches are reset as litgpt's generate
-    script does: every block's pieces were written, and are zero after."""
+    """litgpt's generate (batch 1) and batched_generate_fn (batch 2) on the jitted module with litgpt's own sampler
+    (``set_sampling("gather")``: the program returns the logits, gathered); seeded alike on every rank, sampling picks
+    one device's tokens everywhere. Between the loops the caches are reset as litgpt's generate script does: every
+    block's pieces were written, and are zero after. thunder_tp's sampler on shards: tests/test_sampling.py."""
+    from thunder_tp.models.litgpt_sampling import sampling
+
     config = gen_config("gqa")
     reference, model = models_with_cache(config, 2)
     jm = _jit(model)
     prompt = torch.randint(0, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(2))
-    sampling = dict(temperature=temperature, top_k=20, top_p=0.9)
+    args = dict(temperature=temperature, top_k=20, top_p=0.9)
     results = {}
     for name, m in (("reference", reference), ("tp", jm)):
         torch.manual_seed(1234)  # the same seed on every rank: the same draws from the same (gathered) logits
-        single = generate(m, prompt, PROMPT + NEW_TOKENS, **sampling)
+        with sampling("gather"):
+            single = generate(m, prompt, PROMPT + NEW_TOKENS, **args)
+        if m is jm:
+            results["decode"] = collective_counts(thunder.last_traces(jm)[-1])
         caches = [block.attn.kv_cache for block in m.transformer.h]
         if m is jm:
             assert all(jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.k").abs().sum() > 0 for i in range(len(caches)))
@@ -110,8 +116,9 @@ def _litgpt_loops(temperature: float) -> dict:
             assert all((jm.get_buffer(f"transformer.h.{i}.attn.kv_cache.{kv}") == 0).all()
                        for i in range(len(caches)) for kv in "kv"), "a reset left a piece written"
         torch.manual_seed(1234)
-        batched = list(batched_generate_fn(m, torch.stack([prompt, prompt.flip(0)]), PROMPT + NEW_TOKENS,
-                                           sample_args=sampling, include_prompt=False, include_eos=True))
+        with sampling("gather"):
+            batched = list(batched_generate_fn(m, torch.stack([prompt, prompt.flip(0)]), PROMPT + NEW_TOKENS,
+                                               sample_args=args, include_prompt=False, include_eos=True))
         results[name] = (single, torch.stack([torch.cat(step) for step in batched]))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results["tp"])
@@ -126,8 +133,8 @@ def test_litgpt_generate_loops(temperature):
     single, batched = results["tp"]
     want_single, want_batched = results["reference"]
     assert single.shape == (PROMPT + NEW_TOKENS,) and batched.shape == (NEW_TOKENS, 2)
-    if temperature == 0.0:  # greedy: exactly the single-device tokens
-        assert torch.equal(single, want_single) and torch.equal(batched, want_batched)
+    assert torch.equal(single, want_single) and torch.equal(batched, want_batched)
+    assert results["decode"] == expected_counts(gen_config("gqa"), "tp", 2)[0], results["decode"]  # the logits gathered
 
 
 def _cache_after_jit() -> str:

@@ -1,12 +1,14 @@
 """`python -m thunder_tp.generate` on a litgpt checkpoint directory the test makes (random weights, a tokenizer
-trained on a few sentences): TP=2 under torchrun samples the single-device tokens (two samples at temperature 0.8,
-different from each other, alike on every rank), at Megatron's decode minimum, with half the KV cache per rank, a
+trained on a few sentences): TP=2 under torchrun samples the single-device tokens (two samples of 32 tokens with
+top-k, temperature and top-p, different from each other, alike on every rank), each decode step at Megatron's minimum
+with the sampler's gather of each rank's candidates in place of the logits', with half the KV cache per rank, a
 bounded number of compiles and timings taken after a warm-up; bad input gets a one-line error, no traceback."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,12 +52,13 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
-    """Seeded once per run: the two samples differ, and TP=2 draws the single-device ones (float64 logits agree to
-    ~1e-15, so the same random numbers pick the same tokens); the CLI raises if any rank sampled otherwise. Thunder's
-    executors (no Inductor compile; generation under thunder_tp's: tests/test_decode_step.py)."""
+    """Seeded once per run: the two samples differ, and TP=2 draws the single-device ones (thunder_tp's sampler, on
+    each rank's vocabulary shard inside the program, and on the whole logits on one device; float64 logits agree to
+    ~1e-15); the CLI raises if any rank sampled otherwise. Thunder's executors (no Inductor compile; generation under
+    thunder_tp's: tests/test_decode_step.py)."""
     config = make_checkpoint_dir(tmp_path)
-    common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "6", "--temperature", "0.8",
-              "--num_samples", "2", "--precision", "64-true"]
+    common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "32", "--temperature", "0.8",
+              "--top_k", "5", "--top_p", "0.9", "--num_samples", "2", "--precision", "64-true"]
     single = main([*common, "--compile", "eager"])  # one device: in this process
     tp = _run([*common, "--compile", "thunder_default", "--json_path", str(tmp_path / "tp.json")])
     assert tp.returncode == 0, tp.stderr[-3000:]
@@ -66,8 +69,9 @@ def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
     assert tp_report["warm_up_s"] > 0 and single["warm_up_s"] is None  # compiled before timing; eager compiles nothing
     assert "Compiled in" in tp.stdout and "Time to first token" in tp.stdout, tp.stdout
     assert tp_report["kv_cache_bytes_per_rank"] * 2 == single["kv_cache_bytes_per_rank"]
-    counts = {kind: t["count"] for kind, t in totals(tp_report["decode_step_collectives"]).items()}
-    assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts
+    decode = totals(tp_report["decode_step_collectives"])
+    assert {kind: t["count"] for kind, t in decode.items()} == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}
+    assert decode["all_gather"]["bytes"] == 5 * 2 * 8 * 2, decode  # 5 float64 (value, index) pairs a rank
     prompt_length = len(tp_report["samples"][0]["prompt_ids"])
     assert tp_report["compiles"] == len(set(prefill_chunks(prompt_length)) | {1}), tp_report["compiles"]
 
@@ -81,16 +85,17 @@ def test_prefill_chunks_are_powers_of_two():
     (["--max_new_tokens", "100"], "block_size is 64: shorten the prompt or lower --max_new_tokens"),
     (["--compile", "eager", "--tp_size", "2"], "--compile eager runs on one device only (--tp_size 1)"),
     (["--tp_size", "2"], "--tp_size 2 must equal the number of processes (1)"),
+    (["--top_p", "1.5"], "top_p must be in [0, 1], got 1.5"),
 ])
 def test_cli_bad_input(tmp_path, extra, message):
     make_checkpoint_dir(tmp_path)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         main(["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, *extra])
 
 
-def _cli_on_rank(argv: list[str], rank: int, port: int) -> None:
-    """``cli`` as torchrun starts it on rank `rank` of 2 (its environment variables)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+def _cli_on_rank(argv: list[str], rank: int, port: int, world: int = 2) -> None:
+    """``cli`` as torchrun starts it on rank `rank` of `world` (its environment variables)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.exit(cli(argv))
 
@@ -135,6 +140,28 @@ def test_cli_tp2_bf16_with_sampling(tmp_path):
     assert counts == {"all_reduce": 2 * config.n_layer + 1, "all_gather": 1}, counts
 
 
+@pytest.mark.slow  # TP 3, more modes: litgpt's loops at TP 3 in test_sampling; the CLI's sampler at TP 2 above
+def test_cli_tp3_samples_the_single_device_tokens(tmp_path):
+    """At TP 3 (a vocabulary of 64: 22, 21 and 21 tokens a rank; 4 K/V heads: 2, 1, 1), ranks forked as torchrun
+    starts them: greedy, temperature alone, top-p alone, top-k with temperature and top-p, and litgpt's sampler on
+    the gathered logits (--sampling gather), 32 tokens each, one device's tokens."""
+    make_checkpoint_dir(tmp_path)
+    common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "32", "--precision",
+              "64-true", "--compile", "thunder_default"]
+    for mode in (["--temperature", "0"], ["--top_k", "none"], ["--top_k", "none", "--top_p", "0.8"],
+                 ["--top_k", "4", "--top_p", "0.9", "--temperature", "1.2"], ["--sampling", "gather"]):
+        single = main([*common, *mode, "--compile", "eager"])
+        path, port = tmp_path / "tp3.json", free_port()
+        ranks = [start_forked(_cli_on_rank, [*common, *mode, "--json_path", str(path)], r, port, 3,
+                              name=f"generate-rank{r}") for r in range(3)]
+        for rank in ranks:
+            rank.join(600)
+            rank.kill()
+        assert [rank.exitcode for rank in ranks] == [0, 0, 0], (mode, [rank.exitcode for rank in ranks])
+        tp = json.loads(path.read_text())
+        assert tp["samples"][0]["generated_ids"] == single["samples"][0]["generated_ids"], (mode, tp, single)
+
+
 def _prompt_of_rank() -> str:
     import torch.distributed as dist
 
@@ -167,8 +194,9 @@ def test_help_shows_every_default_without_importing_torch():
         assert shown in " ".join(out.stdout.split()), out.stdout
 
 
-def test_the_cli_lists_every_decode_step_strategy():
-    from thunder_tp.generate import DECODE_STEPS
+def test_the_cli_lists_every_decode_step_strategy_and_sampler():
+    from thunder_tp.generate import DECODE_STEPS, SAMPLERS
+    from thunder_tp.models.litgpt_sampling import SAMPLERS as LOOP_SAMPLERS
     from thunder_tp.runtimes.decode_step import STRATEGIES
 
-    assert tuple(DECODE_STEPS) == tuple(STRATEGIES)
+    assert tuple(DECODE_STEPS) == tuple(STRATEGIES) and SAMPLERS == LOOP_SAMPLERS

@@ -28,6 +28,8 @@ __all__ = [
     "parallelize",
     "per_rank",
     "plans",
+    "sample",
+    "set_sampling",
     "simulate",
 ]
 

@@ -15,6 +15,8 @@ from thunder_tp.tools.simulate import per_rank, simulate
 from thunder_tp.styles import ColwiseParallel, KVCacheParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
 from thunder_tp import models  # (model families register their lookasides and rules)
+from thunder_tp.models.litgpt_sampling import set_sampling
+from thunder_tp.ops.sampling import sample
 from thunder_tp.thunder_internals import untraced  # (modules built in a jitted forward)
 from thunder_tp.thunder_internals import instructions  # (Thunder's interpreter decodes each code object once)
 from thunder_tp.thunder_internals import global_names  # (Thunder's interpreter reads a global without interpreting)

@@ -19,6 +19,8 @@ from typing import Any
 
 #: --precision: Lightning's names (thunder_tp.runtimes.generation maps them to dtypes)
 PRECISIONS = ("32-true", "bf16-true", "16-true", "64-true")
+#: --sampling: thunder_tp.models.litgpt_sampling's samplers
+SAMPLERS = ("shards", "gather")
 #: --decode_step: thunder_tp.DecodeStep's strategies
 DECODE_STEPS = ("bound", "compiled", "graph")
 
@@ -35,9 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", default="What food do llamas eat?", help="the text to continue")
     p.add_argument("--max_new_tokens", type=int, default=50, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens")
+    p.add_argument("--top_k", type=_top_k, default=50, help="sample among the k most likely tokens ('none': all)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling's probability mass")
     p.add_argument("--num_samples", type=int, default=1, help="sequences to generate")
+    p.add_argument("--sampling", choices=SAMPLERS, default="shards",
+                   help="shards: thunder_tp's sampler (litgpt's semantics, a Gumbel-max draw) inside the jitted "
+                        "program, under TP on each rank's vocabulary shard, no logits gathered; gather: litgpt's "
+                        "sample on the gathered logits")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16-true", help="the model's dtype")
     p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed, the same on every rank")
@@ -48,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "off calls the jitted model each step")
     p.add_argument("--json_path", type=Path, default=None, help="write the report (samples, timings) here")
     return p.parse_args(argv)
+
+
+def _top_k(text: str) -> int | None:
+    """--top_k: a number, or 'none' (litgpt's None: every token)."""
+    return None if text.lower() == "none" else int(text)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

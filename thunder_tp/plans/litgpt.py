@@ -85,7 +85,8 @@ def litgpt(
     layer whole, its tokens sent to them by all_to_all (thunder_tp.models.expert_parallel; router and shared experts
     replicated); otherwise every expert is split like a dense MLP. With fewer K/V groups than ranks, each K/V head is
     replicated on the ranks whose query heads use it (see `tp_sizes` for the sizes that work).
-    A KV cache (`set_kv_cache` called before the plan is made) is split like the K/V heads it caches.
+    A KV cache (`set_kv_cache` called before the plan is made) is split like the K/V heads it caches, and lm_head's
+    output stays vocab-sharded for a sampler inside the program (thunder_tp.models.litgpt_sampling).
     tp_size: the TP size the plan is for, checked now (an error naming the module and the sizes that work) rather
     than when TensorParallel applies it.
     """
@@ -104,7 +105,9 @@ def litgpt(
         f"{block}attn.qkv": _qkv_style(config),
         f"{block}attn.proj": RowwiseParallel(output_layout=block_output, unit=config.head_size,
                                              groups=config.n_query_groups),
-        "lm_head": ColwiseParallel(output_layout=None if loss_parallel else REPLICATE),
+        # left vocabulary-sharded for a loss, or a sampler (a KV cache), inside the program; the program's output
+        # is gathered where it returns the logits
+        "lm_head": ColwiseParallel(output_layout=None if loss_parallel or _has_kv_cache(model) else REPLICATE),
     }
     if config.mlp_class_name == "LLaMAMoE" and expert_parallel:
         _check_unbiased(config)

@@ -11,6 +11,7 @@ from thunder_tp.propagation import (  # noqa: F401  (importing a family register
     normalization,
     pointwise,
     reductions,
+    sampling,
     views,
 )
 from thunder_tp.propagation.engine import Op, Propagation, Step, Strategy, register_rule

@@ -2,8 +2,9 @@
 the meta device, its KV cache made, jitted with TensorParallel and loaded slice by slice (or random weights); the
 prompt prefilled in chunks of powers of two (at most log2(max_seq_length) + 1 compiled programs, the one-token chunk
 being the decode program), a warm-up run compiling them before any timing; each sample's decode steps as a
-``thunder_tp.DecodeStep`` (``Decoder``); the sampler seeded once per run, alike on every rank, and the ranks' tokens
-compared once per sequence."""
+``thunder_tp.DecodeStep`` (``Decoder``); each token sampled by ``TokenPicker`` (thunder_tp's sampler inside the jitted
+program: no logits gathered; or litgpt's on the gathered logits); the sampler seeded once per run, alike on every
+rank, and the ranks' tokens compared once per sequence."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import thunder
@@ -20,6 +23,8 @@ import torch.distributed as dist
 import thunder_tp
 import thunder_tp.checkpoint as ck
 from thunder_tp.collectives import comm_executor
+from thunder_tp.models.litgpt_sampling import next_tokens
+from thunder_tp.ops.sampling import Sampling
 from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.decode_step import DecodeStep, Strategy
 from thunder_tp.runtimes.divergence import check_same_tensors, checksum
@@ -35,6 +40,7 @@ _DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": tor
 def generate(args: argparse.Namespace) -> dict[str, Any]:
     """Generate and report; returns what ``--json_path`` gets."""
     tp_size = _init_distributed(args)
+    sampling = _sampling(args)
     device = _device()
     config = _config(args)
     tokenizer = _tokenizer(args)
@@ -46,11 +52,12 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
     if args.checkpoint_dir is not None:
         ck.load(str(args.checkpoint_dir / "lit_model.pth"), jm)
     decoder = Decoder(jm, _strategy(args), max_seq_length)
+    pick = TokenPicker(sampling, args.sampling, args.compile != "eager")
     positions = range(prompt.numel(), prompt.numel() + args.max_new_tokens - 1)
-    warm_up_s = _warm_up(jm, decoder, prompt, positions) if args.compile != "eager" else None
+    warm_up_s = _warm_up(jm, decoder, prompt, positions, pick) if args.compile != "eager" else None
     torch.manual_seed(args.seed)  # once per run: each sample draws on from where the previous one stopped
-    samples = [_sample_once(jm, decoder, model, prompt, args, tokenizer) for _ in range(args.num_samples)]
-    report = _report(jm, decoder, samples, tp_size, args.compile, warm_up_s)
+    samples = [_sample_once(jm, decoder, model, prompt, args, tokenizer, pick) for _ in range(args.num_samples)]
+    report = _report(jm, decoder, samples, tp_size, args, warm_up_s)
     if _rank() == 0:
         _print(report, tokenizer)
         if args.json_path is not None:
@@ -94,6 +101,14 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
     if args.decode_step == "auto":
         return "graph" if torch.cuda.is_available() else "bound"
     return args.decode_step
+
+
+def _sampling(args: argparse.Namespace) -> Sampling:
+    """--temperature, --top_k and --top_p, checked."""
+    try:
+        return Sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as error:
+        raise GenerateError(str(error)) from None
 
 
 def _rank() -> int:
@@ -185,15 +200,36 @@ def prefill_chunks(length: int) -> list[int]:
     return [1 << bit for bit in reversed(range(length.bit_length())) if length >> bit & 1]
 
 
+@dataclass(frozen=True)
+class TokenPicker:
+    """How the CLI picks a token: with thunder_tp's sampler (``sampler`` "shards"), inside the program where
+    ``in_program`` (a jitted model: under TP no logits are gathered) or on the logits; with litgpt's ``sample`` on the
+    (gathered) logits ("gather")."""
+
+    sampling: Sampling
+    sampler: str
+    in_program: bool
+
+    def __call__(self, call: Callable[..., Any], tokens: torch.Tensor, *args: Any) -> torch.Tensor:
+        """The (1, 1) int64 token after ``tokens`` (1, T): ``call(tokens, *args)`` is the model's call."""
+        if self.sampler == "gather":
+            from litgpt.generate.base import sample
+
+            s = self.sampling
+            return sample(call(tokens, *args), s.temperature, s.top_k, s.top_p).view(1, 1).to(torch.int64)
+        return next_tokens(call, [self.sampling], self.in_program, tokens, *args)
+
+
 @torch.inference_mode()
-def prefill(jm, prompt: torch.Tensor) -> torch.Tensor:
-    """Run the prompt (1-D token ids) through the model chunk by chunk; the last position's logits."""
+def prefill(jm, prompt: torch.Tensor, pick: TokenPicker) -> torch.Tensor:
+    """Run the prompt (1-D token ids) through the model chunk by chunk, every chunk picking a token (one program
+    per chunk length, the one-token chunk's that of a decode step); the last chunk's token."""
     start = 0
     for chunk in prefill_chunks(prompt.numel()):
         positions = torch.arange(start, start + chunk, device=prompt.device)
-        logits = jm(prompt[None, start:start + chunk], positions)
+        token = pick(jm, prompt[None, start:start + chunk], positions)
         start += chunk
-    return logits
+    return token
 
 
 class Decoder:
@@ -213,57 +249,56 @@ class Decoder:
             return self.max_seq_length
         return min(self.max_seq_length, max(self.min_bucket, 1 << position.bit_length()))
 
-    def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        """The logits of one decode step."""
+    def __call__(self, tokens: torch.Tensor, position: int, **kwargs: Any) -> Any:
+        """One decode step: the model's output (logits, or with a sampler's ``kwargs`` the tokens)."""
         where = torch.tensor([position], device=tokens.device)
         if self.strategy is None:
-            return self.jm(tokens, where)
+            return self.jm(tokens, where, **kwargs)
         bucket = self.bucket(position)
         key = (tokens.shape[0], bucket)
         if key not in self.steps:
             self.steps[key] = DecodeStep(self.jm, self.strategy)
         # the whole cache without the keyword: the program of a one-token prefill chunk
-        return self.steps[key](tokens, where, **({"input_pos_maxp1": bucket} if bucket < self.max_seq_length else {}))
+        if bucket < self.max_seq_length:
+            kwargs["input_pos_maxp1"] = bucket
+        return self.steps[key](tokens, where, **kwargs)
 
 
 @torch.inference_mode()
-def _warm_up(jm, decoder: Decoder, prompt: torch.Tensor, positions: range) -> float:
+def _warm_up(jm, decoder: Decoder, prompt: torch.Tensor, positions: range, pick: TokenPicker) -> float:
     """Compile the prefill programs and the decode programs by running them once, so that no timing includes a
     compilation or a capture (the cache they fill is reset before each sample); the seconds it took."""
     if _rank() == 0:
         print("Compiling the prefill and decode programs (minutes for a deep model on a CPU)...", flush=True)
     start = time.perf_counter()
-    prefill(jm, prompt)
+    prefill(jm, prompt, pick)
     last = prompt.numel() - 1  # a decode step at the prompt's last position: in range whatever --max_new_tokens
     buckets = {decoder.bucket(p): p for p in reversed(positions)} or {decoder.bucket(last): last}
     for position in buckets.values():  # each bucket's step, at the first position it serves
-        _synchronize(decoder(prompt[None, last:], position))
+        _synchronize(pick(decoder, prompt[None, last:], position))
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
-def _sample_once(jm, decoder: Decoder, model, prompt: torch.Tensor, args: argparse.Namespace,
-                 tokenizer) -> dict[str, Any]:
+def _sample_once(jm, decoder: Decoder, model, prompt: torch.Tensor, args: argparse.Namespace, tokenizer,
+                 pick: TokenPicker) -> dict[str, Any]:
     """One sequence: prefill, then one token per step until --max_new_tokens or the end-of-sequence token."""
-    from litgpt.generate.base import sample
-
     for block in model.transformer.h:
         block.attn.kv_cache.reset_parameters()
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     t0 = time.perf_counter()
-    token = sample(prefill(jm, prompt), **sampling).to(torch.int64)
+    token = prefill(jm, prompt, pick)
     _synchronize(token)
     first = time.perf_counter()
     tokens = [token]
     for position in range(prompt.numel(), prompt.numel() + args.max_new_tokens - 1):
         if eos_id is not None and int(token) == eos_id:
             break
-        token = sample(decoder(token.view(1, 1), position), **sampling).to(torch.int64)
+        token = pick(decoder, token, position)
         tokens.append(token)
     _synchronize(token)
     end = time.perf_counter()
-    generated = torch.cat(tokens).tolist()
+    generated = torch.cat(tokens).view(-1).tolist()
     _check_ranks_agree(generated)
     decode_s = end - first
     return {"prompt_ids": prompt.tolist(), "generated_ids": generated, "time_to_first_token_s": first - t0,
@@ -287,18 +322,19 @@ def _check_ranks_agree(tokens: list[int]) -> None:
                            "from the same logits with the same seed")
 
 
-def _report(jm, decoder: Decoder, samples: list[dict[str, Any]], tp_size: int, compile: str,
+def _report(jm, decoder: Decoder, samples: list[dict[str, Any]], tp_size: int, args: argparse.Namespace,
             warm_up_s: float | None) -> dict[str, Any]:
     """Per-rank bytes, timings and (compiled modes) the collectives of one decode step and the compiles."""
     buffers = dict(jm.named_buffers())
     report = {
         "tp_size": tp_size,
+        "sampling": args.sampling,
         "warm_up_s": warm_up_s,
         "samples": samples,
         "parameter_bytes_per_rank": sum(p.numel() * p.element_size() for p in jm.parameters()),
         "kv_cache_bytes_per_rank": sum(b.numel() * b.element_size() for n, b in buffers.items() if ".kv_cache." in n),
     }
-    if compile != "eager":
+    if args.compile != "eager":
         step = next(iter(decoder.steps.values()), None)
         report["decode_step"] = decoder.strategy or "off"
         report["decode_step_collectives"] = thunder_tp.collectives_table(
