@@ -106,3 +106,36 @@ def test_tp_equals_one_device_float8(recipe, mode):
     """2 gloo ranks, TP and TP+SP: the one-device float8 run's losses and grads for 3 steps (a rank's own amax for a
     sharded weight, input or output grad would be off by ~1e-2)."""
     run_ranks(_tp_steps, 2, recipe, mode)
+
+
+def _tables(gather_in_float8: bool) -> tuple[list[dict], list[dict]]:
+    """Rank 0 of 2 (thunder_tp.one_rank: nothing exchanged) of the bfloat16 llama, tensorwise, TP+SP: one step's
+    forward and backward collectives tables."""
+    with thunder_tp.one_rank(2, 0, "cpu"):
+        model = _llama("tensorwise").to(torch.bfloat16)
+        plan = thunder_tp.plans.litgpt(model, sequence_parallel=True)
+        tp = thunder_tp.TensorParallel(plan, float8_all_gather=gather_in_float8)
+        jm = thunder.jit(model, transforms=[tp], executors=FAST_EXECUTORS)
+        jm(*batch(0)).backward()
+        return [list(thunder_tp.collectives_table(t[-1])) for t in (thunder.last_traces(jm),
+                                                                    thunder.last_backward_traces(jm))]
+
+
+def test_collectives_table_shows_amax_reductions_and_float8_gathers():
+    """The amaxes reduced over the group, each a bfloat16 number: per block forward, the weights of the 5 linears and
+    the inputs of the 2 row-parallel ones and of the 2 gathered ones (the MLP's fc_1 and fc_2 share a gather);
+    backward, the output grads of the 3 column-parallel ones. The inputs of the column-parallel linears gathered in
+    float8: half the bytes of the bfloat16 gathers that float8_all_gather=False keeps."""
+    (forward, backward), (hp_forward, _) = _tables(True), _tables(False)
+
+    def rows(table, text):
+        return [r for r in table if text in r["issued_by"]]
+
+    layers = 2
+    amaxes = {r["issued_by"]: (r["count"], r["bytes_per_call"]) for r in rows(forward, "float8: amax")}
+    assert amaxes == {"float8: amax of the weight (max)": (5 * layers, 2),
+                      "float8: amax of the input (max)": (4 * layers, 2)}, amaxes
+    assert [(r["count"], r["bytes_per_call"]) for r in rows(backward, "float8: amax")] == [(3 * layers, 2)]
+    float8, = rows(forward, "float8: the input gathered")
+    bf16, = rows(hp_forward, "float8_matmul: sequence shards gathered")
+    assert float8["count"] == bf16["count"] == 2 * layers and 2 * float8["bytes_per_call"] == bf16["bytes_per_call"]

@@ -78,6 +78,9 @@ class TensorParallel(Transform):
     later: MaterializationTransform, load_original_state_dict) at the end of each compile and all raise, naming those
     that differ (thunder_tp.runtimes.divergence.SameWeights); False for ranks that shard from different sources on
     purpose. Both ride on the compile agreement's all_gather (thunder_tp.runtimes.agreement).
+    `float8_all_gather`: under SP, the input of a float8 column-parallel linear (torchao's convert_to_float8_training)
+    is cast to float8 before it is all-gathered, where its recipe allows (tensorwise input scaling), as torchao's
+    Float8ColwiseParallel does: half of bf16's bytes (thunder_tp.models.float8); False gathers it in high precision.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class TensorParallel(Transform):
         overlap: Mode = "auto",
         check_collectives: bool = True,
         check_weights: bool = True,
+        float8_all_gather: bool = True,
     ):
         if check_inputs not in CHECK_INPUTS:
             raise ValueError(
@@ -97,7 +101,9 @@ class TensorParallel(Transform):
             )
         if not isinstance(overlap, Costs) and overlap not in MODES:
             raise ValueError(f"thunder_tp.TensorParallel: overlap must be one of {MODES}, got {overlap!r}")
-        for name, value in (("check_collectives", check_collectives), ("check_weights", check_weights)):
+        switches = (("check_collectives", check_collectives), ("check_weights", check_weights),
+                    ("float8_all_gather", float8_all_gather))
+        for name, value in switches:
             if not isinstance(value, bool):
                 raise TypeError(f"thunder_tp.TensorParallel: {name} must be True or False, got {value!r}")
         self.overlap = overlap
@@ -105,6 +111,7 @@ class TensorParallel(Transform):
         self.check_inputs = check_inputs
         self.check_collectives = check_collectives
         self.check_weights = check_weights
+        self.float8_all_gather = float8_all_gather
         self.example_inputs = example_inputs
         self.process_group = process_group
         self.parameter_layouts: dict[str, Layout] = {}
@@ -265,7 +272,8 @@ class TensorParallel(Transform):
         # dead code first (Thunder removes it only after this hook): an unused consumer, such as the router logits
         # an HF MoE block returns and its decoder layer drops, must not decide how a live value is communicated
         logical = constrain_styled_ops(dce(computation), styles)
-        propagation = Propagation(dict(layouts), self.tp, frozenset(param_names))
+        propagation = Propagation(dict(layouts), self.tp, frozenset(param_names),
+                                  options={"float8_all_gather": self.float8_all_gather})
         steps = propagation.run(trace_body(logical))
         one_trace = ranks_of(self.tp.group).one_trace_for_all
         # a simulation runs one trace for every rank: StackShard tensors keep their full shape there (local_piece)

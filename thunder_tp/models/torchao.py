@@ -1,5 +1,5 @@
 """The torchao family: a model converted to float8 training (``torchao.float8.convert_to_float8_training``) traced
-by ``thunder.jit``: each ``Float8Linear`` as ``float8_matmul`` (``thunder_tp.ops.float8``), its weights kept in high
+by ``thunder.jit``: each ``Float8Linear`` as ``float8_matmul`` (``thunder_tp.models.float8``), its weights kept in high
 precision. Registered only where torchao is installed (``pip install thunder_tp[float8]``)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from thunder.core.interpreter import _interpret_call, unwrap, wrap_const
 from thunder.core.jit_ext import register_general_jit_lookaside
 
-from thunder_tp.ops.float8 import Recipe, float8_matmul
+from thunder_tp.models.float8 import Recipe, float8_matmul
 
 __all__ = ["float8_linear_forward", "recipe"]
 

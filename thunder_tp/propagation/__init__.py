@@ -4,7 +4,6 @@ from thunder_tp.layouts import normalize
 from thunder_tp.propagation import (  # noqa: F401  (importing a family registers its rules)
     attention,
     embedding,
-    float8,
     indexing,
     losses,
     matmul,

@@ -8,7 +8,7 @@ through its subsymbols (Thunder's decomposition); without those, everything is R
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -69,11 +69,13 @@ def register_rule(*syms: Symbol | str) -> Callable[[Rule], Rule]:
 
 @dataclass
 class Op:
-    """What a rule sees: one bound symbol, its tensor inputs and their current layouts."""
+    """What a rule sees: one bound symbol, its tensor inputs and their current layouts; `options`: what the transform
+    was asked for that a rule decides by (TensorParallel's `float8_all_gather`)."""
 
     bsym: BoundSymbol
     layouts: list[Layout]
     tp: TPGroup
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     @cached_property
     def tensors(self) -> list[TensorProxy]:
@@ -132,13 +134,13 @@ class Choices:
         self._tensors: dict[int, tuple[BoundSymbol, list[TensorProxy], list[TensorProxy]]] = {}
         self._chosen: dict[tuple, tuple[BoundSymbol, Strategy | object]] = {}
 
-    def op(self, bsym: BoundSymbol, layouts: dict[str, Layout], tp: TPGroup) -> Op:
+    def op(self, bsym: BoundSymbol, layouts: dict[str, Layout], tp: TPGroup, options: Mapping[str, Any]) -> Op:
         """`bsym`'s Op with its inputs' `layouts` (its tensor inputs and outputs flattened once per bound symbol)."""
         known = self._tensors.get(id(bsym))
         if known is None:
-            first = Op(bsym, [], tp)
+            first = Op(bsym, [], tp, options)
             known = self._tensors[id(bsym)] = (bsym, first.tensors, first.outputs)
-        op = Op(bsym, [layouts[t.name] for t in known[1]], tp)
+        op = Op(bsym, [layouts[t.name] for t in known[1]], tp, options)
         op.__dict__.update(tensors=known[1], outputs=known[2])  # the cached properties' values
         return op
 
@@ -163,15 +165,17 @@ class Propagation:
     #: proxies whose Replicate version a chosen strategy already needs (the rewrite makes it once)
     replicated: set[str] = field(default_factory=set)
     choices: Choices | None = None
+    #: the rules' `Op.options`
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def run(self, bsyms: Iterable[BoundSymbol]) -> list[Step]:
         """Choose a strategy for every bound symbol, decomposing rule-less ops where needed."""
         for bsym in bsyms:
             if self.choices is None:
-                op = Op(bsym, [self.layouts[t.name] for t in _tensor_inputs(bsym)], self.tp)
+                op = Op(bsym, [self.layouts[t.name] for t in _tensor_inputs(bsym)], self.tp, self.options)
                 strategy = self.choose(op)
             else:
-                op = self.choices.op(bsym, self.layouts, self.tp)
+                op = self.choices.op(bsym, self.layouts, self.tp, self.options)
                 strategy = self.choices.choice(self, op)
             if strategy is DECOMPOSE:
                 self.run(bsym.subsymbols)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from dataclasses import dataclass
 
 import thunder.torch as ltorch
@@ -31,11 +32,19 @@ from thunder.core.langctxs import Languages, langctx
 from thunder.core.prims import get_grad, put_grad
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import Symbol
+from thunder.core.trace import TraceCtx, get_tracectx
 from thunder.core.transforms import register_grad
 from thunder.extend import OperatorExecutor, add_default_executor, register_executor
 
-__all__ = ["WHOLE", "Cuts", "Recipe", "float8_executor", "float8_matmul", "float8_matmul_traced",
-           "float8_scaled_matmul", "float8_scaled_matmul_backward"]
+from thunder_tp.collectives import tp_max_all_reduce, tp_reduce_scatter
+from thunder_tp.collectives.distributed import gather_shards
+from thunder_tp.collectives.labels import label_collectives
+from thunder_tp.collectives.symbols import register_issued_collectives
+from thunder_tp.layouts import PARTIAL, REPLICATE, Pieces, Shard, rank_pieces
+from thunder_tp.propagation.engine import Op, Strategy, register_rule
+
+__all__ = ["WHOLE", "Cuts", "Recipe", "float8_executor", "float8_gathered_matmul_traced", "float8_matmul",
+           "float8_matmul_traced", "float8_scaled_matmul", "float8_scaled_matmul_backward", "tp_float8_gather_to_tp"]
 
 #: Runs the float8 symbols (opaque: torchao's tensor subclass inside). A Thunder default executor, so a plain
 #: `thunder.jit` of a converted model runs them too.
@@ -86,6 +95,14 @@ class Recipe:
     def __hash__(self) -> int:
         return hash((self.config, self.mm_config))
 
+    @property
+    def gathers_in_float8(self) -> bool:
+        """Whether a sequence-sharded input can be cast before it is gathered (as torchao's Float8ColwiseParallel
+        does): the recipe scales the input tensorwise, and by that same cast for the weight grad (so that the gathered
+        float8 input serves both gemms)."""
+        casts = self.casts
+        return casts["input"].scaled and casts["input"].axis is None and casts["input_for_weight"] == casts["input"]
+
     @functools.cached_property
     def casts(self) -> dict[str, _Cast]:
         """torchao's casts (matmul_with_hp_or_float8_args): input and weight (output gemm), output grad and weight
@@ -107,20 +124,32 @@ class Recipe:
             "input_for_weight": cast(c.cast_config_input_for_grad_weight, Role.INPUT, 0),
         }
 
-    def to_float8(self, t: torch.Tensor, name: str, amax: torch.Tensor | None):
-        """The 2-D `t` as the Float8TrainingTensor of cast `name` scaled by `amax`; `t` where the cast is disabled."""
-        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    def scale(self, name: str, amax: torch.Tensor) -> torch.Tensor:
+        """The scale of cast `name` for `amax` (torchao's amax_to_scale)."""
         from torchao.float8.float8_utils import amax_to_scale
+
+        dtype = self.casts[name].config.target_dtype
+        return amax_to_scale(amax, dtype, round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+
+    def to_float8(self, t: torch.Tensor, name: str, amax: torch.Tensor | None, hp_dtype: torch.dtype):
+        """The 2-D `t` as the Float8TrainingTensor of cast `name` scaled by `amax` (`t` already float8: cast by it
+        before, as a float8 all_gather's is); `t` where the cast is disabled."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, hp_tensor_and_scale_to_float8
 
         cast = self.casts[name]
         if not cast.scaled:
             return t
-        dtype = cast.config.target_dtype
-        scale = amax_to_scale(amax, dtype, round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
-        return hp_tensor_and_scale_to_float8(t, scale, dtype, self.mm_config, cast.role, cast.axis)
+        if t.dtype == cast.config.target_dtype:
+            return Float8TrainingTensor(t, self.scale(name, amax), hp_dtype, self.mm_config, cast.role, cast.axis)
+        return hp_tensor_and_scale_to_float8(t, self.scale(name, amax), cast.config.target_dtype, self.mm_config,
+                                             cast.role, cast.axis)
 
 
 # --- amaxes (traced) ------------------------------------------------------------------------------------------------
+
+
+#: torchao's gemm roles as the collectives' labels name them
+_ROLES = {"input": "input", "weight": "weight", "grad_output": "output grad"}
 
 
 def _rows(t: TensorProxy) -> TensorProxy:
@@ -130,13 +159,15 @@ def _rows(t: TensorProxy) -> TensorProxy:
 def _amax(t: TensorProxy, cast: _Cast, cut: int | None, group: dist.ProcessGroup | None) -> TensorProxy | None:
     """The amax `cast` scales the 2-D `t` by (over all of it, or along its axis, kept), reduced over the group where
     `t` is cut along it; None where the cast is disabled."""
-    from thunder_tp.collectives import tp_max_all_reduce
-
     if not cast.scaled:
         return None
     dims = (0, 1) if cast.axis is None else (cast.axis % 2,)
     local = ltorch.amax(ltorch.abs(t), dims, cast.axis is not None)
-    return tp_max_all_reduce(local, group) if cast.reduced_over(cut) else local
+    if not cast.reduced_over(cut):
+        return local
+    reduced = tp_max_all_reduce(local, group)
+    label_collectives(get_tracectx().peek_scope()[-1:], f"float8: amax of the {_ROLES[cast.role.value]} (max)")
+    return reduced
 
 
 def float8_matmul_traced(a: TensorProxy, b: TensorProxy, recipe: Recipe, cuts: Cuts = WHOLE,
@@ -146,6 +177,27 @@ def float8_matmul_traced(a: TensorProxy, b: TensorProxy, recipe: Recipe, cuts: C
     amax_a = _amax(_rows(a), recipe.casts["input"], cuts[0], group)
     amax_b = _amax(b, recipe.casts["weight"], cuts[1], group)
     return float8_scaled_matmul(a, b, amax_a, amax_b, recipe, cuts, group)
+
+
+#: per trace being built: the float8 all_gathers made, by (input, input cast, scale rounding): the linears reading
+#: one sequence-sharded value (an MLP's fc_1 and fc_2) share its gather
+_gathers: weakref.WeakKeyDictionary[TraceCtx, dict] = weakref.WeakKeyDictionary()
+
+
+def float8_gathered_matmul_traced(x: TensorProxy, b: TensorProxy, recipe: Recipe, dim: int, pieces: Pieces,
+                                  group: dist.ProcessGroup) -> TensorProxy:
+    """``all_gather(x) @ b`` in float8 with `x` cast before the gather (`x`: this rank's piece of `pieces` along
+    `dim`, `b` cut along its columns): x's whole-tensor amax, the float8 all_gather (once per input and cast), then
+    ``float8_scaled_matmul`` of the gathered float8 input."""
+    made = _gathers.setdefault(get_tracectx(), {})
+    key = (x.name, recipe.casts["input"].config, recipe.config.round_scales_to_power_of_2, dim)
+    if key not in made:
+        amax_x = _amax(_rows(x), recipe.casts["input"], 0, group)
+        made[key] = tp_float8_gather_to_tp(x, amax_x, recipe, dim, pieces, group), amax_x
+        label_collectives(get_tracectx().peek_scope()[-1:], "float8: the input gathered (cast first)")
+    gathered, amax_x = made[key]
+    amax_b = _amax(b, recipe.casts["weight"], 1, group)
+    return float8_scaled_matmul(gathered, b, amax_x, amax_b, recipe, (None, 1, 1), group)
 
 
 def _backward_amaxes(g, a, b, amax_a, amax_b, recipe: Recipe, cuts: Cuts, group) -> tuple:
@@ -167,19 +219,27 @@ def _backward_amaxes(g, a, b, amax_a, amax_b, recipe: Recipe, cuts: Cuts, group)
 
 
 def _scaled_matmul(a, b, amax_a, amax_b, recipe: Recipe, cuts: Cuts, group) -> torch.Tensor:
-    out = torch.mm(recipe.to_float8(a.reshape(-1, a.shape[-1]), "input", amax_a),
-                   recipe.to_float8(b, "weight", amax_b))
+    hp = b.dtype if a.element_size() == 1 else a.dtype  # a gathered in float8: its proxy's, the weight's
+    out = torch.mm(recipe.to_float8(a.reshape(-1, a.shape[-1]), "input", amax_a, hp),
+                   recipe.to_float8(b, "weight", amax_b, hp))
     return out.reshape(*a.shape[:-1], b.shape[-1])
 
 
 def _scaled_matmul_backward(g, a, b, amaxes: tuple, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     g_for_input, b_for_input, g_for_weight, a_for_weight = amaxes
-    rows, a_rows = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
-    grad_a = torch.mm(recipe.to_float8(rows, "grad_for_input", g_for_input),
-                      recipe.to_float8(b, "weight_for_input", b_for_input).t())
-    grad_w = torch.mm(recipe.to_float8(rows, "grad_for_weight", g_for_weight).t(),
-                      recipe.to_float8(a_rows, "input_for_weight", a_for_weight))
+    rows, a_rows, hp = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]), g.dtype
+    grad_a = torch.mm(recipe.to_float8(rows, "grad_for_input", g_for_input, hp),
+                      recipe.to_float8(b, "weight_for_input", b_for_input, hp).t())
+    grad_w = torch.mm(recipe.to_float8(rows, "grad_for_weight", g_for_weight, hp).t(),
+                      recipe.to_float8(a_rows, "input_for_weight", a_for_weight, hp))
     return grad_a.reshape(a.shape), grad_w.t()
+
+
+def _float8_gathered(x, amax_x, recipe: Recipe, dim: int, pieces: Pieces, group) -> torch.Tensor:
+    """`x` cast to float8 by its input cast (torchao's data) and every rank's piece gathered along `dim` (as bytes:
+    torch.distributed's backends take no float8)."""
+    data = recipe.to_float8(x.reshape(-1, x.shape[-1]), "input", amax_x, x.dtype)._data.reshape(x.shape)
+    return gather_shards(data.view(torch.uint8), dim, pieces, group).view(data.dtype)
 
 
 # --- symbols ------------------------------------------------------------------------------------------------------
@@ -201,6 +261,29 @@ float8_scaled_matmul_backward = float8_executor.register_operator("float8_scaled
                                                                   meta=_backward_meta, fn=_scaled_matmul_backward)
 
 
+def _gathered_meta(x, amax_x, recipe: Recipe, dim, pieces, group) -> TensorProxy:
+    shape = list(x.shape)
+    shape[dim] = max(start + length for chunks in pieces for start, length in chunks)
+    return TensorProxy(like=x, shape=tuple(shape))
+
+
+#: every rank's piece of x, cast to float8 (by the amax of the whole x), gathered: an all_gather of a byte a value.
+#: Its proxy keeps x's (high) precision, which its grad has: the reduce_scatter of the gathered value's grad, as a
+#: gather into the TP region's. Only float8_scaled_matmul reads it (a float8 tensor at run time).
+tp_float8_gather_to_tp = float8_executor.register_operator("tp_float8_gather_to_tp", meta=_gathered_meta,
+                                                           fn=_float8_gathered)
+register_issued_collectives(tp_float8_gather_to_tp, lambda bsym: [("all_gather", bsym.output.numel)])
+
+
+def _gathered_grad(x, amax_x, recipe, dim, pieces, group):
+    out = tp_float8_gather_to_tp(x, amax_x, recipe, dim, pieces, group)
+    put_grad(x, tp_reduce_scatter(get_grad(out), dim, pieces, group))
+    return out
+
+
+register_grad(tp_float8_gather_to_tp, _gathered_grad)
+
+
 def _scaled_matmul_grad(a, b, amax_a, amax_b, recipe, cuts, group):
     out = float8_scaled_matmul(a, b, amax_a, amax_b, recipe, cuts, group)
     g = get_grad(out)
@@ -213,7 +296,46 @@ def _scaled_matmul_grad(a, b, amax_a, amax_b, recipe, cuts, group):
 
 register_grad(float8_scaled_matmul, _scaled_matmul_grad)
 
-#: a @ b in float8 as a Float8Linear computes it: the logical op, whose TP rule (`propagation/float8.py`) computes
-#: it on pieces; on one device it runs as `float8_matmul_traced`
+#: a @ b in float8 as a Float8Linear computes it: the logical op, whose TP rule (below) computes it on pieces; on one
+#: device it runs as `float8_matmul_traced`
 float8_matmul = Symbol(name="float8_matmul", meta=langctx(Languages.TORCH)(float8_matmul_traced),
                        id="thunder_tp.float8_matmul", _module=sys.modules[__name__])
+
+
+# --- the TP rule --------------------------------------------------------------------------------------------------
+
+
+@register_rule(float8_matmul)
+def float8_matmul_rule(op: Op) -> list[Strategy]:
+    """a @ b (b: a weight transposed): column-parallel (b's columns: the output's features; a sequence-sharded a
+    gathered in float8 where its recipe allows), row-parallel (the contracted dim: Partial), a's tokens sharded (b
+    whole), or replicated. Never a Partial input: float8 scales a value, not a summand of it."""
+    a, b = op.tensors
+    recipe, last = op.arg("recipe"), a.ndim - 1
+    columns, rows = op.shard_of(b, 1), op.shard_of(b, 0)
+
+    def local(cuts: Cuts):
+        return functools.partial(_on_pieces, cuts=cuts, group=op.tp.group)
+
+    strategies = [
+        Strategy((REPLICATE, columns), (columns.moved(last),), local((None, 1, 1))),
+        Strategy((rows.moved(last), rows), (PARTIAL,), local((1, 0, None))),
+        *(Strategy((op.shard_of(a, d), REPLICATE), (op.shard_of(a, d),), local((0, None, 0))) for d in range(last)),
+        op.replicated(),
+    ]
+    held = op.layout_of(a)
+    float8_gather = op.options.get("float8_all_gather", True) and recipe.gathers_in_float8
+    if float8_gather and isinstance(held, Shard) and held.dim < last:  # SP into a column-parallel linear
+        pieces = rank_pieces(held, a.shape[held.dim], op.tp.size)
+        gathered = functools.partial(_gathered_on_pieces, dim=held.dim, pieces=pieces, group=op.tp.group)
+        strategies.insert(0, Strategy((held, columns), (columns.moved(last),), gathered))
+    return strategies
+
+
+def _on_pieces(a, b, recipe, *_whole, cuts: Cuts, group):
+    """The logical op's (a, b, recipe; its cuts and group those of one device) on this rank's pieces."""
+    return float8_matmul_traced(a, b, recipe, cuts, group)
+
+
+def _gathered_on_pieces(x, b, recipe, *_whole, dim: int, pieces: Pieces, group):
+    return float8_gathered_matmul_traced(x, b, recipe, dim, pieces, group)
