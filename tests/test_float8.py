@@ -139,3 +139,50 @@ def test_collectives_table_shows_amax_reductions_and_float8_gathers():
     float8, = rows(forward, "float8: the input gathered")
     bf16, = rows(hp_forward, "float8_matmul: sequence shards gathered")
     assert float8["count"] == bf16["count"] == 2 * layers and 2 * float8["bytes_per_call"] == bf16["bytes_per_call"]
+
+
+def _torchtitan_float8(plan_kind: str) -> None:
+    """torchtitan's Llama converted to float8 (tensorwise) with torchtitan's float8 TP plan (Float8ColwiseParallel,
+    Float8RowwiseParallel, PrepareFloat8ModuleInput; TP + SP + loss parallel), read from its apply_tp: 3 steps of the
+    one-device float8 run."""
+    from tests.torchtitan_llama import ModelArgs, Transformer, WithLoss, apply_tp
+    from thunder_tp.pieces import shard_tensor
+
+    args = ModelArgs()
+    torch.manual_seed(0)
+    reference = _converted(WithLoss(Transformer(args)), "tensorwise")
+    model = copy.deepcopy(reference)
+    plan = {"model": thunder_tp.plans.from_parallelize_fn(apply_tp, Transformer(args), None, loss_parallel=True,
+                                                           enable_float8_tensorwise_tp=plan_kind == "float8")}
+    tp = thunder_tp.TensorParallel(plan)
+    jm = thunder.jit(model, transforms=[tp], executors=FAST_EXECUTORS)
+    one = thunder.jit(reference, executors=FAST_EXECUTORS)
+    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+    want, got = one(tokens, tokens), jm(tokens, tokens)
+    want.backward(), got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    rank, size = rank_and_size()
+    for name, p in one.named_parameters():
+        piece = shard_tensor(p.grad, tp.parameter_layouts.get(name, thunder_tp.Replicate()), rank, size)
+        _assert_within_norm(jm.get_parameter(name).grad, piece, 1e-4, name)
+
+
+def test_torchtitans_float8_plan_trains_as_one_device():
+    """torchao's float8 styles in a DTensor plan, given verbatim: one device's float8 loss and grads on 2 ranks."""
+    run_ranks(_torchtitan_float8, 2, "float8")
+
+
+def test_torchaos_float8_styles_refuse_what_torchao_refuses():
+    """Float8ColwiseParallel on a linear not converted, or on a rowwise recipe's (whose input is scaled per row, not
+    gathered in float8): a clear error naming the module and the fix."""
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+    from thunder_tp.styles.dtensor import read_plan
+    from thunder_tp.styles.matching import planned_tensors
+
+    plan = read_plan({"0": Float8ColwiseParallel()})
+    with pytest.raises(TypeError, match="needs a Float8Linear, got a Linear: convert the model"):
+        planned_tensors(nn.Sequential(nn.Linear(16, 16)), plan, 2)
+    rowwise = _converted(nn.Sequential(nn.Linear(16, 16)), "rowwise")
+    with pytest.raises(ValueError, match="scales its input per row .* give it ColwiseParallel"):
+        planned_tensors(rowwise, plan, 2)

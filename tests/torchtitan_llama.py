@@ -141,8 +141,19 @@ class WithLoss(nn.Module):
         return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def apply_tp(model: Transformer, tp_mesh, loss_parallel: bool) -> None:
-    """torchtitan's tensor parallelism: the embedding, the final norm and the output, then every block (TP + SP)."""
+def apply_tp(model: Transformer, tp_mesh, loss_parallel: bool, enable_float8_tensorwise_tp: bool = False) -> None:
+    """torchtitan's tensor parallelism: the embedding, the final norm and the output, then every block (TP + SP);
+    with `enable_float8_tensorwise_tp`, torchao's float8 styles for the blocks (a model converted to float8)."""
+    if enable_float8_tensorwise_tp:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        rowwise, colwise, prepare_input = Float8RowwiseParallel, Float8ColwiseParallel, PrepareFloat8ModuleInput
+    else:
+        rowwise, colwise, prepare_input = RowwiseParallel, ColwiseParallel, PrepareModuleInput
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -152,17 +163,17 @@ def apply_tp(model: Transformer, tp_mesh, loss_parallel: bool) -> None:
     for transformer_block in model.layers.values():
         parallelize_module(transformer_block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention": prepare_input(input_layouts=(Shard(1), None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": colwise(),
         })
 
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import parallel as dtensor
 
 from thunder_tp.styles import ColwiseParallel, ModuleLayouts, RowwiseParallel, SequenceParallel, Style
+from thunder_tp.styles.float8 import torchao_readers
 
 
 def read_plan(plan: Mapping[str, object] | object) -> dict[str, Style]:
@@ -120,6 +121,7 @@ _READERS: dict[type, Callable[[object], Style]] = {
     dtensor.PrepareModuleInput: _prepare_input,
     dtensor.PrepareModuleOutput: _prepare_output,
     dtensor.PrepareModuleInputOutput: _prepare_input_output,
+    **torchao_readers(_colwise, _rowwise, _prepare_input),
 }
 
 
