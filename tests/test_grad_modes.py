@@ -171,3 +171,26 @@ def test_hf_model_with_frozen_embeddings():
     """An HF Llama whose embeddings run under no_grad, TP=2 on gloo: one device's loss and grads, none for the
     embedding."""
     run_ranks(_hf_frozen_embeddings, 2)
+
+
+def test_overlap_pieces_of_a_frozen_block_record_no_grad():
+    """Rank 0 of a fake TP=2 group, every collective decomposed for overlap: the pieces that replace the frozen
+    blocks' collectives and matmuls are recorded under no_grad as those were (nothing of them is differentiated or
+    saved for a backward), the others with grad."""
+    from thunder.core.proxies import ProxyTag
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        with thunder_tp.one_rank(2, 0, "cpu"):
+            config = make_config("llama")
+            config.n_layer = 3
+            model = FrozenPrefixLoss(config, 2)
+            plan = thunder_tp.plans.litgpt(model, sequence_parallel=True, loss_parallel=True)
+            jm = thunder.jit(model, transforms=[TensorParallel(plan, overlap="always")], executors=FAST_EXECUTORS)
+            jm(*batch(0)).backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    decomposed = next(t for t in thunder.last_traces(jm) if "overlap" in str(t._provenance))
+    shifts = [b for b in decomposed.bound_symbols if b.sym.name.startswith("tp_shift")]
+    frozen = [any(ProxyTag.DETACHED_AUTOGRAD_GRAPH in o.tags for o in b.flat_proxy_outs) for b in shifts]
+    assert frozen.count(True) == 8 and frozen.count(False) == 5, frozen  # 4 sites a block; the head's gather

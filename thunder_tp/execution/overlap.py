@@ -53,6 +53,7 @@ from thunder_tp.collectives.packing import is_plain
 from thunder_tp.execution import overlap_cost as cost
 from thunder_tp.layouts import Layout, TPGroup, largest_piece
 from thunder_tp.run_mode import ranks_of
+from thunder_tp.thunder_internals.grad_mode import in_grad_mode_of
 
 Mode = Literal["auto", "always", "never"] | cost.Costs
 MODES: tuple[str, ...] = ("auto", "always", "never")
@@ -90,7 +91,8 @@ def decompose_for_overlap(trace: TraceCtx, tp: TPGroup, mode: Mode,
             site = at.get(id(bsym))
             if site is not None:
                 start = len(decomposed.bound_symbols)
-                results = site.emit(*(swap.get(variableify(a), a) for a in site.inputs))
+                with in_grad_mode_of(site.replaced):  # the pieces of a no-grad matmul are no-grad too
+                    results = site.emit(*(swap.get(variableify(a), a) for a in site.inputs))
                 _label_pieces(decomposed.bound_symbols[start:], site)
                 swap.update((variableify(old), new) for old, new in zip(site.outputs, results, strict=True))
             if id(bsym) not in dropped:
