@@ -47,10 +47,10 @@ class ModelOptions:
     loss_parallel: bool = False
     executors: Sequence | None = None
     activation_checkpointing: frozenset[type] = field(default_factory=frozenset)
-    check_inputs: str = "first"
-    check_collectives: bool = True
     #: the full parameters compared at setup, over the world (so TensorParallel's own check is off)
     check_weights: bool = True
+    #: TensorParallel's other keyword options (check_inputs, overlap, float8_all_gather, ...), passed on as they are
+    tensor_parallel: Mapping[str, Any] = field(default_factory=dict)
     example_inputs: tuple[tuple, dict] | None = None
 
 
@@ -137,8 +137,8 @@ def jit(module: nn.Module, options: ModelOptions, mesh: Mesh, device: torch.devi
     checksums = {name: checksum(p) for name, p in module.named_parameters() if not p.is_meta}
     plan = resolve_plan(module, options, mesh.tp)
     checkpoint_activations(module, options.activation_checkpointing)
-    transforms: list = [TensorParallel(plan, process_group=mesh.tp_group, check_inputs=options.check_inputs,
-                                       check_collectives=options.check_collectives, check_weights=False)]
+    tensor_parallel = TensorParallel(plan, process_group=mesh.tp_group, check_weights=False, **options.tensor_parallel)
+    transforms: list = [tensor_parallel]
     if mesh.dp > 1:
         transforms.append(_data_parallel(options.data_parallel, mesh, device))
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):

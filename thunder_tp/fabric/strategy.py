@@ -16,6 +16,7 @@ group (`distributed_sampler_kwargs`, litdata's streaming datasets through `proce
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -25,7 +26,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
@@ -53,7 +58,8 @@ from thunder_tp.fabric.model import (
     stand_ins,
 )
 from thunder_tp.fabric.precision import check_precision
-from thunder_tp.runtimes.divergence import CHECK_INPUTS, check_same_tensors
+from thunder_tp.runtimes.divergence import check_same_tensors
+from thunder_tp.transform import TensorParallel
 
 __all__ = ["ThunderTPStrategy"]
 
@@ -70,12 +76,12 @@ class ThunderTPStrategy(ParallelStrategy):
     one of them given: the other is the world over it). data_parallel: "fsdp" or "ddp" over the data-parallel group.
     sequence_parallel / loss_parallel: options of the family plans. executors: Thunder executors (default
     thunder_tp.executors()). activation_checkpointing_policy: module types whose forward is recomputed in the
-    backward (e.g. {litgpt.model.Block}). check_inputs: when the ranks of a TP group compare a fingerprint of the
-    model's inputs: "training" (every call with autograd on, and the first without), "every" call, the "first"
-    call, or "never". check_collectives: the ranks of a TP group compare the collectives each compiled program
-    issues and all raise where they differ (TensorParallel's). check_weights: setup compares the full parameters
-    every rank shards and all raise where they differ; False for ranks that shard from different sources on purpose.
+    backward (e.g. {litgpt.model.Block}). check_weights: setup compares the full parameters every rank shards and
+    all raise where they differ; False for ranks that shard from different sources on purpose.
     example_inputs: (args, kwargs) of a call, for plan="auto".
+    accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: Lightning's, as every strategy's.
+    tensor_parallel_options: TensorParallel's keyword options, passed on to it and checked by it here: check_inputs,
+    check_collectives, overlap, float8_all_gather, ... (thunder_tp.TensorParallel says what each does).
     """
 
     def __init__(
@@ -88,16 +94,20 @@ class ThunderTPStrategy(ParallelStrategy):
         loss_parallel: bool = False,
         executors: Sequence | None = None,
         activation_checkpointing_policy: set[type[nn.Module]] | None = None,
-        check_inputs: Literal["training", "every", "first", "never"] = "training",
-        check_collectives: bool = True,
         check_weights: bool = True,
         example_inputs: tuple[tuple, dict] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         parallelize_fn: Callable | None = None,
-        **kwargs: Any,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        **tensor_parallel_options: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         if callable(plan) and not isinstance(plan, (Mapping, str)):  # ModelParallelStrategy(parallelize_fn)
             plan, parallelize_fn = None, _one_of(parallelize_fn, plan)
         if data_parallel not in ("fsdp", "ddp"):
@@ -105,11 +115,7 @@ class ThunderTPStrategy(ParallelStrategy):
         for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if size != "auto" and (not isinstance(size, int) or size < 1):
                 raise ValueError(f'ThunderTPStrategy: {name} must be a positive int or "auto", got {size!r}')
-        if check_inputs not in CHECK_INPUTS:
-            raise ValueError(f"ThunderTPStrategy: check_inputs must be one of {CHECK_INPUTS}, got {check_inputs!r}")
-        for name, value in (("check_collectives", check_collectives), ("check_weights", check_weights)):
-            if not isinstance(value, bool):
-                raise TypeError(f"ThunderTPStrategy: {name} must be True or False, got {value!r}")
+        _check_tensor_parallel_options(tensor_parallel_options, check_weights)
         if parallelize_fn is not None and plan is not None:
             raise ValueError("ThunderTPStrategy: give plan= or parallelize_fn=, not both (the parallelize_fn's "
                              "parallelize_module calls are the plan)")
@@ -117,8 +123,7 @@ class ThunderTPStrategy(ParallelStrategy):
             plan=plan, parallelize_fn=parallelize_fn, data_parallel=data_parallel,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
             executors=executors, activation_checkpointing=frozenset(activation_checkpointing_policy or ()),
-            check_inputs=check_inputs, check_collectives=check_collectives, check_weights=check_weights,
-            example_inputs=example_inputs,
+            check_weights=check_weights, example_inputs=example_inputs, tensor_parallel=tensor_parallel_options,
         )
         self._sizes = (data_parallel_size, tensor_parallel_size)
         self._num_nodes = 1
@@ -296,6 +301,20 @@ class ThunderTPStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("thunder_tp", cls, description="thunder_tp tensor parallelism (+ Thunder DDP/FSDP)")
+
+
+#: the keyword options of TensorParallel that the strategy passes on (it sets example_inputs and check_weights itself)
+_TENSOR_PARALLEL_OPTIONS = tuple(name for name, p in inspect.signature(TensorParallel).parameters.items()
+                                 if p.kind is p.KEYWORD_ONLY and name not in ("example_inputs", "check_weights"))
+
+
+def _check_tensor_parallel_options(options: Mapping[str, Any], check_weights: bool) -> None:
+    """Raise unless `options` are TensorParallel keyword options whose values TensorParallel takes (it checks them)."""
+    unknown = sorted(set(options) - set(_TENSOR_PARALLEL_OPTIONS))
+    if unknown:
+        raise TypeError(f"ThunderTPStrategy got unexpected keyword arguments {unknown}: besides its own options it "
+                        f"takes TensorParallel's {list(_TENSOR_PARALLEL_OPTIONS)}")
+    TensorParallel(check_weights=check_weights, **options)
 
 
 def _one_of(parallelize_fn: Callable | None, positional: Callable) -> Callable:
