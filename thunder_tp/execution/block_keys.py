@@ -93,6 +93,7 @@ class _Keys:
         self.block = block
         self.names = {id(m): name for name, m in block.named_modules(remove_duplicate=False)}
         self.visiting: set[int] = set()
+        self.memo: dict[int, Hashable] = {}  # (the objects several submodules hold, as a config, keyed once)
 
     def structure(self) -> tuple:
         """Every submodule: its name, class, attributes, hooks, forward's code, tensors' metadata."""
@@ -124,13 +125,16 @@ class _Keys:
             return _identity(v)
         if isinstance(v, RemovableHandle):  # the handle of a hook (the hook itself is keyed where it is)
             return ("handle",)
+        if id(v) in self.memo:
+            return self.memo[id(v)]
         if id(v) in self.visiting:
             return ("cycle", id(v))
         self.visiting.add(id(v))
         try:
-            return self._composite(v)
+            key = self.memo[id(v)] = self._composite(v)
         finally:
             self.visiting.discard(id(v))
+        return key
 
     def _composite(self, v: Any) -> Hashable:
         if isinstance(v, _CONTAINERS):
