@@ -22,8 +22,10 @@ inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parall
 
     torchrun --nproc-per-node 4 -m benchmarks.benchmark_litgpt --distributed_mode tp_fsdp --tp_size 2 --dp_size 2
 
-Thunder benchmark_litgpt's ``--global_batch_size`` (gradient accumulation), ``--checkpoint_activations`` and
-``--low_precision_mode`` (``none``; a bf16 model with ``--dtype bfloat16``) work as there. A 2-D mode is a few
+Thunder benchmark_litgpt's ``--global_batch_size`` (gradient accumulation), ``--checkpoint_activations``,
+``--low_precision_mode`` (``none``; a bf16 model with ``--dtype bfloat16``) and torchao's float8 training
+(``--use_torchao_fp8_linear true``, ``--use_torchao_fp8_allgather true`` under ``tp_sp``; ``lib/float8.py``) work as
+there; ``--tp_overlap`` is ``TensorParallel(overlap=...)``. A 2-D mode is a few
 lines, e.g.::
 
     def _tp_ddp(model, args, groups):
@@ -50,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from benchmarks.lib import float8
 from benchmarks.lib.harness import (
     EXECUTORS,
     collectives_lines,
@@ -122,6 +125,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--low_precision_mode", default="none", choices=["none", *FP8_MODES],
                    help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none "
                         "only")
+    p.add_argument("--use_torchao_fp8_linear", type=str2bool, default=False,
+                   help="torchao's float8 training: the linears converted by convert_to_float8_training but the head "
+                        "and those whose dims are not multiples of 16 (as torchtitan); torch._scaled_mm on CUDA "
+                        "(sm89+), emulated in high precision on the CPU; needs pip install thunder_tp[float8]")
+    p.add_argument("--use_torchao_fp8_allgather", type=str2bool, default=False,
+                   help="under --distributed_mode tp_sp, the input of a float8 column-parallel linear cast to float8 "
+                        "before its all_gather (TensorParallel(float8_all_gather=True)), as torchao's "
+                        "Float8ColwiseParallel; off, it is gathered in high precision")
+    p.add_argument("--torchao_fp8_recipe", default="tensorwise",
+                   help="the Float8LinearConfig.from_recipe_name of --use_torchao_fp8_linear: tensorwise, rowwise, "
+                        "rowwise_with_gw_hp (torchao's recipes)")
+    p.add_argument("--tp_overlap", default="auto", choices=["auto", "always", "never"],
+                   help="TensorParallel(overlap=...): collectives decomposed to overlap their matmuls where the cost "
+                        "model says it pays (auto), wherever the shapes allow (always), or nowhere (never)")
     p.add_argument("--max_iters", type=int, default=10, help="iterations in all, warm-up included")
     p.add_argument("--warmup_iters", type=int, default=2, help="first iterations left out of the averages")
     p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS) + ["eager"],
@@ -160,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.low_precision_mode != "none":
         p.error(f"--low_precision_mode {args.low_precision_mode}: fp8 through TransformerEngine is not supported by "
                 "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
+    float8_error = float8.option_error(args)
+    if float8_error:
+        p.error(float8_error)
     if args.hf_model_type and args.checkpoint_activations:
         p.error("--checkpoint_activations checkpoints litgpt blocks; it is not available with --hf_model_type")
     if args.compile == "eager" and args.distributed_mode != "none":
@@ -267,6 +287,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         "distributed_mode": args.distributed_mode,
         "compile": args.compile,
         "loss_parallel": args.loss_parallel,
+        "use_torchao_fp8_linear": args.use_torchao_fp8_linear,
+        "use_torchao_fp8_allgather": args.use_torchao_fp8_allgather,
+        "torchao_fp8_recipe": args.torchao_fp8_recipe if args.use_torchao_fp8_linear else None,
+        "float8_linears": float8.count_float8_linears(model) if args.use_torchao_fp8_linear else 0,
+        "tp_overlap": args.tp_overlap,
         "device": str(device),
         "max_iters": args.max_iters,
         "warmup_iters": args.warmup_iters,
@@ -313,7 +338,8 @@ def report(r: dict, rank: int) -> None:
         f"Number of Layers: {r['n_layers']}",
         f"Distributed Mode: {r['distributed_mode']} (world {r['world_size']}, tp {r['tp_size']}, dp {r['dp_size']})"
         + (", loss parallel" if r["loss_parallel"] else ""),
-        f"Compiler: {r['compile']}",
+        f"Compiler: {r['compile']}" + (f", TensorParallel(overlap={r['tp_overlap']!r})" if r["tp_size"] > 1 else ""),
+        *float8_lines(r),
         f"Loss: {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
         f"({'decreased' if r['loss_decreased'] else 'did NOT decrease'})",
         f"Average iter time: {r['average_iter_time_ms']:.2f} ms (over {r['max_iters'] - r['warmup_iters']} iterations)",
@@ -329,6 +355,16 @@ def report(r: dict, rank: int) -> None:
     if r.get("collectives"):
         lines += collectives_lines(r["collectives"]["per_iteration"], "Collectives per iteration")
     print("\n".join(lines), flush=True)
+
+
+def float8_lines(r: dict) -> list[str]:
+    """The summary's float8 line (as Thunder's "[torchao float8] ... are enabled"), none without float8."""
+    if not r["use_torchao_fp8_linear"]:
+        return []
+    gemms = "torch._scaled_mm" if r["device"].startswith("cuda") else "emulated in high precision (CPU)"
+    gather = ", all-gather" if r["use_torchao_fp8_allgather"] else ""
+    return [f"[torchao float8] linear{gather} are enabled: recipe {r['torchao_fp8_recipe']}, "
+            f"{r['float8_linears']} Float8Linear, gemms {gemms}"]
 
 
 def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:

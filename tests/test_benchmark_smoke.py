@@ -150,6 +150,33 @@ def test_tp_sp_loss_parallel(tmp_path):
                                                "all_reduce": {"count": 1, "bytes": 6 * 128 * 4}}, per_iter
 
 
+def test_tp_sp_float8(tmp_path):
+    """Thunder's float8 flags at TP=2 + SP on the warm gloo ranks: torchao's Float8Linear for the block's 4 linears
+    (emulated on the CPU; lm_head stays high precision), each tensorwise amax all-reduced over the group (forward: the
+    4 weights, the inputs of the 2 row-parallel linears and of the 2 gathered ones; backward: the output grads of the
+    2 column-parallel ones), and the inputs of qkv and fc gathered in float8: a quarter of the fp32 bytes."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra thunder_tp[float8]")
+    from tests.dist import run_ranks
+
+    json_path = tmp_path / "results.json"
+    flags = ["--distributed_mode", "tp_sp", "--use_torchao_fp8_linear", "true", "--use_torchao_fp8_allgather", "true"]
+    output = run_ranks(_run, 2, flags, str(json_path))[0]
+    res = json.loads(json_path.read_text())
+    _check_common(res, output)
+    assert (res["use_torchao_fp8_linear"], res["use_torchao_fp8_allgather"], res["torchao_fp8_recipe"],
+            res["float8_linears"], res["tp_overlap"]) == (True, True, "tensorwise", 4, "auto"), res
+    assert "[torchao float8] linear, all-gather are enabled: recipe tensorwise, 4 Float8Linear" in output, output
+
+    def rows(name: str, text: str) -> dict[str, tuple[str, int, int]]:
+        return {r["issued_by"]: (r["kind"], r["count"], r["bytes_per_call"])
+                for r in res["collectives"]["tables"][name] if r["issued_by"].startswith(text)}
+
+    assert rows("forward", "float8") == {"float8: amax of the weight (max)": ("all_reduce", 4, 4),
+                                         "float8: amax of the input (max)": ("all_reduce", 4, 4),
+                                         "float8: the input gathered (cast first)": ("all_gather", 2, ACTIVATION // 4)}
+    assert rows("backward", "float8: amax") == {"float8: amax of the output grad (max)": ("all_reduce", 2, 4)}
+
+
 @pytest.mark.slow  # the flag of what test_auto_plan checks (plans.auto's search, training with its plan)
 def test_plan_auto_prints_the_plan_it_trains_with(tmp_path):
     """--plan auto: plans.auto searches the plan (printed by rank 0) and trains with it; the collectives that ran are
@@ -301,6 +328,49 @@ def test_options():
     assert setup.accumulation_steps(args, dp_size=2) == 2
     with pytest.raises(SystemExit, match="multiple"):
         setup.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
+
+
+_FP8 = ["--use_torchao_fp8_linear", "true"]
+_FP8_GATHER = [*_FP8, "--use_torchao_fp8_allgather", "true"]
+
+
+@pytest.mark.parametrize(("argv", "fix"), [
+    (["--distributed_mode", "tp_sp", "--use_torchao_fp8_allgather", "true"], "add --use_torchao_fp8_linear true"),
+    ([*_FP8_GATHER, "--distributed_mode", "tp_sp", "--torchao_fp8_recipe", "rowwise"],
+     "Float8ColwiseParallel gathers in float8 only with tensorwise scaling"),
+    ([*_FP8_GATHER, "--distributed_mode", "tp"], "use --distributed_mode tp_sp"),
+    ([*_FP8, "--torchao_fp8_recipe", "colwise"], "not one of torchao's recipes: ['tensorwise', 'rowwise'"),
+])
+def test_float8_flags_refused_with_the_fix(argv, fix, capsys):
+    pytest.importorskip("torchao", reason="torchao is the optional extra thunder_tp[float8]")
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert fix in " ".join(capsys.readouterr().err.split()), fix
+
+
+def test_float8_flags_without_torchao_name_the_extra(monkeypatch, capsys):
+    from benchmarks.lib import float8
+
+    monkeypatch.setattr(float8, "torchao_installed", lambda: False)
+    for flag in ("--use_torchao_fp8_linear", "--use_torchao_fp8_allgather"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--distributed_mode", "tp_sp", flag, "true"])
+        assert "pip install thunder_tp[float8]" in capsys.readouterr().err
+
+
+def test_tp_overlap_and_float8_all_gather_reach_tensor_parallel():
+    """--tp_overlap and --use_torchao_fp8_allgather are TensorParallel's overlap= and float8_all_gather= (the
+    latter off unless asked, as Thunder's flag); built on meta tensors, without ranks."""
+    import torch
+
+    import thunder_tp
+
+    for argv, overlap, gather in (([], "auto", False), (["--tp_overlap", "never", *_FP8_GATHER], "never", True)):
+        args = bench.parse_args(["--distributed_mode", "tp_sp", *TINY, *argv])
+        with torch.device("meta"):
+            model = setup.make_model(args, setup.make_config(args), torch.device("meta"))
+        tp, = setup.MODES["tp_sp"].transforms(model, args, setup.Groups(0, 2, 2, 0, None, 1, 0, None))
+        assert isinstance(tp, thunder_tp.TensorParallel) and (tp.overlap, tp.float8_all_gather) == (overlap, gather)
 
 
 @pytest.mark.parametrize("script", ["benchmark_litgpt", "compare", "bench_generate"])

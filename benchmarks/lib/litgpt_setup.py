@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from benchmarks.lib.float8 import convert_to_float8
 from benchmarks.lib.harness import log, random_batch, seeded_model
 
 #: --dtype -> the parameters' dtype
@@ -88,11 +89,12 @@ def _tp(model: nn.Module, args: argparse.Namespace, groups: Groups, *, sequence_
     import thunder_tp
 
     if args.plan == "auto":
-        return [thunder_tp.TensorParallel(_auto_plan(model, args, groups, sequence_parallel),
-                                          process_group=groups.tp_group)]
-    plans = thunder_tp.plans.hf if args.hf_model_type else thunder_tp.plans.litgpt
-    plan = plans(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
-    return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group)]
+        plan = _auto_plan(model, args, groups, sequence_parallel)
+    else:
+        plans = thunder_tp.plans.hf if args.hf_model_type else thunder_tp.plans.litgpt
+        plan = plans(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
+    return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group, overlap=args.tp_overlap,
+                                      float8_all_gather=args.use_torchao_fp8_allgather)]
 
 
 def _auto_plan(model: nn.Module, args: argparse.Namespace, groups: Groups, sequence_parallel: bool):
@@ -224,13 +226,16 @@ def checkpoint_blocks(model: nn.Module) -> None:
 
 
 def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Module:
-    """The litgpt GPT (or HF CausalLM) with its loss, seeded random weights in ``--dtype``, blocks checkpointed if
-    asked."""
+    """The litgpt GPT (or HF CausalLM) with its loss, seeded random weights in ``--dtype``, its linears torchao's
+    float8 ones and its blocks checkpointed if asked."""
     if args.hf_model_type:
-        return seeded_model(lambda: _hf_with_loss(config), args.seed, device, DTYPES[args.dtype])
-    from thunder_tp.plans.litgpt import GPTWithLoss
+        model = seeded_model(lambda: _hf_with_loss(config), args.seed, device, DTYPES[args.dtype])
+    else:
+        from thunder_tp.plans.litgpt import GPTWithLoss
 
-    model = seeded_model(lambda: GPTWithLoss(config), args.seed, device, DTYPES[args.dtype])
+        model = seeded_model(lambda: GPTWithLoss(config), args.seed, device, DTYPES[args.dtype])
+    if args.use_torchao_fp8_linear:
+        model = convert_to_float8(model, args.torchao_fp8_recipe, device)
     if args.checkpoint_activations:
         checkpoint_blocks(model)
     return model
