@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from benchmarks import benchmark_litgpt as bench
 from benchmarks.lib.harness import (
     alternating_rounds,
     collectives_lines,
@@ -41,7 +40,8 @@ from benchmarks.lib.harness import (
     train_step,
     write_json,
 )
-from benchmarks.lib.litgpt_setup import Groups, make_batch, model_info, resolve_groups
+from benchmarks.lib.litgpt_options import parse_args as litgpt_args
+from benchmarks.lib.litgpt_setup import Groups, build, make_batch, model_info, resolve_groups
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[dict[str, argparse.Namespace], int]:
@@ -49,14 +49,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[dict[str, argparse.Namesp
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--rounds", type=int, default=5, help="rounds over which the timed steps are spread")
     ours, rest = own.parse_known_args(argv)
-    float8 = bench.parse_args(["--dtype", "bfloat16", *rest, "--use_torchao_fp8_linear", "true"])
+    float8 = litgpt_args(["--dtype", "bfloat16", *rest, "--use_torchao_fp8_linear", "true"])
     high = argparse.Namespace(**vars(float8) | {"use_torchao_fp8_linear": False, "use_torchao_fp8_allgather": False})
     return {float8.dtype: high, "float8": float8}, ours.rounds
 
 
 def prepare(args: argparse.Namespace, groups: Groups, device: torch.device) -> dict:
     """The jitted model, its optimizer and training step on a fixed batch, after ``--warmup_iters`` steps."""
-    config, _, jm = bench.build(args, groups, device)
+    config, _, jm = build(args, groups, device)
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
     idx, targets = make_batch(args, model_info(args, config).vocab_size, groups.dp_rank, 0, device)
     step = partial(train_step, jm, optimizer, idx, targets)

@@ -34,8 +34,9 @@ lines, e.g.::
                                                         broadcast_from=None)]
     MODES["tp_ddp"] = DistributedMode(_tp_ddp, data_parallel=True)
 
-Its length (past 300 lines) is Thunder's benchmark_litgpt flag set and report kept in one script; its modes live
-in ``litgpt_setup.py`` and its timing in ``harness.py``.
+Its length (past 300 lines) is Thunder's benchmark_litgpt report and the ``--simulate`` dry run kept in one script;
+its flags live in ``lib/litgpt_options.py``, its modes and model in ``lib/litgpt_setup.py``, its timing in
+``lib/harness.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.lib import float8
 from benchmarks.lib.harness import (
-    EXECUTORS,
     collectives_lines,
     collectives_per_iteration,
     exit_without_teardown,
@@ -69,12 +69,12 @@ from benchmarks.lib.harness import (
     train_step,
     write_json,
 )
+from benchmarks.lib.litgpt_options import parse_args
 from benchmarks.lib.litgpt_setup import (
-    DTYPES,
-    FP8_MODES,
     MODES,
     Groups,
     accumulation_steps,
+    build,
     make_batch,
     make_config,
     make_model,
@@ -83,127 +83,8 @@ from benchmarks.lib.litgpt_setup import (
 )
 
 # --------------------------------------------------------------------------------------------------------------
-# options
-# --------------------------------------------------------------------------------------------------------------
-
-
-def str2bool(value: str | bool) -> bool:
-    """"true"/"false" (and yes/no, 1/0) as jsonargparse reads them in Thunder's benchmark_litgpt."""
-    if isinstance(value, bool):
-        return value
-    v = value.strip().lower()
-    if v in ("true", "t", "yes", "y", "1", "on"):
-        return True
-    if v in ("false", "f", "no", "n", "0", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model_name", default="pythia-14m",
-                   help="litgpt Config.from_name (builtin configs, random weights)")
-    p.add_argument("--hf_model_type", default="",
-                   help="train this HuggingFace transformers architecture instead (e.g. llama: AutoConfig.for_model, "
-                        "random weights, plans.hf; needs transformers==4.52.4), sizes from --hf_config")
-    p.add_argument("--hf_config", default="",
-                   help="JSON of HF config fields over the default sizes (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
-                        "vocab 8192), e.g. '{\"hidden_size\": 1024}'")
-    p.add_argument("--n_layers", type=int, default=None, help="override the config's n_layer")
-    p.add_argument("--block_size", type=int, default=128, help="sequence length (overrides the config's block_size)")
-    p.add_argument("--micro_batch_size", type=int, default=2)
-    p.add_argument("--global_batch_size", type=int, default=None,
-                   help="sequences per optimizer step over all data-parallel ranks; a multiple of micro_batch_size * "
-                        "dp size: gradients accumulate over the micro-batches (default: micro_batch_size * dp size)")
-    p.add_argument("--checkpoint_activations", type=str2bool, default=False,
-                   help="activation checkpointing of every transformer block (torch.utils.checkpoint, which Thunder "
-                        "turns into recomputation in the backward, collectives included)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the model's parameters")
-    p.add_argument("--low_precision_mode", default="none", choices=["none", *FP8_MODES],
-                   help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none "
-                        "only")
-    p.add_argument("--use_torchao_fp8_linear", type=str2bool, default=False,
-                   help="torchao's float8 training: the linears converted by convert_to_float8_training but the head "
-                        "and those whose dims are not multiples of 16 (as torchtitan); torch._scaled_mm on CUDA "
-                        "(sm89+), emulated in high precision on the CPU; needs pip install thunder_tp[float8]")
-    p.add_argument("--use_torchao_fp8_allgather", type=str2bool, default=False,
-                   help="under --distributed_mode tp_sp, the input of a float8 column-parallel linear cast to float8 "
-                        "before its all_gather (TensorParallel(float8_all_gather=True)), as torchao's "
-                        "Float8ColwiseParallel; off, it is gathered in high precision")
-    p.add_argument("--torchao_fp8_recipe", default="tensorwise",
-                   help="the Float8LinearConfig.from_recipe_name of --use_torchao_fp8_linear: tensorwise, rowwise, "
-                        "rowwise_with_gw_hp (torchao's recipes)")
-    p.add_argument("--tp_overlap", default="auto", choices=["auto", "always", "never"],
-                   help="TensorParallel(overlap=...): collectives decomposed to overlap their matmuls where the cost "
-                        "model says it pays (auto), wherever the shapes allow (always), or nowhere (never)")
-    p.add_argument("--max_iters", type=int, default=10, help="iterations in all, warm-up included")
-    p.add_argument("--warmup_iters", type=int, default=2, help="first iterations left out of the averages")
-    p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS) + ["eager"],
-                   help="thunder: thunder_tp.executors() (fusion executor); thunder_default: Thunder's default "
-                        "executors + thunder_tp's comm executor; eager: plain PyTorch (distributed_mode none only)")
-    p.add_argument("--distributed_mode", default="none", choices=list(MODES))
-    p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
-    p.add_argument("--dp_size", type=int, default=None,
-                   help="data-parallel size of the 2-D modes (tp_ddp, tp_fsdp); dp * tp = world (default: world // tp)")
-    p.add_argument("--plan", default="hand", choices=["hand", "auto"],
-                   help="hand: plans.litgpt / plans.hf; auto: plans.auto searches the plan (printed by rank 0)")
-    p.add_argument("--loss_parallel", type=str2bool, default=False, help="cross-entropy over vocab-sharded logits")
-    p.add_argument("--dump_thunder_traces", type=str2bool, default=False,
-                   help="every rank writes its final traces to --trace_dir (one line says where)")
-    p.add_argument("--trace_dir", default="traces", help="where --dump_thunder_traces writes rank{r}_* files")
-    p.add_argument("--json_path", default="", help="write the results as JSON here (rank 0)")
-    p.add_argument("--return_metrics_as_json", type=str2bool, default=False,
-                   help="accepted for compatibility with Thunder's script; JSON is written whenever --json_path is set")
-    p.add_argument("--learning_rate", type=float, default=0.5, help="SGD learning rate")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--timeout", type=float, default=None,
-                   help="process-group timeout in seconds (a hung peer's collective fails after it; default torch's)")
-    p.add_argument("--save_checkpoint", default="",
-                   help="at the end, ck.save the model and optimizer to this DCP directory")
-    p.add_argument("--resume", default="",
-                   help="ck.load model and optimizer from a DCP directory (saved at any TP size)")
-    p.add_argument("--checkpoint", default="", help="start from a full state-dict file such as litgpt's lit_model.pth")
-    p.add_argument("--simulate", type=int, default=0, metavar="N",
-                   help="dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + "
-                        "backward; prints each rank's parameter bytes and collectives (no torchrun)")
-    args = p.parse_args(argv)
-    if args.simulate and args.distributed_mode not in ("tp", "tp_sp"):
-        p.error(f"--simulate simulates a TP plan: use --distributed_mode tp or tp_sp, not {args.distributed_mode!r}")
-    if args.max_iters <= args.warmup_iters:
-        p.error(f"--max_iters ({args.max_iters}) must be larger than --warmup_iters ({args.warmup_iters})")
-    if args.low_precision_mode != "none":
-        p.error(f"--low_precision_mode {args.low_precision_mode}: fp8 through TransformerEngine is not supported by "
-                "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
-    float8_error = float8.option_error(args)
-    if float8_error:
-        p.error(float8_error)
-    if args.hf_model_type and args.checkpoint_activations:
-        p.error("--checkpoint_activations checkpoints litgpt blocks; it is not available with --hf_model_type")
-    if args.compile == "eager" and args.distributed_mode != "none":
-        p.error("--compile eager runs plain PyTorch, which has no tensor parallelism: use --distributed_mode none, "
-                "or --compile thunder / thunder_default")
-    return args
-
-
-# --------------------------------------------------------------------------------------------------------------
 # the benchmark
 # --------------------------------------------------------------------------------------------------------------
-
-
-def build(args: argparse.Namespace, groups: Groups, device: torch.device):
-    """The config, the model (same random weights on every rank) and the jitted (or eager) module to train."""
-
-    config = make_config(args)
-    model = make_model(args, config, device)
-    if args.compile == "eager":
-        return config, model, model
-    import thunder
-
-    transforms = MODES[args.distributed_mode].transforms(model, args, groups)
-    return config, model, thunder.jit(model, transforms=transforms, executors=EXECUTORS[args.compile]())
 
 
 def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib.float8 import convert_to_float8
-from benchmarks.lib.harness import log, random_batch, seeded_model
+from benchmarks.lib.harness import EXECUTORS, log, random_batch, seeded_model
 
 #: --dtype -> the parameters' dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -248,6 +248,18 @@ def _hf_with_loss(config) -> nn.Module:
     from thunder_tp.plans.hf import CausalLMLoss
 
     return CausalLMLoss(AutoModelForCausalLM.from_config(config))
+
+
+def build(args: argparse.Namespace, groups: Groups, device: torch.device):
+    """The config, the model (same random weights on every rank) and the jitted (or eager) module to train."""
+    config = make_config(args)
+    model = make_model(args, config, device)
+    if args.compile == "eager":
+        return config, model, model
+    import thunder
+
+    transforms = MODES[args.distributed_mode].transforms(model, args, groups)
+    return config, model, thunder.jit(model, transforms=transforms, executors=EXECUTORS[args.compile]())
 
 
 def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:
