@@ -314,13 +314,15 @@ def float8_matmul_rule(op: Op) -> list[Strategy]:
     recipe, last = op.arg("recipe"), a.ndim - 1
     columns, rows = op.shard_of(b, 1), op.shard_of(b, 0)
 
-    def local(cuts: Cuts):
-        return functools.partial(_on_pieces, cuts=cuts, group=op.tp.group)
+    def local(inputs, outputs, cuts: Cuts) -> Strategy:
+        forward, backward = _amax_reductions(recipe, cuts, a)
+        return Strategy(inputs, outputs, functools.partial(_on_pieces, cuts=cuts, group=op.tp.group),
+                        issues=forward, backward_issues=backward)
 
     strategies = [
-        Strategy((REPLICATE, columns), (columns.moved(last),), local((None, 1, 1))),
-        Strategy((rows.moved(last), rows), (PARTIAL,), local((1, 0, None))),
-        *(Strategy((op.shard_of(a, d), REPLICATE), (op.shard_of(a, d),), local((0, None, 0))) for d in range(last)),
+        local((REPLICATE, columns), (columns.moved(last),), (None, 1, 1)),
+        local((rows.moved(last), rows), (PARTIAL,), (1, 0, None)),
+        *(local((op.shard_of(a, d), REPLICATE), (op.shard_of(a, d),), (0, None, 0)) for d in range(last)),
         op.replicated(),
     ]
     held = op.layout_of(a)
@@ -328,8 +330,31 @@ def float8_matmul_rule(op: Op) -> list[Strategy]:
     if float8_gather and isinstance(held, Shard) and held.dim < last:  # SP into a column-parallel linear
         pieces = rank_pieces(held, a.shape[held.dim], op.tp.size)
         gathered = functools.partial(_gathered_on_pieces, dim=held.dim, pieces=pieces, group=op.tp.group)
-        strategies.insert(0, Strategy((held, columns), (columns.moved(last),), gathered))
+        # priced as the gather in high precision it replaces, at a byte a value (its input's amax all_reduce is
+        # priced with the gather: it is chosen wherever the recipe allows, as torchao's Float8ColwiseParallel is)
+        forward, backward = _amax_reductions(recipe, (None, 1, 1), a)
+        strategies.insert(0, Strategy((held, columns), (columns.moved(last),), gathered,
+                                      issues=(("all_gather", a.numel), *forward),
+                                      backward_issues=(*backward, ("reduce_scatter", a.numel * a.dtype.bytes))))
     return strategies
+
+
+def _amax_reductions(recipe: Recipe, cuts: Cuts, a: TensorProxy) -> tuple[tuple, tuple]:
+    """The amax all_reduces (kind, bytes) a strategy's float8 casts issue, forward and backward (a float32 amax a
+    row of `a` for the axiswise ones: their sizes are the plan search's estimate, not the rank's exact count)."""
+    casts, (cut_a, cut_b, cut_g) = recipe.casts, cuts
+    rows = a.numel // a.shape[-1]
+
+    def issue(name: str, cut: int | None, taken_by: str | None = None) -> tuple:
+        cast = casts[name]
+        if not cast.reduced_over(cut) or (taken_by is not None and cast.same_amax(casts[taken_by])):
+            return ()
+        return (("all_reduce", 4 * (1 if cast.axis is None else rows)),)
+
+    forward = (*issue("input", cut_a), *issue("weight", cut_b))
+    backward = (*issue("grad_for_input", cut_g), *issue("grad_for_weight", cut_g, "grad_for_input"),
+                *issue("weight_for_input", cut_b, "weight"), *issue("input_for_weight", cut_a, "input"))
+    return forward, backward
 
 
 def _on_pieces(a, b, recipe, *_whole, cuts: Cuts, group):
