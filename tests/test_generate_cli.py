@@ -60,7 +60,9 @@ def test_cli_tp2_samples_the_single_device_tokens(tmp_path):
     common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "32", "--temperature", "0.8",
               "--top_k", "5", "--top_p", "0.9", "--num_samples", "2", "--precision", "64-true"]
     single = main([*common, "--compile", "eager"])  # one device: in this process
-    tp = _run([*common, "--compile", "thunder_default", "--json_path", str(tmp_path / "tp.json")])
+    # decode steps bound: no Inductor compile here (the CPU default, compiled whole: the TP 3 test, test_decode_step)
+    tp = _run([*common, "--compile", "thunder_default", "--decode_step", "bound",
+               "--json_path", str(tmp_path / "tp.json")])
     assert tp.returncode == 0, tp.stderr[-3000:]
     tp_report = json.loads((tmp_path / "tp.json").read_text())
     samples = [s["generated_ids"] for s in tp_report["samples"]]
@@ -143,8 +145,9 @@ def test_cli_tp2_bf16_with_sampling(tmp_path):
 @pytest.mark.slow  # TP 3, more modes: litgpt's loops at TP 3 in test_sampling; the CLI's sampler at TP 2 above
 def test_cli_tp3_samples_the_single_device_tokens(tmp_path):
     """At TP 3 (a vocabulary of 64: 22, 21 and 21 tokens a rank; 4 K/V heads: 2, 1, 1), ranks forked as torchrun
-    starts them: greedy, temperature alone, top-p alone, top-k with temperature and top-p, and litgpt's sampler on
-    the gathered logits (--sampling gather), 32 tokens each, one device's tokens."""
+    starts them, decode steps as on the CPU by default (compiled whole): greedy, temperature alone, top-p alone, top-k
+    with temperature and top-p, and litgpt's sampler on the gathered logits (--sampling gather), 32 tokens each, one
+    device's tokens."""
     make_checkpoint_dir(tmp_path)
     common = ["--checkpoint_dir", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "32", "--precision",
               "64-true", "--compile", "thunder_default"]

@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", choices=["thunder", "thunder_default", "eager"], default="thunder",
                    help="thunder: thunder_tp's executors; thunder_default: Thunder's; eager: no jit (one device)")
     p.add_argument("--decode_step", choices=["auto", *DECODE_STEPS, "off"], default="auto",
-                   help="how decode steps run (thunder_tp.DecodeStep): auto is 'graph' on CUDA, 'bound' on the CPU; "
-                        "off calls the jitted model each step")
+                   help="how decode steps run (thunder_tp.DecodeStep): auto is 'graph' on CUDA, 'compiled' on the "
+                        "CPU (the fastest measured there); off calls the jitted model each step")
     p.add_argument("--json_path", type=Path, default=None, help="write the report (samples, timings) here")
     return p.parse_args(argv)
 

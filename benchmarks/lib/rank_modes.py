@@ -9,10 +9,11 @@ Training (``llama.py``'s Llama, the model compare.py trains, at Llama-3 shapes; 
 Decode (litgpt's GPT with a KV cache, one token per step; thunder_tp's model jitted with ``plans.litgpt`` and
 ``thunder_tp.executors()``, then called through a ``thunder_tp.DecodeStep``: parameters and caches bound once):
 - (d) the decode step compiled as one program (strategy ``"compiled"``), (e) replayed as a CUDA graph (``"graph"``,
-  CUDA only);
+  CUDA only), (h) Thunder's computation as compiled, without the prologue (``"bound"``);
 - (f) bench_generate.py's hand-written gpt-fast-style TP (``shard_by_hand``) under
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; on CPU the default mode);
-- (g) thunder_tp through the jitted module's own call (Thunder's prologue checks every input on every step).
+- (g) thunder_tp through the jitted module's own call (Thunder's prologue checks every input on every step);
+- (i) one device: the whole GPT (no TP, no collectives) under ``torch.compile`` as (f).
 ``quick`` builds (a)/(b)/(d)/(g) with Thunder's default executors ((d) with the bound strategy) and compiles (c)/(f)
 with ``backend="eager"``: no code generation, for smoke tests of the plumbing, not for timing.
 """
@@ -189,6 +190,20 @@ def _hand_decode(config, context: int, batch: int, device: torch.device, dtype: 
     """bench_generate.py's gpt-fast-style TP, sharded on the meta device, materialized, compiled."""
     model = gpt_on_meta(config, context, dtype)
     model.collectives = shard_by_hand(model, dist.get_rank(), dist.get_world_size())
+    return _compiled_decode(model, batch, device, dtype, quick)
+
+
+def _one_device_decode(config, context: int, batch: int, device: torch.device, dtype: torch.dtype,
+                       quick: bool) -> nn.Module:
+    """The whole GPT on this device (no TP, so no collectives), materialized, compiled as (f)."""
+    model = gpt_on_meta(config, context, dtype)
+    model.collectives = []
+    return _compiled_decode(model, batch, device, dtype, quick)
+
+
+def _compiled_decode(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, quick: bool) -> nn.Module:
+    """A meta-device GPT with random weights on ``device``, its KV cache, under ``torch.compile`` (CUDA graphs on a
+    GPU; ``backend="eager"`` when ``quick``)."""
     _init_local(model, device)
     model.set_kv_cache(batch_size=batch, device=device, dtype=dtype)
     if quick:
@@ -202,4 +217,7 @@ DECODE = (
              skip_reason="CUDA graphs need CUDA"),
     RankMode("f", "hand-written TP (gpt-fast style), torch.compile reduce-overhead", "compile", _hand_decode),
     RankMode("g", "thunder_tp, the jitted module's call", "thunder", _thunder_decode(None)),
+    RankMode("h", "thunder_tp decode step, bound (Thunder's regions, no prologue)", "thunder",
+             _thunder_decode("bound")),
+    RankMode("i", "one device, the whole GPT, torch.compile", "compile", _one_device_decode),
 )

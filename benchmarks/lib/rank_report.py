@@ -19,7 +19,7 @@ H100_OVER_A100_BANDWIDTH = 3.35 / 2.039
 
 
 #: the decode modes that run thunder_tp's program (their collectives, bytes and parameters must agree)
-THUNDER_DECODE = {"d", "e", "g"}
+THUNDER_DECODE = {"d", "e", "g", "h"}
 
 
 def _ms(seconds: float | None) -> str:

@@ -95,11 +95,12 @@ def _init_distributed(args: argparse.Namespace) -> int:
 
 
 def _strategy(args: argparse.Namespace) -> Strategy | None:
-    """The decode step's strategy (None: the model's own call each step, as with --compile eager)."""
+    """The decode step's strategy (None: the model's own call each step, as with --compile eager); "auto": the
+    fastest measured on the device (docs/results.md, "The decode step's host cost per layer")."""
     if args.decode_step == "off" or args.compile == "eager":
         return None
     if args.decode_step == "auto":
-        return "graph" if torch.cuda.is_available() else "bound"
+        return "graph" if torch.cuda.is_available() else "compiled"
     return args.decode_step
 
 
@@ -274,8 +275,9 @@ def _warm_up(jm, decoder: Decoder, prompt: torch.Tensor, positions: range, pick:
     prefill(jm, prompt, pick)
     last = prompt.numel() - 1  # a decode step at the prompt's last position: in range whatever --max_new_tokens
     buckets = {decoder.bucket(p): p for p in reversed(positions)} or {decoder.bucket(last): last}
+    token = prompt[last:].view(1, 1).clone()  # laid out as a sampled token: a compiled step guards on strides
     for position in buckets.values():  # each bucket's step, at the first position it serves
-        _synchronize(pick(decoder, prompt[None, last:], position))
+        _synchronize(pick(decoder, token, position))
     return time.perf_counter() - start
 
 
