@@ -128,7 +128,9 @@ def _sampled_forward(model, *args: Any, **kwargs: Any) -> torch.Tensor:
     return _sampled_rows(logits, keys, per_row, _sample_tokens_call)
 
 
-def _sample_tokens_call(logits, temperature, top_k, top_p, *, key):
+def _sample_tokens_call(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, *,
+                        key: torch.Tensor | None) -> torch.Tensor:
+    """``sample``'s call, as the traced symbol."""
     return sample_tokens(logits, key, temperature, top_k, top_p)
 
 
@@ -152,7 +154,7 @@ if _GPT is not None:
     _gpt_forward = _copy_of(_GPT.forward)
 
     @register_general_jit_lookaside(_GPT.forward)
-    def _gpt_forward_lookaside(model, *args, **kwargs):
+    def _gpt_forward_lookaside(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """thunder.jit traces the forward, and with ``SAMPLING`` the tokens of its last position."""
         return _interpret_call(_sampled_forward if SAMPLING in kwargs else _gpt_forward, model, *args, **kwargs)
 
