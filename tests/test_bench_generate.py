@@ -50,7 +50,7 @@ def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
 @pytest.mark.slow
 def test_torchrun(tmp_path):
     """Batch 1 (litgpt's generate loop), fp32, from the command line: every mode."""
-    modes = ["single_eager", "single_thunder", "thunder_tp", "thunder_tp_gather", "manual_tp", "eager_2threads"]
+    modes = ["single_thunder", "single_eager", "thunder_tp", "thunder_tp_gather", "manual_tp", "eager_2threads"]
     json_path = tmp_path / "results.json"
     stdout, stderr = torchrun(["-m", "benchmarks.bench_generate", *TINY, "--modes", ",".join(modes), "--json_path",
                                str(json_path)],

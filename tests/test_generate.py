@@ -212,16 +212,18 @@ def test_batch_larger_than_the_cache_is_a_clear_error():
 def _compiles_for_prompts(lengths: list[int]) -> list[int]:
     """thunder_tp.generate's chunked prefill, then a decode step, for prompts of several lengths: the programs
     compiled after each."""
-    from thunder_tp.runtimes.generation import prefill
+    from thunder_tp.ops.sampling import Sampling
+    from thunder_tp.runtimes.generation import TokenPicker, prefill
 
     _, model = models_with_cache(gen_config("gqa"), 1)
     jm = _jit(model)
+    pick = TokenPicker(Sampling(temperature=0.0), "shards", in_program=True)
     misses = []
     for length in lengths:
         prompt = torch.randint(0, VOCAB, (length,))
-        token = prefill(jm, prompt)[:, -1:].argmax(-1)
+        token = prefill(jm, prompt, pick)
         with torch.inference_mode():
-            jm(token, torch.tensor([length]))
+            pick(jm, token, torch.tensor([length]))
         misses.append(thunder.cache_misses(jm))
     return misses
 
