@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "thunder_tp.plan_search": 6,  # the automatic plan, searched with the analysis and the rewrite's prices
     "thunder_tp.data_parallel.composition": 6,  # TP's checks of Thunder's DDP / FSDP transforms
     "thunder_tp.transform": 7,  # TensorParallel: drives the stages on each trace
+    "thunder_tp.context_parallel": 7,  # ContextParallel: a TensorParallel over the sequence
     "thunder_tp.tools": 8,  # simulate, one_rank, debug, clipping: around a TensorParallel program
     "thunder_tp.data_parallel": 8,  # 2-D meshes, parallelize()
     "thunder_tp.checkpoint": 8,  # DCP save / load of TensorParallel programs

@@ -9,6 +9,7 @@ from thunder_tp.thunder_internals import quiet  # noqa: F401, I001  (first: filt
 
 __all__ = [
     "ColwiseParallel",
+    "ContextParallel",
     "DecodeStep",
     "KVCacheParallel",
     "Mesh",

@@ -14,6 +14,7 @@ from thunder_tp.tools.one_rank import one_rank
 from thunder_tp.tools.simulate import per_rank, simulate
 from thunder_tp.styles import ColwiseParallel, KVCacheParallel, RowwiseParallel, SequenceParallel
 from thunder_tp.transform import TensorParallel
+from thunder_tp.context_parallel import ContextParallel
 from thunder_tp import models  # (model families register their lookasides and rules)
 from thunder_tp.models.litgpt_sampling import set_sampling
 from thunder_tp.ops.sampling import sample

@@ -32,18 +32,26 @@ class Split:
     more). With fewer groups than ranks, the ranks are spread over the groups (the last groups one rank more) and the
     ranks of a group split its units, balanced; `replicated`: they each hold all of them (K/V heads that the query
     heads of several ranks share). Either way rank 0 holds a longest piece (a simulation pads every piece to it).
+    `reversed`: the pieces in reverse rank order, the last rank holding the first (context parallelism's head-tail
+    order; for a split into equal pieces).
     """
 
     units: int
     groups: int | None = None
     replicated: bool = False
+    reversed: bool = False
 
     def __repr__(self) -> str:
         extra = "" if self.groups is None else f" in {self.groups} groups"
-        return f"Split({self.units} units{extra}{', replicated' if self.replicated else ''})"
+        flags = "".join(f", {flag}" for flag in ("replicated", "reversed") if getattr(self, flag))
+        return f"Split({self.units} units{extra}{flags})"
 
     def unit_ranges(self, size: int) -> list[tuple[int, int]]:
         """(first unit, number of units) that each rank holds, in rank order."""
+        ranges = self._in_order(size)
+        return ranges[::-1] if self.reversed else ranges
+
+    def _in_order(self, size: int) -> list[tuple[int, int]]:
         groups = self.groups or self.units
         per_group = self.units // groups
         if groups >= size or (self.groups is None and not self.replicated):
@@ -62,6 +70,8 @@ class Split:
     def normal(self, size: int) -> Split:
         """The same cut in one form per cut: whole groups per rank as groups of one unit; replicated groups as
         replicated units; groups whose units fall as a balanced split of all units would as ungrouped units."""
+        if self.reversed:
+            return self
         groups = self.groups or self.units
         if groups >= size or (groups == self.units and not self.replicated):
             return Split(groups)

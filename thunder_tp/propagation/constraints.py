@@ -15,6 +15,7 @@ from typing import Any
 import thunder.torch as ltorch
 import torch
 import torch.nn as nn
+from thunder.core import prims
 from thunder.core.compile_data import get_compile_data
 from thunder.core.interpreter import interpreter_needs_wrap
 from thunder.core.jit_ext import ensure_recursive_proxies, register_general_jit_lookaside
@@ -22,6 +23,7 @@ from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_tp.layouts import Layout
 from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
 from thunder_tp.styles.annotate import annotate, tp_annotate
 from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
@@ -112,6 +114,24 @@ def _styled_op(bsym: BoundSymbol, style: Style, x: TensorProxy | Number, memo: d
     y = ltorch.linear(x, rest[0], None) if split_bias else bsym.sym(x, *rest, **bsym.kwargs)
     y = _constrain(y, style.output_layout, memo, emitted, into)
     return ltorch.add(y, bias) if split_bias else y
+
+
+def constrain_inputs(trace: TraceCtx, layouts: Mapping[str, Layout]) -> TraceCtx:
+    """`trace` with each input named in `layouts` annotated with its layout where it is unpacked, the program reading
+    the annotated value (its return left as it was: the inputs Thunder returns are the inputs)."""
+    new = from_trace(trace)
+    swap: dict = {}
+    with tracectx(new):
+        for bsym in trace.bound_symbols:
+            if bsym.sym.id == prims.PrimIDs.UNPACK_TRIVIAL:
+                new.bound_symbols.append(bsym)
+                if bsym.output.name in layouts:
+                    swap[variableify(bsym.output)] = tp_annotate(bsym.output, layouts[bsym.output.name])
+            else:
+                last = bsym.sym.id == prims.PrimIDs.RETURN
+                new.bound_symbols.append(bsym if last else bsym.from_bsym_swap_proxies(swap))
+    new.set_provenance(TraceProvenance("thunder_tp: inputs constrained"))
+    return new
 
 
 def constrain_module_boundaries(model: nn.Module, styles: Mapping[str, Style]) -> None:

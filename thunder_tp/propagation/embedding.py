@@ -42,7 +42,7 @@ def embedding(op: Op) -> list[Strategy]:
     ids = op.tensors[0]
     strategies = [
         Strategy((REPLICATE, Shard(1)), (Shard(ids.ndim),)),
-        *(Strategy((Shard(d), REPLICATE), (Shard(d),)) for d in range(ids.ndim)),
+        *(Strategy((op.shard_of(ids, d), REPLICATE), (op.shard_of(ids, d),)) for d in range(ids.ndim)),
         op.replicated(),
     ]
     padding_idx = op.arg("padding_idx")

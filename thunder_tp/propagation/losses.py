@@ -1,4 +1,5 @@
-"""Rules for cross_entropy: on replicated logits, and vocabulary-parallel (loss parallel).
+"""Rules for cross_entropy: on replicated logits, vocabulary-parallel (loss parallel), and rows-parallel (the tokens
+of context parallelism).
 
 Both run as the two symbols of ``thunder_tp/ops/cross_entropy.py`` (each with its backward symbol):
 ``cross_entropy_stats`` (each row's log-sum-exp and target logit over the columns a rank holds) and
@@ -12,8 +13,8 @@ from dataclasses import replace
 import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
-from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled
-from thunder_tp.layouts import REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
+from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled, tp_reduce_from_tp
+from thunder_tp.layouts import PARTIAL, REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
 from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 from thunder_tp.run_mode import ranks_of
@@ -48,6 +49,23 @@ def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str
     return loss
 
 
+def _rows_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):
+    """Cross-entropy of (N, C) logits sharded on N (the tokens of a sequence split by context parallelism): each
+    rank's rows' losses; summed, their sum is Partial; averaged, the sum and the count of counted rows of every rank
+    are summed in one all_reduce first."""
+
+    def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
+        stats = cross_entropy_stats(logits, target)
+        if reduction != "mean":
+            return cross_entropy_of_stats(stats, target, ignore_index, reduction, logits.dtype)
+        summed = cross_entropy_of_stats(stats, target, ignore_index, "sum", stats.dtype)
+        counted = ltorch.to(ltorch.sum(ltorch.ne(target, ignore_index)), stats.dtype)
+        totals = tp_reduce_from_tp(ltorch.stack((summed, counted)), tp.group)
+        return ltorch.to(ltorch.true_divide(totals[0], totals[1]), logits.dtype)
+
+    return loss
+
+
 @register_rule(ltorch.cross_entropy)
 def cross_entropy(op: Op) -> list[Strategy]:
     """Logits (N, C) sharded on C -> replicated loss, without gathering the logits; replicated logits -> the same
@@ -69,5 +87,12 @@ def cross_entropy(op: Op) -> list[Strategy]:
     replicated = _replicated_cross_entropy(ignore_index, reduction)
     stats_bytes = max(logits.dtype.bytes, 4)  # in the loss's precision (float32 at least)
     stats = ("all_gather", 2 * logits.shape[0] * stats_bytes * op.tp.size)  # (log-sum-exp, target logit) pairs
-    return [Strategy((Shard(1), REPLICATE), (REPLICATE,), vocab_parallel, issues=(stats,)),
-            replace(op.replicated(), local=replicated)]
+    strategies = [Strategy((Shard(1), REPLICATE), (REPLICATE,), vocab_parallel, issues=(stats,)),
+                  replace(op.replicated(), local=replicated)]
+    rows = op.layouts[0]
+    if isinstance(rows, Shard) and rows.dim == 0:  # context parallelism: each rank its tokens' losses
+        rows_parallel = _rows_parallel_cross_entropy(op.tp, ignore_index, reduction)
+        output = {"none": rows, "sum": PARTIAL}.get(reduction, REPLICATE)
+        summed = (("all_reduce", 2 * stats_bytes),) if reduction == "mean" else ()
+        strategies.insert(0, Strategy((rows, rows), (output,), rows_parallel, issues=summed))
+    return strategies

@@ -7,6 +7,7 @@ the outermost dim of its group and lands on that group's outermost output dim.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import thunder.core.prims as prims
@@ -73,6 +74,9 @@ def reshape(op: Op) -> list[Strategy]:
             return shape[d] != 1 or layout.is_replicated
         outer_in = [d for d in gi if kept(x.shape, d)]
         outer_out = [d for d in gj if kept(out.shape, d)]
+        if outer_in and outer_in[0] != layout.dim and len(outer_out) == 1:  # (B, T) -> (B * T): T's pieces, B times
+            merged = _merged(layout, [x.shape[d] for d in outer_in], outer_in.index(layout.dim), outer_out[0])
+            return [Strategy((layout,), (merged,), _local_reshape(op, merged)), op.replicated()]
         if not outer_in or outer_in[0] != layout.dim or not outer_out:
             break
         target = outer_out[0]
@@ -83,6 +87,15 @@ def reshape(op: Op) -> list[Strategy]:
             break
         return [Strategy((layout,), (out_layout,), _local_reshape(op, out_layout)), op.replicated()]
     return [op.replicated()]
+
+
+def _merged(layout: Shard, sizes: list[int], at: int, dim: int) -> Shard:
+    """The split of one output dim that merges input dims of `sizes` (`at`: the sharded one's place among them):
+    every entry of the dims before it holds its blocks again, each as long as the dims after it make an entry."""
+    outer, inner = math.prod(sizes[:at]), math.prod(sizes[at + 1:])
+    blocks = tuple(b * inner for b in layout.blocks or (sizes[at],)) * outer
+    splits = None if layout.splits is None else layout.splits * outer
+    return Shard(dim, blocks, splits)
 
 
 def _reshaped(layout: Shard, n_in: int, n_out: int, dim: int, size: int) -> Shard | None:

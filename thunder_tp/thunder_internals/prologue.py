@@ -27,6 +27,17 @@ def trace_body(trace: TraceCtx) -> list:
     return [b for b in trace.bound_symbols if b.sym.id not in (prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.RETURN)]
 
 
+def call_inputs(prologue: TraceCtx) -> dict[int | str, TensorProxy]:
+    """The tensors the call was given: position (an int) or keyword (a str) -> proxy (inputs nested in containers
+    left out)."""
+    return {
+        b.args[1]: b.output
+        for b in prologue.bound_symbols
+        if b.sym.id == prims.PrimIDs.UNPACK_GETITEM and isinstance(b.output, TensorProxy)
+        and getattr(b.args[0], "name", None) in ("args", "kwargs")
+    }
+
+
 def unpacked_tensor_names(prologue: TraceCtx) -> dict[str, str]:
     """Proxy name -> qualified parameter/buffer name, from the prologue's unpacking."""
     return {

@@ -1,0 +1,108 @@
+"""Context parallelism (thunder_tp.ContextParallel): the sequence split over the ranks, attention over keys and values
+gathered, the loss averaged over the global tokens, the replicated parameters' grads summed: one device's loss and
+every grad (float64), with and without head-tail load balancing, for litgpt and HF models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+
+import thunder_tp
+from tests.dist import run_ranks
+from tests.litgpt_models import SEQ, batch, make_config
+from tests.tp_checks import FAST_EXECUTORS, assert_grads_are_shards, assert_simulated_grads_are_shards, rank_and_size
+from thunder_tp.plans.litgpt import GPTWithLoss
+
+TOL = dict(rtol=1e-6, atol=1e-6)  # litgpt's and HF's RMSNorm compute in float32
+
+
+@pytest.fixture
+def _float64():
+    assert not dist.is_initialized(), "simulated ranks run in this process"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _litgpt(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPTWithLoss(make_config(name))
+
+
+def _hf_llama() -> torch.nn.Module:
+    from tests.hf_models import make_model
+
+    model = thunder_tp.plans.hf.CausalLMLoss(make_model("llama"))
+    thunder_tp.plans.hf(model)  # HF's lookasides registered, as a plan does
+    return model
+
+
+@pytest.mark.usefixtures("_float64")
+@pytest.mark.parametrize(("model", "world", "load_balance"), [
+    ("llama", 2, False), ("llama", 2, True), ("neox", 4, True), ("hf_llama", 2, True)])
+def test_simulated_ranks_give_one_devices_loss_and_grads(model, world, load_balance):
+    """A litgpt llama (GQA, RoPE), a gpt-neox (partial rotary, parallel residual) and an HF Llama on simulated ranks:
+    the loss and every grad of one device; per block the keys and values gathered (their grads reduce-scattered),
+    the loss's sum and count in one all_reduce, the replicated parameters' grads summed at the end."""
+    reference = _hf_llama() if model == "hf_llama" else _litgpt(model)
+    cp_model = copy.deepcopy(reference)
+    idx, targets = batch(0)
+    expected = reference(idx, targets)
+    expected.backward()
+    with thunder_tp.simulate(world_size=world):
+        cp = thunder_tp.ContextParallel(load_balance=load_balance)
+        jm = thunder.jit(cp_model, transforms=[cp], executors=thunder_tp.executors())
+        loss = jm(idx, targets)
+        loss.backward()
+        for value in thunder_tp.per_rank(loss).values():
+            torch.testing.assert_close(value, expected.detach(), **TOL)
+        assert_simulated_grads_are_shards(reference, jm, {}, world, **TOL)
+        forward = thunder_tp.collectives_table(thunder.last_traces(jm)[-1])
+        backward = thunder_tp.collectives_table(thunder.last_backward_traces(jm)[-1])
+    layers = 2
+    gathers = [r for r in forward if r["kind"] == "all_gather" and "sequence shards" in r["issued_by"]]
+    assert sum(r["count"] for r in gathers) == 2 * layers, forward
+    scatters = [r for r in backward if r["kind"] == "reduce_scatter"]
+    assert sum(r["count"] for r in scatters) == 2 * layers, backward
+
+
+def _litgpt_steps(load_balance: bool) -> None:
+    """2 gloo ranks, 3 SGD steps of a litgpt llama: every loss and grad one device's."""
+    reference = _litgpt("llama").double()
+    model = copy.deepcopy(reference)
+    jm = thunder.jit(model, transforms=[thunder_tp.ContextParallel(load_balance=load_balance)],
+                     executors=FAST_EXECUTORS)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, jm)]
+    rank, size = rank_and_size()
+    for step in range(3):
+        expected, loss = reference(*batch(step)), jm(*batch(step))
+        expected.backward()
+        loss.backward()
+        torch.testing.assert_close(loss, expected, **TOL, msg=f"loss of step {step}")
+        assert_grads_are_shards(reference, jm, {}, rank, size, **TOL, what=f"step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("load_balance", [False, True], ids=["in order", "head-tail"])
+def test_training_steps_on_gloo_ranks_are_one_devices(load_balance):
+    """Real ranks: 3 SGD steps, the replicated weights updated alike on every rank from summed grads."""
+    run_ranks(_litgpt_steps, 2, load_balance)
+
+
+@pytest.mark.usefixtures("_float64")
+def test_a_sequence_the_ranks_cannot_split_is_a_clear_error():
+    """A sequence length CP (or, load-balanced, 2 x CP) does not divide: an error naming the lengths that work."""
+    model = _litgpt("llama")
+    idx, targets = batch(0)
+    with thunder_tp.simulate(world_size=4):
+        jm = thunder.jit(model, transforms=[thunder_tp.ContextParallel()], executors=thunder_tp.executors())
+        with pytest.raises(ValueError, match=f"a sequence of {SEQ - 4} cannot be cut into 2 x CP = 8 chunks .* "
+                                             "multiple of 8 or ContextParallel\\(load_balance=False\\)"):
+            jm(idx[:, 4:], targets[:, 4:])
