@@ -106,3 +106,31 @@ def test_a_sequence_the_ranks_cannot_split_is_a_clear_error():
         with pytest.raises(ValueError, match=f"a sequence of {SEQ - 4} cannot be cut into 2 x CP = 8 chunks .* "
                                              "multiple of 8 or ContextParallel\\(load_balance=False\\)"):
             jm(idx[:, 4:], targets[:, 4:])
+
+
+def _cp_tp_steps(sequence_parallel: bool) -> None:
+    """A (cp 2 x tp 2) mesh of 4 gloo ranks: ContextParallel over the CP group, then TensorParallel over the TP
+    group; 3 SGD steps of a litgpt llama, every loss and grad one device's (the grads TP's shards)."""
+    mesh = thunder_tp.init_mesh(dp=2, tp=2)  # a (cp x tp) mesh is laid out as a (dp x tp) one: its dp groups
+    reference = _litgpt("llama").double()
+    model = copy.deepcopy(reference)
+    tp = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel),
+                                   process_group=mesh.tp_group)
+    jm = thunder.jit(model, transforms=[thunder_tp.ContextParallel(mesh.dp_group), tp], executors=FAST_EXECUTORS)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, jm)]
+    for step in range(3):
+        expected, loss = reference(*batch(step)), jm(*batch(step))
+        expected.backward()
+        loss.backward()
+        torch.testing.assert_close(loss, expected, **TOL, msg=f"loss of step {step}")
+        assert_grads_are_shards(reference, jm, tp.parameter_layouts, mesh.tp_rank, mesh.tp, **TOL,
+                                what=f"step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_context_and_tensor_parallel_on_a_mesh(sequence_parallel):
+    """CP x TP (and TP's SP), 4 ranks: one device's losses and grads for 3 steps."""
+    run_ranks(_cp_tp_steps, 4, sequence_parallel)

@@ -3,6 +3,7 @@
 from thunder_tp.layouts import normalize
 from thunder_tp.propagation import (  # noqa: F401  (importing a family registers its rules)
     attention,
+    collectives,
     embedding,
     indexing,
     losses,

@@ -6,6 +6,7 @@ Where a public route exists it is used (``ThunderModule.set_buffer``, ``Executor
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +54,11 @@ def meta_traced_on(tensors: list[torch.Tensor], device: torch.device) -> Iterato
 
 def set_proxy_shape(proxy: TensorProxy, shape: tuple[int, ...]) -> None:
     """Change a trace input's shape in place, as Thunder's FSDPTransform does (``replace`` makes a new proxy, but the
-    prologue and the computation share this one)."""
+    prologue and the computation share this one), with the element count it keeps (as a number, or deferred under
+    symbolic values)."""
     proxy._shape = tuple(shape)
+    if isinstance(proxy._numel, int):
+        proxy._numel = math.prod(int(d) for d in proxy._shape)
 
 
 def set_proxy_distparallel_type(proxy: TensorProxy, kind: DistParallelType) -> None:
