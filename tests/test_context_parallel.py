@@ -65,17 +65,17 @@ def test_simulated_ranks_give_one_devices_loss_and_grads(model, world, load_bala
         forward = thunder_tp.collectives_table(thunder.last_traces(jm)[-1])
         backward = thunder_tp.collectives_table(thunder.last_backward_traces(jm)[-1])
     layers = 2
-    gathers = [r for r in forward if r["kind"] == "all_gather" and "sequence shards" in r["issued_by"]]
+    gathers = [r for r in forward if r["issued_by"] == "context parallel: keys and values gathered (all-gather)"]
     assert sum(r["count"] for r in gathers) == 2 * layers, forward
     scatters = [r for r in backward if r["kind"] == "reduce_scatter"]
     assert sum(r["count"] for r in scatters) == 2 * layers, backward
 
 
-def _litgpt_steps(load_balance: bool) -> None:
+def _litgpt_steps(load_balance: bool, rotate: str) -> None:
     """2 gloo ranks, 3 SGD steps of a litgpt llama: every loss and grad one device's."""
     reference = _litgpt("llama").double()
     model = copy.deepcopy(reference)
-    jm = thunder.jit(model, transforms=[thunder_tp.ContextParallel(load_balance=load_balance)],
+    jm = thunder.jit(model, transforms=[thunder_tp.ContextParallel(load_balance=load_balance, rotate=rotate)],
                      executors=FAST_EXECUTORS)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, jm)]
     rank, size = rank_and_size()
@@ -90,10 +90,12 @@ def _litgpt_steps(load_balance: bool) -> None:
             optimizer.zero_grad()
 
 
+@pytest.mark.parametrize("rotate", ["allgather", "ring"])
 @pytest.mark.parametrize("load_balance", [False, True], ids=["in order", "head-tail"])
-def test_training_steps_on_gloo_ranks_are_one_devices(load_balance):
-    """Real ranks: 3 SGD steps, the replicated weights updated alike on every rank from summed grads."""
-    run_ranks(_litgpt_steps, 2, load_balance)
+def test_training_steps_on_gloo_ranks_are_one_devices(load_balance, rotate):
+    """Real ranks, keys and values gathered or passed around the ring: 3 SGD steps, the replicated weights updated
+    alike on every rank from summed grads."""
+    run_ranks(_litgpt_steps, 2, load_balance, rotate)
 
 
 @pytest.mark.usefixtures("_float64")
@@ -108,7 +110,7 @@ def test_a_sequence_the_ranks_cannot_split_is_a_clear_error():
             jm(idx[:, 4:], targets[:, 4:])
 
 
-def _cp_tp_steps(sequence_parallel: bool) -> None:
+def _cp_tp_steps(sequence_parallel: bool, rotate: str) -> None:
     """A (cp 2 x tp 2) mesh of 4 gloo ranks: ContextParallel over the CP group, then TensorParallel over the TP
     group; 3 SGD steps of a litgpt llama, every loss and grad one device's (the grads TP's shards)."""
     mesh = thunder_tp.init_mesh(dp=2, tp=2)  # a (cp x tp) mesh is laid out as a (dp x tp) one: its dp groups
@@ -116,7 +118,8 @@ def _cp_tp_steps(sequence_parallel: bool) -> None:
     model = copy.deepcopy(reference)
     tp = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel),
                                    process_group=mesh.tp_group)
-    jm = thunder.jit(model, transforms=[thunder_tp.ContextParallel(mesh.dp_group), tp], executors=FAST_EXECUTORS)
+    cp = thunder_tp.ContextParallel(mesh.dp_group, rotate=rotate)
+    jm = thunder.jit(model, transforms=[cp, tp], executors=FAST_EXECUTORS)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, jm)]
     for step in range(3):
         expected, loss = reference(*batch(step)), jm(*batch(step))
@@ -130,7 +133,9 @@ def _cp_tp_steps(sequence_parallel: bool) -> None:
             optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
-def test_context_and_tensor_parallel_on_a_mesh(sequence_parallel):
-    """CP x TP (and TP's SP), 4 ranks: one device's losses and grads for 3 steps."""
-    run_ranks(_cp_tp_steps, 4, sequence_parallel)
+@pytest.mark.parametrize(("sequence_parallel", "rotate"), [(False, "allgather"), (True, "ring")],
+                         ids=["tp-allgather", "tp_sp-ring"])
+def test_context_and_tensor_parallel_on_a_mesh(sequence_parallel, rotate):
+    """CP x TP (and TP's SP), 4 ranks, keys and values gathered or passed around the ring: one device's losses and
+    grads for 3 steps."""
+    run_ranks(_cp_tp_steps, 4, sequence_parallel, rotate)

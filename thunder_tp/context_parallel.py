@@ -29,6 +29,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
 from thunder_tp.layouts import Shard, Split
+from thunder_tp.propagation.attention import ROTATIONS
 from thunder_tp.propagation.constraints import constrain_inputs
 from thunder_tp.thunder_internals.private import original_module
 from thunder_tp.thunder_internals.prologue import call_inputs
@@ -44,7 +45,11 @@ class ContextParallel(TensorParallel):
     (PyTorch's `context_parallel(buffers=, buffer_seq_dims=)`; buffers of the model, as the rotary tables, follow by
     themselves); None: every tensor input of two or more dims, along dim 1 (token ids, targets, masks of shape
     (batch, sequence, ...)). `load_balance`: head-tail order for causal attention (the sequence a multiple of 2 x CP;
-    without it, of CP). The checks of TensorParallel apply (`check_inputs`, `check_collectives`, `check_weights`).
+    without it, of CP). `rotate`: how the keys and values reach every rank's queries: "allgather" (all of them
+    gathered before attention), or "ring" (passed around the ring of ranks one rank's at a time, each chunk's
+    attention merged by its running softmax statistics: no rank holds all keys at once outside the backward's
+    saved values), as PyTorch's `set_rotate_method`. The checks of TensorParallel apply (`check_inputs`,
+    `check_collectives`, `check_weights`).
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class ContextParallel(TensorParallel):
         *,
         sequence_dims: Mapping[str, int] | None = None,
         load_balance: bool = True,
+        rotate: Literal["allgather", "ring"] = "allgather",
         check_inputs: Literal["training", "every", "first", "never"] = "training",
         check_collectives: bool = True,
         check_weights: bool = True,
@@ -61,8 +67,10 @@ class ContextParallel(TensorParallel):
                          check_collectives=check_collectives, check_weights=check_weights)
         if not isinstance(load_balance, bool):
             raise TypeError(f"thunder_tp.ContextParallel: load_balance must be True or False, got {load_balance!r}")
+        if rotate not in ROTATIONS:
+            raise ValueError(f"thunder_tp.ContextParallel: rotate must be one of {ROTATIONS}, got {rotate!r}")
         self.sequence_dims = None if sequence_dims is None else dict(sequence_dims)
-        self.load_balance = load_balance
+        self.load_balance, self.rotate = load_balance, rotate
         self._parameters: list[str] = []
 
     def transform_module(self, model) -> None:
@@ -75,6 +83,10 @@ class ContextParallel(TensorParallel):
         if unknown:
             raise ValueError(f"thunder_tp.ContextParallel: sequence_dims names {unknown}, which are not parameters of "
                              f"{type(module).__name__}.forward {tuple(self._parameters)}")
+
+    def rule_options(self) -> dict[str, object]:
+        """TensorParallel's, and how attention rotates keys and values."""
+        return super().rule_options() | {"rotate": self.rotate}
 
     def transform_traces_pre_prologue(self, prologue: TraceCtx, computation: TraceCtx, epilogue, **kwargs):
         """The call's sequence inputs split where the program reads them, then TensorParallel's rewrite."""

@@ -272,8 +272,7 @@ class TensorParallel(Transform):
         # dead code first (Thunder removes it only after this hook): an unused consumer, such as the router logits
         # an HF MoE block returns and its decoder layer drops, must not decide how a live value is communicated
         logical = constrain_styled_ops(dce(computation), styles)
-        propagation = Propagation(dict(layouts), self.tp, frozenset(param_names),
-                                  options={"float8_all_gather": self.float8_all_gather})
+        propagation = Propagation(dict(layouts), self.tp, frozenset(param_names), options=self.rule_options())
         steps = propagation.run(trace_body(logical))
         one_trace = ranks_of(self.tp.group).one_trace_for_all
         # a simulation runs one trace for every rank: StackShard tensors keep their full shape there (local_piece)
@@ -295,6 +294,10 @@ class TensorParallel(Transform):
         if self._agreement is not None:
             self._agreement.compiled(self._module, computation)
         return computation
+
+    def rule_options(self) -> dict[str, object]:
+        """What the propagation rules decide by besides layouts (`propagation.engine.Op.options`)."""
+        return {"float8_all_gather": self.float8_all_gather}
 
     def _initial_layouts(self, computation: TraceCtx, param_names: dict[str, str]) -> dict[str, Layout]:
         layouts: dict[str, Layout] = {}
