@@ -26,7 +26,8 @@ def other_groups_collective(op: Op) -> list[Strategy]:
     dim = op.bsym.args[1] % op.tensors[0].ndim if op.bsym.sym.id in _ALONG_A_DIM_IDS else None
     if any(_crosses(layout, dim, op) for layout in op.layouts):
         return [op.replicated()]
-    return [Strategy(tuple(op.layouts), tuple(op.layouts)), op.replicated()]
+    # each output is its input's value (or a sum over the other group): a replicated input's grad is whole here
+    return [Strategy(tuple(op.layouts), tuple(op.layouts), whole_grads=True), op.replicated()]
 
 
 def _crosses(layout, dim: int | None, op: Op) -> bool:
