@@ -14,6 +14,7 @@ from thunder.core.trace import get_tracectx
 from thunder_tp.collectives import rank_value, tp_gather_to_tp, tp_shift
 from thunder_tp.collectives.labels import label_collectives
 from thunder_tp.layouts import REPLICATE, Layout, Pieces, Shard, Split, TPGroup, rank_pieces
+from thunder_tp.ops.blockwise_attention import blockwise_attention
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 from thunder_tp.run_mode import ranks_of
 
@@ -73,6 +74,12 @@ def _gathered_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
     start = len(get_tracectx().peek_scope())
     k, v = (tp_gather_to_tp(t, t.ndim - 2, pieces, tp.group) for t in (k, v))
     label_collectives(get_tracectx().peek_scope()[start:], "context parallel: keys and values gathered (all-gather)")
+    if is_causal and _blockwise(q, attn_mask, dropout_p, tp):  # each query chunk: the keys before it, and its own
+        pairs = []
+        for qs, length, at in _local_chunks(pieces[tp.rank]):
+            pairs += [(qs, length, 0, 0, at, False)] if at else []
+            pairs.append((qs, length, 0, at, length, True))
+        return blockwise_attention(q, (k,), (v,), tuple(pairs), _scale(q, scale))[0]
     if is_causal:
         attn_mask, is_causal = ltorch.ge(ltorch.unsqueeze(_positions(q, tp, pieces, 0), 1),
                                          ltorch.unsqueeze(ltorch.arange(k.shape[-2], device=q.device), 0)), False
@@ -86,13 +93,20 @@ def _ring_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
     if dropout_p or ranks_of(tp.group).one_trace_for_all:
         raise NotImplementedError("thunder_tp.ContextParallel(rotate=\"ring\"): attention with dropout, or on "
                                   "simulated ranks, is not supported; use rotate=\"allgather\"")
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _scale(q, scale)
+    start = len(get_tracectx().peek_scope())
+    passed = [(k, v), *((tp_shift(k, step, tp.group), tp_shift(v, step, tp.group)) for step in range(1, tp.size))]
+    label_collectives(get_tracectx().peek_scope()[start:], "context parallel: keys and values passed (ring)")
+    if is_causal and _blockwise(q, attn_mask, dropout_p, tp):
+        held = [(step, *chunk) for step in range(tp.size)
+                for chunk in _local_chunks(pieces[(tp.rank - step) % tp.size])]
+        pairs = _visible_pairs(_local_chunks(pieces[tp.rank]), held)
+        if pairs is not None:
+            keys, values = zip(*passed, strict=True)
+            return blockwise_attention(q, keys, values, pairs, scale)[0]
     queries = ltorch.unsqueeze(_positions(q, tp, pieces, 0), 1)
     best = total = out = None
-    for step in range(tp.size):
-        start = len(get_tracectx().peek_scope())
-        k_s, v_s = (t if step == 0 else tp_shift(t, step, tp.group) for t in (k, v))
-        label_collectives(get_tracectx().peek_scope()[start:], "context parallel: keys and values passed (ring)")
+    for step, (k_s, v_s) in enumerate(passed):
         keys = _positions(q, tp, pieces, step)
         scores = ltorch.mul(ltorch.matmul(q, ltorch.transpose(k_s, -2, -1)), scale)
         if attn_mask is not None:
@@ -114,6 +128,44 @@ def _ring_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
         out = ltorch.add(ltorch.mul(out, old), ltorch.mul(chunk_out, new))
         best = merged
     return ltorch.true_divide(out, total)
+
+
+def _scale(q: TensorProxy, scale: float | None) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def _blockwise(q: TensorProxy, attn_mask, dropout_p: float, tp: TPGroup) -> bool:
+    """Whether causal attention runs as `blockwise_attention` (torch's fused CPU kernel, no mask tensor): on CPU
+    tensors of a kernel's dtype, without a mask or dropout, on real ranks (a simulation's ranks differ in their
+    chunks' positions, which the op takes as constants)."""
+    kernel_dtypes = (dtypes.float32, dtypes.float64, dtypes.bfloat16, dtypes.float16)
+    return (q.device.type == "cpu" and q.dtype in kernel_dtypes and attn_mask is None and not dropout_p
+            and not ranks_of(tp.group).one_trace_for_all)
+
+
+def _local_chunks(chunks: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+    """(start in the local tensor, length, start in the sequence) of each piece a rank holds."""
+    local, at = [], 0
+    for start, length in chunks:
+        local.append((at, length, start))
+        at += length
+    return local
+
+
+def _visible_pairs(queries: list[tuple[int, int, int]], keys: list[tuple[int, int, int, int]]) -> tuple | None:
+    """The blockwise attention pairs of query chunks over key chunks ((tensor, local start, length, start)): keys
+    all before the queries (full), at the same positions (causal) or after (none); None where a key chunk is partly
+    visible to a query chunk (a mask then)."""
+    pairs = []
+    for qs, length, at in queries:
+        for tensor, ks, n, start in keys:
+            if start + n <= at:
+                pairs.append((qs, length, tensor, ks, n, False))
+            elif (start, n) == (at, length):
+                pairs.append((qs, length, tensor, ks, n, True))
+            elif start < at + length:
+                return None
+    return tuple(pairs)
 
 
 def _positions(like: TensorProxy, tp: TPGroup, pieces: Pieces, step: int) -> TensorProxy:
