@@ -59,6 +59,8 @@ def _scale(extra) -> float:
     """The factor each kind of `extra` gives (every kind read as a user's block would read it)."""
     if isinstance(extra, (tuple, list)):
         return extra[0] * extra[1]
+    if isinstance(extra, dict):
+        return extra["a"] * extra["b"] * extra["c"]
     if isinstance(extra, Mode):
         return 3.0 if extra is Mode.SCALED else 1.0
     if isinstance(extra, Window):
@@ -132,6 +134,9 @@ VARIANTS = {
     "pre-hook with kwargs and a default": _pre_hooks_with_kwargs,
     "tuple attribute": _attributes((1.0, 2.0), (3.0, 1.0)),
     "list attribute": _attributes([1.0, 2.0], [1.0, 0.5]),
+    # (keying a dict's items makes short-lived pairs: a key must not be taken from a dead pair's reused id)
+    "dict attribute differing after its first item": _attributes({"a": 1.0, "b": 2.0, "c": 1.0},
+                                                                 {"a": 1.0, "b": 0.5, "c": 3.0}),
     "enum attribute": _attributes(Mode.PLAIN, Mode.SCALED),
     "numpy scalar attribute": _attributes(np.float32(1.0), np.float32(-2.0)),  # (np.float64 is a Python float)
     "small object attribute": _attributes(Window(2.0, 1.0), Window(1.0, 3.0)),

@@ -93,7 +93,8 @@ class _Keys:
         self.block = block
         self.names = {id(m): name for name, m in block.named_modules(remove_duplicate=False)}
         self.visiting: set[int] = set()
-        self.memo: dict[int, Hashable] = {}  # (the objects several submodules hold, as a config, keyed once)
+        # the objects several submodules hold (a config) keyed once; each held, so no temporary's id is reused
+        self.memo: dict[int, tuple[Any, Hashable]] = {}
 
     def structure(self) -> tuple:
         """Every submodule: its name, class, attributes, hooks, forward's code, tensors' metadata."""
@@ -126,12 +127,13 @@ class _Keys:
         if isinstance(v, RemovableHandle):  # the handle of a hook (the hook itself is keyed where it is)
             return ("handle",)
         if id(v) in self.memo:
-            return self.memo[id(v)]
+            return self.memo[id(v)][1]
         if id(v) in self.visiting:
             return ("cycle", id(v))
         self.visiting.add(id(v))
         try:
-            key = self.memo[id(v)] = self._composite(v)
+            key = self._composite(v)
+            self.memo[id(v)] = v, key
         finally:
             self.visiting.discard(id(v))
         return key
