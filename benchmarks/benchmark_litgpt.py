@@ -11,8 +11,9 @@ rank (NCCL).
 
 Reported (rank 0; averages over the iterations after ``--warmup_iters``): iteration time (the slowest rank's),
 tokens/s, parameter bytes per rank, peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the process's
-max RSS), bytes saved for backward, and the collectives of one iteration (forward/backward, from the final traces
-via ``thunder_tp.collectives_table``). ``--json_path`` writes all of it, per-iteration losses and times included.
+max RSS; with ``--measure_step_memory true`` also the last iteration's peak above what was live before it, per
+rank), bytes saved for backward, and the collectives of one iteration (forward/backward, from the final traces via
+``thunder_tp.collectives_table``). ``--json_path`` writes all of it, per-iteration losses and times included.
 
 Distributed modes are entries of ``MODES`` in ``litgpt_setup.py`` (mode ->
 ``DistributedMode(transforms=..., data_parallel=...)``; shared measuring and timing in ``harness.py``): a mode is a
@@ -21,6 +22,13 @@ groups: ``none``, ``tp``, ``tp_sp`` and the 2-D ``tp_ddp`` / ``tp_fsdp`` (TP ove
 inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parallel groups), e.g.::
 
     torchrun --nproc-per-node 4 -m benchmarks.benchmark_litgpt --distributed_mode tp_fsdp --tp_size 2 --dp_size 2
+
+Context parallelism goes with any mode: ``--context_parallel_size N`` puts ``thunder_tp.ContextParallel`` over CP
+groups of N ranks ``--tp_size`` apart before the mode's transforms (world = dp x cp x tp; ``--cp_rotate``,
+``--cp_load_balance``), e.g. cp 2 x tp 2 on 4 ranks::
+
+    torchrun --nproc-per-node 4 -m benchmarks.benchmark_litgpt --distributed_mode tp --tp_size 2 \\
+        --context_parallel_size 2
 
 Thunder benchmark_litgpt's ``--global_batch_size`` (gradient accumulation), ``--checkpoint_activations``,
 ``--low_precision_mode`` (``none``; a bf16 model with ``--dtype bfloat16``) and torchao's float8 training
@@ -44,9 +52,10 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,6 +72,7 @@ from benchmarks.lib.harness import (
     log,
     param_bytes,
     peak_memory_bytes,
+    peak_step_bytes,
     saved_for_backward,
     slowest_rank,
     timed,
@@ -82,22 +92,29 @@ from benchmarks.lib.litgpt_setup import (
     resolve_groups,
 )
 
+T = TypeVar("T")
+
 # --------------------------------------------------------------------------------------------------------------
 # the benchmark
 # --------------------------------------------------------------------------------------------------------------
 
 
 def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module,
-          vocab: int) -> tuple[list[float], list[float]]:
-    """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): losses and the slowest rank's times."""
+          vocab: int) -> tuple[list[float], list[float], int | None]:
+    """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): losses, the slowest rank's times and
+    (``--measure_step_memory``) this rank's peak memory of the last iteration."""
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
     load_checkpoints(args, jm, optimizer)
     steps = accumulation_steps(args, groups.dp_size)
-    losses, times = [], []
+    losses, times, step_bytes = [], [], None
     for it in range(args.max_iters):
         idx, targets = make_batch(args, vocab, groups.dp_rank, it, device, rows=steps * args.micro_batch_size)
         # gradients accumulate over the micro-batches; timed waits for the device's work
-        loss, dt = timed(partial(train_step, jm, optimizer, idx, targets, args.micro_batch_size), device)
+        step = partial(timed, partial(train_step, jm, optimizer, idx, targets, args.micro_batch_size), device)
+        if args.measure_step_memory and it == args.max_iters - 1:
+            (loss, dt), step_bytes = with_step_memory(step)
+        else:
+            loss, dt = step()
         loss_value = loss.item()
         losses.append(loss_value)
         times.append(dt)
@@ -108,7 +125,14 @@ def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn
 
         ck.save(args.save_checkpoint, jm, optimizer)
         log(groups.rank, f"checkpoint saved to {args.save_checkpoint}")
-    return losses, slowest_rank(times, device)
+    return losses, slowest_rank(times, device), step_bytes
+
+
+def with_step_memory(step: Callable[[], T]) -> tuple[T, int | None]:
+    """``step()`` and the memory it needed above what was live before it (``harness.peak_step_bytes``)."""
+    results = []
+    peak = peak_step_bytes(lambda: results.append(step()))
+    return results[0], peak
 
 
 def load_checkpoints(args: argparse.Namespace, jm: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -142,10 +166,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     log(rank, f"model {info.name}: {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.vocab_size}, "
               f"{sum(p.numel() for p in model.parameters())} parameters ({sum(p.numel() for p in jm.parameters())} on "
               f"rank 0); block_size {args.block_size}, micro_batch_size {args.micro_batch_size}; world {world}, tp "
-              f"{groups.tp_size}, dp {groups.dp_size}; mode {args.distributed_mode}, compile {args.compile}, "
-              f"loss_parallel {args.loss_parallel}, device {device}")
+              f"{groups.tp_size}, cp {groups.cp_size}, dp {groups.dp_size}; mode {args.distributed_mode}, compile "
+              f"{args.compile}, loss_parallel {args.loss_parallel}, device {device}")
 
-    losses, times = train(args, groups, device, jm, info.vocab_size)
+    losses, times, step_bytes = train(args, groups, device, jm, info.vocab_size)
     if not all(math.isfinite(x) for x in losses):
         log(rank, f"ERROR: non-finite loss: {losses}")
         return 1
@@ -165,6 +189,9 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         "world_size": world,
         "tp_size": groups.tp_size,
         "dp_size": groups.dp_size,
+        "context_parallel_size": groups.cp_size,
+        "cp_rotate": args.cp_rotate if groups.cp_size > 1 else None,
+        "cp_load_balance": args.cp_load_balance if groups.cp_size > 1 else None,
         "distributed_mode": args.distributed_mode,
         "compile": args.compile,
         "loss_parallel": args.loss_parallel,
@@ -186,16 +213,17 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         "param_bytes_full_model": param_bytes(model),  # the unsharded model
         "peak_memory_bytes": peak_memory_bytes(device),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
+        "peak_step_memory_bytes": step_bytes,  # --measure_step_memory: the last iteration's, above what was live
     }
     if args.compile != "eager":
         import thunder
 
         results["saved_for_backward"] = saved_for_backward(thunder.last_traces(jm)[-1])
         results["collectives"] = collectives_per_iteration(jm)
-    # every rank's peak memory (they can differ, e.g. rank 0 prints)
-    peaks = [None] * world
-    dist.all_gather_object(peaks, results["peak_memory_bytes"])
-    results["peak_memory_bytes_per_rank"] = peaks
+    for key in ("peak_memory_bytes", "peak_step_memory_bytes"):  # every rank's (they differ, e.g. rank 0 prints)
+        peaks = [None] * world
+        dist.all_gather_object(peaks, results[key])
+        results[f"{key}_per_rank"] = peaks
 
     if args.dump_thunder_traces and args.compile != "eager":
         dump(args, jm, rank)
@@ -217,8 +245,9 @@ def report(r: dict, rank: int) -> None:
         f"Global BS: {r['global_batch_size']} ({r['gradient_accumulation_steps']} micro-batches per step and DP rank)",
         f"Model dtype: {r['dtype']}" + (", activation checkpointing" if r["checkpoint_activations"] else ""),
         f"Number of Layers: {r['n_layers']}",
-        f"Distributed Mode: {r['distributed_mode']} (world {r['world_size']}, tp {r['tp_size']}, dp {r['dp_size']})"
-        + (", loss parallel" if r["loss_parallel"] else ""),
+        f"Distributed Mode: {r['distributed_mode']} (world {r['world_size']}, tp {r['tp_size']}, cp "
+        f"{r['context_parallel_size']}, dp {r['dp_size']})" + (", loss parallel" if r["loss_parallel"] else ""),
+        *context_parallel_lines(r),
         f"Compiler: {r['compile']}" + (f", TensorParallel(overlap={r['tp_overlap']!r})" if r["tp_size"] > 1 else ""),
         *float8_lines(r),
         f"Loss: {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
@@ -228,6 +257,7 @@ def report(r: dict, rank: int) -> None:
         f"Parameters per rank: {fmt_bytes(r['param_bytes_per_rank'])} (full model: "
         f"{fmt_bytes(r['param_bytes_full_model'])})",
         f"Peak memory ({r['peak_memory_kind']}, rank 0): {fmt_bytes(r['peak_memory_bytes'])}",
+        *step_memory_lines(r),
     ]
     saved = r.get("saved_for_backward")
     if saved:
@@ -236,6 +266,23 @@ def report(r: dict, rank: int) -> None:
     if r.get("collectives"):
         lines += collectives_lines(r["collectives"]["per_iteration"], "Collectives per iteration")
     print("\n".join(lines), flush=True)
+
+
+def context_parallel_lines(r: dict) -> list[str]:
+    """The summary's context-parallel line, none without CP."""
+    if r["context_parallel_size"] == 1:
+        return []
+    order = "head-tail (load-balanced)" if r["cp_load_balance"] else "in order"
+    return [f"Context parallel: ContextParallel over {r['context_parallel_size']} ranks, keys and values "
+            f"{'all-gathered' if r['cp_rotate'] == 'allgather' else 'passed around the ring'}, sequence chunks {order}"]
+
+
+def step_memory_lines(r: dict) -> list[str]:
+    """The summary's line of the last iteration's peak memory per rank (``--measure_step_memory``), else none."""
+    if r["peak_step_memory_bytes"] is None:
+        return []
+    per_rank = ", ".join(fmt_bytes(b) for b in r["peak_step_memory_bytes_per_rank"])
+    return [f"Peak step memory (the last iteration, above what was live before it), per rank: {per_rank}"]
 
 
 def float8_lines(r: dict) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -177,6 +178,39 @@ def test_tp_sp_float8(tmp_path):
     assert rows("backward", "float8: amax") == {"float8: amax of the output grad (max)": ("all_reduce", 2, 4)}
 
 
+def _one_device_first_loss(argv: list[str]) -> float:
+    """The benchmark's first loss on one device, eager: its model and first batch built as the run builds them."""
+    import torch
+
+    args = bench.parse_args([*TINY, *argv])
+    config = setup.make_config(args)
+    model = setup.make_model(args, config, torch.device("cpu"))
+    idx, targets = setup.make_batch(args, setup.model_info(args, config).vocab_size, 0, 0, torch.device("cpu"))
+    with torch.no_grad():
+        return model(idx, targets).item()
+
+
+def test_context_and_tensor_parallel(tmp_path):
+    """--context_parallel_size 2 --tp_size 2 on 4 warm gloo ranks (a (cp x tp) mesh), keys and values passed around
+    the ring: one device's first loss, the CP options and every rank's step memory reported."""
+    from tests.dist import run_ranks
+
+    json_path = tmp_path / "results.json"
+    flags = ["--distributed_mode", "tp", "--tp_size", "2", "--context_parallel_size", "2", "--cp_rotate", "ring",
+             "--measure_step_memory", "true"]
+    output = run_ranks(_run, 4, flags, str(json_path))[0]
+    res = json.loads(json_path.read_text())
+    assert (res["world_size"], res["tp_size"], res["context_parallel_size"], res["dp_size"]) == (4, 2, 2, 1), res
+    assert (res["cp_rotate"], res["cp_load_balance"], res["tokens_per_iter"]) == ("ring", True, TOKENS), res
+    assert math.isclose(res["losses"][0], _one_device_first_loss(flags), rel_tol=1e-5), res["losses"]
+    step_bytes = res["peak_step_memory_bytes_per_rank"]
+    assert len(step_bytes) == 4 and step_bytes[0] == res["peak_step_memory_bytes"] and min(step_bytes) > 0, res
+    for line in ("Distributed Mode: tp (world 4, tp 2, cp 2, dp 1)",
+                 "Context parallel: ContextParallel over 2 ranks, keys and values passed around the ring, sequence "
+                 "chunks head-tail (load-balanced)", "Peak step memory (the last iteration", "iter 2: loss"):
+        assert line in output, output[-4000:]
+
+
 def _side_by_side(argv: list[str]) -> dict:
     """benchmarks/bench_float8.py's run on this gloo rank (as under torchrun, minus the process-group set-up)."""
     import torch
@@ -261,7 +295,7 @@ def _train(argv: list[str]) -> dict:
     world = dist.get_world_size()
     groups = setup.make_groups(args.tp_size or world)
     config, model, jm = bench.build(args, groups, torch.device("cpu"))
-    losses, _ = bench.train(args, groups, torch.device("cpu"), jm, config.padded_vocab_size)
+    losses, _, _ = bench.train(args, groups, torch.device("cpu"), jm, config.padded_vocab_size)
     return {
         "losses": losses,
         "tp_rank": groups.tp_rank,
@@ -353,6 +387,41 @@ def test_options():
     assert setup.accumulation_steps(args, dp_size=2) == 2
     with pytest.raises(SystemExit, match="multiple"):
         setup.accumulation_steps(bench.parse_args(["--micro_batch_size", "2", "--global_batch_size", "6"]), dp_size=2)
+
+
+@pytest.mark.parametrize(("argv", "fix"), [
+    (["--context_parallel_size", "2", "--block_size", "30"],
+     "--block_size 30 with --context_parallel_size 2: thunder_tp.ContextParallel: a sequence of 30 cannot be cut "
+     "into 2 x CP = 4 chunks"),
+    (["--context_parallel_size", "2", "--block_size", "30"], "(here: --block_size, or --cp_load_balance false)"),
+    (["--context_parallel_size", "4", "--block_size", "30", "--cp_load_balance", "false"],
+     "use a sequence length that is a multiple of 4 (here: --block_size)"),
+    (["--context_parallel_size", "0"], "--context_parallel_size must be at least 1"),
+    (["--context_parallel_size", "2", "--distributed_mode", "tp", "--simulate", "2"],
+     "leave out --context_parallel_size"),
+    (["--context_parallel_size", "2", "--compile", "eager"], "no context parallelism: use --compile thunder"),
+])
+def test_context_parallel_flags_refused_with_the_fix(argv, fix, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert fix in " ".join(capsys.readouterr().err.split()), fix
+
+
+@pytest.mark.parametrize(("argv", "world", "fix"), [
+    (["--context_parallel_size", "3", "--block_size", "48"], 4,
+     "--context_parallel_size 3 must divide the world size 4"),
+    (["--distributed_mode", "tp", "--tp_size", "3", "--context_parallel_size", "2"], 8,
+     "--context_parallel_size 2 * --tp_size 3 must divide the world size 8: use --tp_size 4 or a divisor of it"),
+    (["--distributed_mode", "tp", "--tp_size", "2", "--context_parallel_size", "2"], 8,
+     "the replicas would train independently; use --tp_size 4"),
+    (["--context_parallel_size", "2"], 4, "the replicas would train independently; use --context_parallel_size 4"),
+    (["--distributed_mode", "tp_ddp", "--dp_size", "2", "--context_parallel_size", "2", "--tp_size", "2"], 4,
+     "--dp_size 2 * --context_parallel_size 2 * --tp_size 2 must equal the world size 4"),
+])
+def test_context_parallel_sizes_that_do_not_fit_the_world_name_the_fix(argv, world, fix):
+    """Checked before any process group is made (resolve_groups raises first)."""
+    with pytest.raises(SystemExit, match=re.escape(fix)):
+        setup.resolve_groups(bench.parse_args([*TINY, *argv]), 0, world)
 
 
 _FP8 = ["--use_torchao_fp8_linear", "true"]

@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf_config", default="",
                    help="JSON of HF config fields over the default sizes (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
                         "vocab 8192), e.g. '{\"hidden_size\": 1024}'")
+    p.add_argument("--litgpt_config", default="",
+                   help="JSON of litgpt Config fields over --model_name's, e.g. '{\"n_embd\": 64, \"n_head\": 4, "
+                        "\"head_size\": 16}'")
     p.add_argument("--n_layers", type=int, default=None, help="override the config's n_layer")
     p.add_argument("--block_size", type=int, default=128, help="sequence length (overrides the config's block_size)")
     p.add_argument("--micro_batch_size", type=int, default=2)
@@ -64,11 +67,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model says it pays (auto), wherever the shapes allow (always), or nowhere (never)")
     p.add_argument("--max_iters", type=int, default=10, help="iterations in all, warm-up included")
     p.add_argument("--warmup_iters", type=int, default=2, help="first iterations left out of the averages")
+    p.add_argument("--measure_step_memory", type=str2bool, default=False,
+                   help="measure the last iteration's peak memory above what is live before it, on every rank (CPU: "
+                        "the rise of the resident set's peak, VmHWM reset first; CUDA: max_memory_allocated)")
     p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS) + ["eager"],
                    help="thunder: thunder_tp.executors() (fusion executor); thunder_default: Thunder's default "
                         "executors + thunder_tp's comm executor; eager: plain PyTorch (distributed_mode none only)")
     p.add_argument("--distributed_mode", default="none", choices=list(MODES))
     p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
+    p.add_argument("--context_parallel_size", type=int, default=1,
+                   help="CP group size: the sequence split over it (thunder_tp.ContextParallel, before the mode's TP); "
+                        "world = dp * cp * tp, TP fastest (a (cp x tp) mesh as thunder_tp.init_mesh(dp=cp, tp=tp))")
+    p.add_argument("--cp_rotate", default="allgather", choices=["allgather", "ring"],
+                   help="ContextParallel(rotate=...): keys and values all-gathered before attention, or passed "
+                        "around the ring of CP ranks")
+    p.add_argument("--cp_load_balance", type=str2bool, default=True,
+                   help="ContextParallel(load_balance=...): head-tail order of the sequence chunks for causal "
+                        "attention (block_size a multiple of 2 * cp; without it, of cp)")
     p.add_argument("--dp_size", type=int, default=None,
                    help="data-parallel size of the 2-D modes (tp_ddp, tp_fsdp); dp * tp = world (default: world // tp)")
     p.add_argument("--plan", default="hand", choices=["hand", "auto"],
@@ -105,9 +120,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(float8_error)
     if args.hf_model_type and args.checkpoint_activations:
         p.error("--checkpoint_activations checkpoints litgpt blocks; it is not available with --hf_model_type")
+    cp_error = context_parallel_error(args)
+    if cp_error:
+        p.error(cp_error)
     if args.compile == "eager" and args.distributed_mode != "none":
         p.error("--compile eager runs plain PyTorch, which has no tensor parallelism: use --distributed_mode none, "
                 "or --compile thunder / thunder_default")
     return args
 
 
+def context_parallel_error(args: argparse.Namespace) -> str | None:
+    """Why the context-parallel flags cannot run as given, with the fix; None if they can."""
+    cp_size = args.context_parallel_size
+    if cp_size < 1:
+        return f"--context_parallel_size must be at least 1, got {cp_size}"
+    if cp_size == 1:
+        return None
+    if args.simulate:
+        return "--simulate simulates a TP plan: leave out --context_parallel_size"
+    if args.compile == "eager":
+        return "--compile eager runs plain PyTorch, which has no context parallelism: use --compile thunder"
+    from thunder_tp.context_parallel import sequence_layout
+
+    try:
+        sequence_layout(args.block_size, 1, cp_size, args.cp_load_balance)
+    except ValueError as error:
+        return (f"--block_size {args.block_size} with --context_parallel_size {cp_size}: {error} (here: "
+                f"--block_size{', or --cp_load_balance false' if args.cp_load_balance else ''})")
+    return None

@@ -33,7 +33,8 @@ FP8_MODES = ("fp8-delayed-te", "fp8-default-te", "fp8-delayed-te-wo_layernorm", 
 
 @dataclass(frozen=True)
 class Groups:
-    """This rank's place in a (dp x tp) layout of the world, tp-fastest (TP groups are consecutive ranks)."""
+    """This rank's place in a (dp x cp x tp) layout of the world, tp fastest, then cp (TP groups are consecutive
+    ranks, CP groups ranks ``tp_size`` apart)."""
 
     rank: int
     world_size: int
@@ -43,27 +44,41 @@ class Groups:
     dp_size: int
     dp_rank: int
     dp_group: Any
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None
 
 
-def make_groups(tp_size: int) -> Groups:
-    """TP groups of ``tp_size`` consecutive ranks and the orthogonal DP groups (the default group if one spans it)."""
+def make_groups(tp_size: int, cp_size: int = 1) -> Groups:
+    """TP groups of ``tp_size`` consecutive ranks, CP groups of ``cp_size`` ranks ``tp_size`` apart (a (cp x tp)
+    mesh as ``thunder_tp.init_mesh(dp=cp, tp=tp)`` lays it out) and the DP groups orthogonal to both."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if tp_size < 1 or world % tp_size:
-        raise SystemExit(f"--tp_size {tp_size} must divide the world size {world}")
-    dp_size = world // tp_size
-    tp_group = dp_group = None  # None: the default group, for a group that spans the world
-    # every rank creates every group, in the same order (torch.distributed's rule), and keeps its own
-    if tp_size != world:
-        for d in range(dp_size):
-            g = dist.new_group(list(range(d * tp_size, (d + 1) * tp_size)))
-            if rank // tp_size == d:
-                tp_group = g
-    if dp_size != world:
-        for t in range(tp_size):
-            g = dist.new_group(list(range(t, world, tp_size)))
-            if rank % tp_size == t:
-                dp_group = g
-    return Groups(rank, world, tp_size, rank % tp_size, tp_group, dp_size, rank // tp_size, dp_group)
+    block = tp_size * cp_size
+    if tp_size < 1 or cp_size < 1 or world % block:
+        raise SystemExit(f"--tp_size {tp_size} * --context_parallel_size {cp_size} must divide the world size {world}")
+    dp_size = world // block
+    tp_groups = [list(range(start, start + tp_size)) for start in range(0, world, tp_size)]
+    cp_groups = [list(range(start + t, start + block, tp_size)) for start in range(0, world, block)
+                 for t in range(tp_size)]
+    dp_groups = [list(range(offset, world, block)) for offset in range(block)]
+    tp_group = _own_group(rank, world, tp_groups)
+    cp_group = _own_group(rank, world, cp_groups) if cp_size > 1 else None
+    dp_group = _own_group(rank, world, dp_groups)
+    return Groups(rank, world, tp_size, rank % tp_size, tp_group, dp_size, rank // block, dp_group,
+                  cp_size, rank // tp_size % cp_size, cp_group)
+
+
+def _own_group(rank: int, world: int, groups: list[list[int]]):
+    """Every group of ``groups`` created, this rank's returned; None (the default group) for groups that span the
+    world. Every rank creates every group, in the same order (torch.distributed's rule)."""
+    if len(groups[0]) == world:
+        return None
+    own = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            own = group
+    return own
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -171,12 +186,15 @@ def model_info(args: argparse.Namespace, config) -> ModelInfo:
 
 
 def make_config(args: argparse.Namespace):
-    """The litgpt Config of --model_name, or the HF config of --hf_model_type (sizes HF_SIZES | --hf_config)."""
+    """The litgpt Config of --model_name (fields of --litgpt_config over it), or the HF config of --hf_model_type
+    (sizes HF_SIZES | --hf_config)."""
     if args.hf_model_type:
         return _hf_config(args)
+    import json
+
     from litgpt import Config
 
-    overrides: dict[str, Any] = {"block_size": args.block_size}
+    overrides: dict[str, Any] = json.loads(args.litgpt_config or "{}") | {"block_size": args.block_size}
     if args.n_layers is not None:
         overrides["n_layer"] = args.n_layers
     return Config.from_name(args.model_name, **overrides)
@@ -258,28 +276,49 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
         return config, model, model
     import thunder
 
-    transforms = MODES[args.distributed_mode].transforms(model, args, groups)
+    transforms = [*context_parallel(args, groups), *MODES[args.distributed_mode].transforms(model, args, groups)]
     return config, model, thunder.jit(model, transforms=transforms, executors=EXECUTORS[args.compile]())
 
 
+def context_parallel(args: argparse.Namespace, groups: Groups) -> list:
+    """``[ContextParallel]`` over the CP group under --context_parallel_size > 1 (first: the mode's TP then splits
+    the CP-local program), else none."""
+    if groups.cp_size == 1:
+        return []
+    import thunder_tp
+
+    return [thunder_tp.ContextParallel(groups.cp_group, load_balance=args.cp_load_balance, rotate=args.cp_rotate)]
+
+
 def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:
-    """This rank's TP and DP groups from --distributed_mode, --tp_size and --dp_size (an error if they don't fit)."""
-    mode = MODES[args.distributed_mode]
+    """This rank's TP, CP and DP groups from --distributed_mode, --tp_size, --context_parallel_size and --dp_size (an
+    error naming the fix if they don't fit)."""
+    mode, cp_size = MODES[args.distributed_mode], args.context_parallel_size
+    if world % cp_size:
+        raise SystemExit(f"--context_parallel_size {cp_size} must divide the world size {world}")
     if args.distributed_mode == "none":
         tp_size = 1
         if args.tp_size not in (None, 1):
             raise SystemExit("--tp_size needs a tensor-parallel --distributed_mode (tp, tp_sp)")
     else:
-        tp_size = args.tp_size or (world // args.dp_size if args.dp_size else world)
+        tp_size = args.tp_size or (world // (args.dp_size * cp_size) if args.dp_size else world // cp_size)
     if args.dp_size is not None and not mode.data_parallel:
         raise SystemExit(f"--dp_size needs a 2-D --distributed_mode (tp_ddp, tp_fsdp), not {args.distributed_mode}")
-    if args.dp_size is not None and args.dp_size * tp_size != world:
-        raise SystemExit(f"--dp_size {args.dp_size} * --tp_size {tp_size} must equal the world size {world}")
-    if tp_size < world and not mode.data_parallel and args.distributed_mode != "none":
+    if args.dp_size is not None and args.dp_size * cp_size * tp_size != world:
+        raise SystemExit(f"--dp_size {args.dp_size} * --context_parallel_size {cp_size} * --tp_size {tp_size} must "
+                         f"equal the world size {world}")
+    if world % (cp_size * tp_size):
+        raise SystemExit(f"--context_parallel_size {cp_size} * --tp_size {tp_size} must divide the world size "
+                         f"{world}: use --tp_size {world // cp_size} or a divisor of it")
+    parallel = args.distributed_mode != "none" or cp_size > 1
+    if cp_size * tp_size < world and parallel and not mode.data_parallel:
+        fix = f"--tp_size {world // cp_size}" if args.distributed_mode != "none" else \
+            f"--context_parallel_size {world}"
         raise SystemExit(
-            f"--distributed_mode {args.distributed_mode} with --tp_size {tp_size} < world size {world}: the TP "
-            f"replicas would train independently; use --tp_size {world} (or a 2-D mode that syncs grads over DP)"
+            f"--distributed_mode {args.distributed_mode} with --context_parallel_size {cp_size} * --tp_size {tp_size}"
+            f" < world size {world}: the replicas would train independently; use {fix} (or a 2-D mode that syncs "
+            "grads over DP)"
         )
-    if args.distributed_mode == "none" and world > 1:
+    if not parallel and world > 1:
         log(rank, f"note: --distributed_mode none with {world} ranks: every rank trains its own full copy")
-    return make_groups(tp_size) if args.distributed_mode != "none" else Groups(rank, world, 1, 0, None, 1, 0, None)
+    return make_groups(tp_size, cp_size) if parallel else Groups(rank, world, 1, 0, None, 1, 0, None)
