@@ -75,7 +75,8 @@ class CompileAgreement:
         misses = thunder.compile_stats(model).cache_misses
         if self._agreed_compile == misses:
             return
-        forward = self._forward[1:] if self._forward is not None and self._forward[0] == misses else ()
+        pending = self._forward
+        forward = (pending[1],) if pending is not None and pending[0] == misses else ()
         if backward_follows(trace):
             self._forward = (misses, trace)
             return
