@@ -168,24 +168,26 @@ def simulated_world() -> Simulation | None:
 
 @contextlib.contextmanager
 def simulated_ranks(world_size: int, mode) -> Iterator[None]:
-    """Within the context, the stages see `world_size` simulated ranks run by `mode` (set by thunder_tp.simulate)."""
+    """Within the context, the stages see `world_size` simulated ranks run by `mode` (set by thunder_tp.simulate);
+    the enclosing simulation, if any, after it."""
     global _current
-    _current = Simulation(world_size, mode)
+    previous, _current = _current, Simulation(world_size, mode)
     try:
         yield
     finally:
-        _current = None
+        _current = previous
 
 
 @contextlib.contextmanager
 def fake_group_on(device: torch.device) -> Iterator[None]:
-    """Within the context, a fake group's tensors live on ``device`` (set by ``thunder_tp.one_rank``)."""
+    """Within the context, a fake group's tensors live on ``device`` (set by ``thunder_tp.one_rank``); the
+    enclosing device after it."""
     global _fake_group_device
-    _fake_group_device = device
+    previous, _fake_group_device = _fake_group_device, device
     try:
         yield
     finally:
-        _fake_group_device = None
+        _fake_group_device = previous
 
 
 def _check_simulable(model) -> None:
