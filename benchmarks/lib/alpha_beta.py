@@ -33,6 +33,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
+from thunder_tp import costs
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 #: a decomposed collective's piece: one rank's bytes to one peer (thunder_tp's shifts); priced if a link names it
 SEND_RECV = "send_recv"
@@ -63,8 +65,7 @@ class Link:
             numbers = SEND_RECV if SEND_RECV in self.latency_s else "all_gather"
             return self.latency(numbers, idle_s) + nbytes / self.bus_bytes_per_s[numbers]
         kind = kind if kind in KINDS else "all_gather"
-        factor = (2 if kind == "all_reduce" else 1) * (group_size - 1) / group_size
-        return self.latency(kind, idle_s) + factor * nbytes / self.bus_bytes_per_s[kind]
+        return self.latency(kind, idle_s) + costs.ring_factor(kind, group_size) * nbytes / self.bus_bytes_per_s[kind]
 
     def latency(self, kind: str, idle_s: float | None = None) -> float:
         """The latency of ``kind``: interpolated in ``idle_s`` between the measured points (clamped at both ends)."""
@@ -116,23 +117,19 @@ class Link:
         return "\n".join(lines)
 
 
-_NCCL = ("given NCCL figures (not measured here) for 8 x H100 NVLink: all_reduce of 16-64 KB about 21-23 µs "
-         "eager, 17-20 µs under a CUDA graph; about 370 GB/s bus bandwidth for large ring collectives")
 _SAME = "assumed as all_reduce's (only NCCL's all_reduce latency is given)"
 
-#: the links the projection knows; ``--link`` picks one, ``--link_override`` changes its numbers
-LINKS: dict[str, Link] = {
-    "h100_nvlink": Link(
-        "8 x H100 SXM, NVLink 4 / NVSwitch, NCCL, eager",
-        {k: 22e-6 for k in KINDS}, {k: 370e9 for k in KINDS},
-        {"all_reduce": _NCCL, "all_gather": _SAME, "reduce_scatter": _SAME},
-    ),
-    "h100_nvlink_graph": Link(
-        "8 x H100 SXM, NVLink 4 / NVSwitch, NCCL inside a CUDA graph",
-        {k: 18e-6 for k in KINDS}, {k: 370e9 for k in KINDS},
-        {"all_reduce": _NCCL, "all_gather": _SAME, "reduce_scatter": _SAME},
-    ),
-}
+
+def link_of(figures: costs.LinkFigures) -> Link:
+    """A link of ``thunder_tp/costs.py`` as a Link: its figures (all_reduce's) for every kind, the others alike."""
+    return Link(figures.description, dict.fromkeys(KINDS, figures.latency_s),
+                dict.fromkeys(KINDS, figures.bus_bytes_per_s),
+                {"all_reduce": figures.source, "all_gather": _SAME, "reduce_scatter": _SAME})
+
+
+#: the links the projection knows (``thunder_tp/costs.py``'s); ``--link`` picks one, ``--link_override`` changes its
+#: numbers
+LINKS: dict[str, Link] = {name: link_of(costs.LINKS[name]) for name in ("h100_nvlink", "h100_nvlink_graph")}
 
 
 # --- FLOPs of a trace's symbols, to share a pass's measured compute among them ---------------------------------

@@ -8,11 +8,10 @@ import torch.distributed as dist
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
+from thunder_tp.costs import ALPHA_BYTES
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, padded_lengths, rank_pieces
 from thunder_tp.run_mode import ranks_of
 
-#: latency of one collective, in bytes-equivalent (alpha / beta)
-ALPHA_BYTES = 64 * 1024
 #: resharding a parameter is a last resort: its layout is the user's
 PARAMETER_PENALTY = 1000.0
 #: a local slice moves no data but is not free
@@ -35,7 +34,8 @@ def wire_bytes(t: TensorProxy, layout: Layout, size: int) -> int:
 
 
 def collective_cost(kind: str, full_bytes: int, size: int) -> float:
-    """Alpha-beta cost of one collective of `kind` on a tensor of `full_bytes` over `size` ranks."""
+    """Alpha-beta cost of one collective of `kind` on a tensor of `full_bytes` over `size` ranks, in bytes
+    (`costs.ALPHA_BYTES` a call)."""
     moved = full_bytes * (size - 1) / size
     return ALPHA_BYTES + moved * {"all_reduce": 2.0, "all_to_all": 1.0 / size}.get(kind, 1.0)
 

@@ -2,11 +2,12 @@
 
 Every rank must decide alike (a rank that decomposed where its peer did not would wait forever for the peer's
 pieces), so the decision reads nothing measured at run time: only the shapes, the dtype, the device, the group's
-size and backend, and the constants below. Each site is priced as a two-resource pipeline (this rank's compute and
-one link, one transfer at a time, as NCCL runs a communicator's operations in order): the undecomposed schedule
-against the decomposed one. Chunks are not free: each chunk's matmul is a call more, and on a GPU a smaller matmul
-fills its last wave of output tiles less (``Costs.tile`` x ``tile`` tiles over ``units`` SMs); the backward pays the
-same for its input grads (chunked like the forward) and a call more per chunk for its weight grads.
+size and backend, and the figures of the backend's link and the device's matmuls (``thunder_tp/costs.py``). Each
+site is priced as a two-resource pipeline (this rank's compute and one link, one transfer at a time, as NCCL runs a
+communicator's operations in order): the undecomposed schedule against the decomposed one. Chunks are not free: each
+chunk's matmul is a call more, and on a GPU a smaller matmul fills its last wave of output tiles less (``Costs.tile``
+x ``tile`` tiles over ``units`` SMs); the backward pays the same for its input grads (chunked like the forward) and a
+call more per chunk for its weight grads.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from thunder_tp import costs
 
 #: the most chunks a collective is cut into, and the fewest rows (tokens) a chunk's matmul gets
 MAX_CHUNKS = 8
@@ -43,8 +46,7 @@ class Costs:
 
     def collective_s(self, kind: str, nbytes: float, size: int) -> float:
         """A ring collective of ``nbytes`` (the full tensor) over ``size`` ranks."""
-        factor = (2 if kind == "all_reduce" else 1) * (size - 1) / size
-        return self.latency_s + factor * nbytes / self.bus_bytes_per_s
+        return self.latency_s + costs.ring_factor(kind, size) * nbytes / self.bus_bytes_per_s
 
     def send_s(self, nbytes: float) -> float:
         """One rank's ``nbytes`` to one peer (a shift)."""
@@ -81,34 +83,20 @@ class Linears:
         return inputs + (pieces - 1) * len(self.shapes) * c.matmul_call_s
 
 
-# NCCL on NVLink: the projection's H100 figures (benchmarks/lib/alpha_beta.py, LINKS["h100_nvlink"]), its own
-# stream; gloo on this project's CPU: docs/results.md (a 2 MiB all_reduce after a matmul 3.8 ms; small ones 1.3-1.6 ms
-# after a matmul: latency ~1 ms, ~0.8 GB/s), its threads on the rank's core (a rank's step spends 34-36 ms of CPU in
-# them; the decomposed benchmark Llama step measured 1.11-1.13x the whole one's: docs/results.md)
-_LINKS = {"nccl": (22e-6, 370e9), "gloo": (1.0e-3, 0.8e9)}
-_CONCURRENT = {"nccl": 1.0, "gloo": 0.0}
-# dense matmul rates in full waves: H100-class bf16 / fp16, and fp32 without TF32; one core of this project's CPU
-# (AVX-512, docs/results.md: the single device's 29 forward matmuls at 93 GFLOP/s in fp32)
-_RATES = {"cuda": {torch.bfloat16: 700e12, torch.float16: 700e12, None: 50e12},
-          "cpu": {torch.float32: 90e9, torch.float64: 45e9, None: 20e9}}
-# a call's fixed cost (the gap between kernels on a GPU; the dispatch on a CPU); a GPU's tile and SMs (H100 SXM)
-_MATMUL_CALL_S = {"cuda": 2e-6, "cpu": 30e-6}
-_WAVES = {"cuda": (128, 132), "cpu": (0, 0)}
-
-
 def costs_for(group: dist.ProcessGroup, device_type: str, dtype: torch.dtype) -> Costs:
-    """The constants for a group's backend (a fake group: the device's usual one) and a matmul's device and dtype."""
+    """The figures for a group's backend (a fake group: the device's usual one) and a matmul's device and dtype."""
     return device_costs(dist.get_backend(group), device_type, dtype)
 
 
 def device_costs(backend: str, device_type: str, dtype: torch.dtype) -> Costs:
-    """The constants for a backend ("nccl", "gloo"; another: the device's usual one), a device type and a dtype."""
+    """The figures for a backend ("nccl", "gloo"; another: the device's usual one), a device type and a dtype."""
     device_type = "cuda" if device_type == "cuda" else "cpu"
-    if backend not in _LINKS:
+    if backend not in costs.BACKEND_LINKS:
         backend = "nccl" if device_type == "cuda" else "gloo"
-    rates = _RATES[device_type]
-    return Costs(*_LINKS[backend], rates.get(dtype, rates[None]), _MATMUL_CALL_S[device_type], *_WAVES[device_type],
-                 _CONCURRENT[backend])
+    link = costs.LINKS[costs.BACKEND_LINKS[backend]]
+    device = costs.DEVICES[costs.DEVICE_TYPE_DEVICES[device_type]]
+    return Costs(link.latency_s, link.bus_bytes_per_s, device.matmul_rate(dtype), device.matmul_call_s, device.tile,
+                 device.units, link.concurrent)
 
 
 # --- the two pipelines --------------------------------------------------------------------------------------------

@@ -18,14 +18,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.collectives.reshard import (
-    ALPHA_BYTES,
-    collective_bytes,
-    collective_cost,
-    collective_kind,
-    nbytes,
-    wire_bytes,
-)
+from thunder_tp.collectives.reshard import collective_bytes, collective_cost, collective_kind, nbytes, wire_bytes
+from thunder_tp.costs import ALPHA_BYTES
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
 from thunder_tp.styles.annotate import tp_annotate
