@@ -1,6 +1,7 @@
 """Float8 training (torchao's convert_to_float8_training, emulated on the CPU) under thunder.jit: one device equals
 torchao eager; TP and TP+SP equal the one-device float8 run (scales from the whole tensors: amaxes reduced over the
-group where an operand is sharded)."""
+group where an operand is sharded); TP inside DDP / FSDP equals one device accumulating the dp ranks' batches; a
+checkpoint saved at TP=2 holds the float32 weights and resumes on one device."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn as nn
 
 import thunder_tp
 from tests.dist import run_ranks
-from tests.litgpt_models import batch, make_config
+from tests.litgpt_models import BATCH, batch, make_config
 from tests.tp_checks import FAST_EXECUTORS, rank_and_size
 
 torchao = pytest.importorskip("torchao", reason="torchao is the optional extra thunder_tp[float8]")
@@ -36,12 +37,12 @@ def _converted(model: nn.Module, recipe: str) -> nn.Module:
                                       module_filter_fn=lambda m, name: "lm_head" not in name)
 
 
-def _llama(recipe: str) -> nn.Module:
-    """A 2-layer litgpt llama (GQA, SwiGLU), float32, its linears but the head converted to float8."""
+def _llama(recipe: str, seed: int = 0, n_layer: int = 2) -> nn.Module:
+    """A litgpt llama (GQA, SwiGLU) of `n_layer` blocks, float32, its linears but the head converted to float8."""
     from thunder_tp.plans.litgpt import GPTWithLoss
 
-    torch.manual_seed(0)
-    return _converted(GPTWithLoss(make_config("llama")), recipe)
+    torch.manual_seed(seed)
+    return _converted(GPTWithLoss(dataclasses.replace(make_config("llama"), n_layer=n_layer)), recipe)
 
 
 def _steps(model: nn.Module, run, parameters) -> list[dict]:
@@ -186,3 +187,142 @@ def test_torchaos_float8_styles_refuse_what_torchao_refuses():
     rowwise = _converted(nn.Sequential(nn.Linear(16, 16)), "rowwise")
     with pytest.raises(ValueError, match="scales its input per row .* give it ColwiseParallel"):
         planned_tensors(rowwise, plan, 2)
+
+
+# --- 2-D: TP inside Thunder's DDP / FSDP --------------------------------------------------------------------------
+
+
+def _gathered_over_dp(local: torch.Tensor, rows: int, group) -> torch.Tensor:
+    """The TP shard (`rows` long) from this rank's FSDP chunk of it (dim 0, padded)."""
+    import torch.distributed as dist
+
+    chunks = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(chunks, local.contiguous(), group=group)
+    return torch.cat(chunks)[:rows]
+
+
+def _2d_steps(kind: str) -> dict:
+    """dp=2 x tp=2, tensorwise: TP inside DDP or FSDP against one device, both float8 under thunder.jit, 3 SGD steps.
+    Each dp rank trains on its own batch; float8 scales an activation (and its grad) by that rank's amax, as torchao
+    under DDP / FSDP2 does, so the one device runs the dp ranks' batches one after the other and averages their
+    grads (the whole batch at once would scale by the amax of both: off by a float8 rounding). Returns, at step 0,
+    how far the concatenated batch's loss is from the dp mean, and which grads the other TP rank's shard also passed
+    (none may: a wrong shard is caught)."""
+    from thunder.distributed.transforms.ddp_v2 import DDPTransform
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    from thunder_tp.pieces import shard_tensor
+
+    mesh = thunder_tp.init_mesh(dp=2, tp=2)
+    reference = _llama("tensorwise", n_layer=1)  # one block: 4 ranks share the CPUs
+    model = copy.deepcopy(reference)
+    tp = thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model), process_group=mesh.tp_group)
+    dp = (DDPTransform(process_group=mesh.dp_group, bucket_size_in_mb=25.0, broadcast_from=None) if kind == "ddp"
+          else FSDPTransform(device=torch.device("cpu"), process_group=mesh.dp_group))
+    jm = thunder.jit(model, transforms=[tp, dp], executors=FAST_EXECUTORS)
+    one = thunder.jit(reference, executors=FAST_EXECUTORS)
+    opt_one, opt = torch.optim.SGD(one.parameters(), lr=LR), torch.optim.SGD(jm.parameters(), lr=LR)
+    out = {}
+    for step in range(STEPS):
+        idx, targets = batch(step, 2 * BATCH)
+        halves = [(idx[i * BATCH:(i + 1) * BATCH], targets[i * BATCH:(i + 1) * BATCH]) for i in range(mesh.dp)]
+        losses = [one(*half) for half in halves]
+        expected = sum(losses) / mesh.dp
+        got = jm(*halves[mesh.dp_rank])
+        torch.testing.assert_close(got, losses[mesh.dp_rank].detach(), rtol=1e-5, atol=0,
+                                   msg=f"this dp rank's loss at step {step}")
+        expected.backward(), got.backward()
+        wrong_shard_passes = []
+        for name, p in one.named_parameters():
+            layout = tp.parameter_layouts.get(name, thunder_tp.Replicate())
+            piece = shard_tensor(p.grad, layout, mesh.tp_rank, mesh.tp)
+            grad = jm.get_parameter(name).grad
+            if kind == "fsdp":
+                grad = _gathered_over_dp(grad, piece.shape[0], mesh.dp_group)
+            _assert_within_norm(grad, piece, 1e-4, f"{name} at step {step}")
+            if step == 0 and layout != thunder_tp.Replicate():
+                other = shard_tensor(p.grad, layout, 1 - mesh.tp_rank, mesh.tp)
+                if (grad - other).abs().max() <= 1e-4 * other.norm():
+                    wrong_shard_passes.append(name)
+        if step == 0:
+            with torch.no_grad():  # torchao eager (the same parameters): no second compile of `one`
+                whole = reference(idx, targets)
+            out = {"concatenated": abs((whole - expected) / expected).item(), "wrong shard passes": wrong_shard_passes,
+                   "sharded": sum(layout != thunder_tp.Replicate() for layout in tp.parameter_layouts.values())}
+        opt_one.step(), opt.step(), opt_one.zero_grad(), opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_tp_inside_data_parallelism_equals_one_device_float8(kind):
+    """4 gloo ranks, dp=2 x tp=2: each rank's loss and grad (FSDP: its dp chunk, gathered) is one device's, for 3
+    steps; a grad compared with the other TP rank's shard fails, and so would the whole batch run at once."""
+    for out in run_ranks(_2d_steps, 4, kind):
+        assert out["sharded"] > 0 and out["wrong shard passes"] == [], out
+        assert out["concatenated"] > 1e-5, out  # the dp ranks' own activation scales are what is compared
+
+
+# --- checkpoints: the weights stay in high precision -----------------------------------------------------------------
+
+
+def _momentum_sgd(parameters) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
+
+
+def _sgd_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = model(*batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_save_continue(path: str) -> list[float]:
+    """The float8 llama at TP=2: one SGD step (momentum: an optimizer state), ck.save, then 2 more steps' losses."""
+    import thunder_tp.checkpoint as ck
+
+    model = _llama("tensorwise")
+    jm = thunder.jit(model, transforms=[thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))],
+                     executors=FAST_EXECUTORS)
+    optimizer = _momentum_sgd(jm.parameters())
+    _sgd_steps(jm, optimizer, range(1))
+    ck.save(path, jm, optimizer)
+    return _sgd_steps(jm, optimizer, range(1, 3))
+
+
+def test_checkpoint_saved_at_tp2_holds_float32_weights_and_resumes_on_one_device(tmp_path):
+    """Saved at TP=2 after one step: every tensor float32, the plain model's names (a model not converted loads it
+    too); torchao's eager float8 model on one device, differently seeded, loads it (weights and momentum) and its next
+    2 losses are the TP run's. One weight's two TP shards swapped moves the next loss by far more than the tolerance."""
+    import torch.distributed.checkpoint as dcp
+
+    import thunder_tp.checkpoint as ck
+    from thunder_tp.plans.litgpt import GPTWithLoss
+
+    path = str(tmp_path / "float8_tp2")
+    expected = run_ranks(_train_save_continue, 2, path)
+    assert expected[0] == expected[1], expected
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    plain = GPTWithLoss(make_config("llama"))
+    model_keys, names = {k for k in saved if k.startswith("model.")}, {f"model.{n}" for n in plain.state_dict()}
+    assert model_keys == names, model_keys ^ names
+    dtypes = {k: m.properties.dtype for k, m in saved.items() if hasattr(m, "properties")}
+    assert dtypes and set(dtypes.values()) == {torch.float32}, dtypes
+
+    one = _llama("tensorwise", seed=1)
+    optimizer = _momentum_sgd(one.parameters())
+    ck.load(path, one, optimizer)
+    ck.load(path, plain)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(one.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    swapped = copy.deepcopy(one)
+    weight = swapped.gpt.transformer.h[0].attn.proj.weight  # row-parallel: its two column halves swapped
+    with torch.no_grad():
+        weight.copy_(weight.roll(weight.shape[1] // 2, dims=1))
+    torch.testing.assert_close(_sgd_steps(one, optimizer, range(1, 3)), expected[0], rtol=1e-5, atol=0)
+    with torch.no_grad():
+        wrong = swapped(*batch(1)).item()
+    assert abs(wrong - expected[0][0]) > 1e-3 * abs(expected[0][0]), (wrong, expected[0][0])
