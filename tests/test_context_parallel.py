@@ -10,11 +10,13 @@ import pytest
 import thunder
 import torch
 import torch.distributed as dist
+from thunder.core import dtypes
 
 import thunder_tp
 from tests.dist import run_ranks
 from tests.litgpt_models import SEQ, batch, make_config
 from tests.tp_checks import FAST_EXECUTORS, assert_grads_are_shards, assert_simulated_grads_are_shards, rank_and_size
+from thunder_tp.collectives.calls import collective_calls
 from thunder_tp.plans.litgpt import GPTWithLoss
 
 TOL = dict(rtol=1e-6, atol=1e-6)  # litgpt's and HF's RMSNorm compute in float32
@@ -134,6 +136,21 @@ def _cp_tp_steps(family: str, sequence_parallel: bool, rotate: str) -> None:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+    _assert_attention_heads_stay_split(thunder.last_traces(jm)[-1], mesh, rotate)
+
+
+def _assert_attention_heads_stay_split(trace, mesh, rotate: str) -> None:
+    """Over the TP group nothing of attention is gathered (its heads stay split: CP's attention runs on each TP
+    rank's heads); over the CP group the keys and values move, labelled with the rotation."""
+    calls = collective_calls(trace)
+    over_tp = [c["issued_by"] for c in calls if c["group"] is mesh.tp_group]
+    assert over_tp and not [label for label in over_tp if "attention" in label], over_tp
+    over_cp = [c for c in calls if c["group"] is mesh.dp_group and c["kind"] != "all_reduce"]
+    rotation = "gathered (all-gather)" if rotate == "allgather" else "passed (ring)"
+    keys_and_values = {c["issued_by"] for c in over_cp if dtypes.is_float_dtype(c["bsym"].flat_args[0].dtype)}
+    assert keys_and_values == {f"context parallel: keys and values {rotation}"}, keys_and_values
+    # besides: HF's loss pads its labels by one token before shifting them, which gathers the (integer) labels'
+    assert {c["issued_by"].split(":")[0] for c in over_cp} <= {"context parallel", "pad"}, over_cp
 
 
 @pytest.mark.parametrize(("family", "sequence_parallel", "rotate"), [

@@ -1,5 +1,6 @@
 """Rules for scaled_dot_product_attention: heads (dim 1) or batch (dim 0) sharded; or the queries' sequence (context
-parallelism): each rank attends its queries to every key and value, gathered."""
+parallelism): each rank attends its queries to every key and value, gathered. Context parallelism's blockwise
+attention (its causal attention on CPU) keeps heads or batch sharded too, so TP inside CP splits its heads."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def scaled_dot_product_attention(op: Op) -> list[Strategy]:
     held = op.layouts[0]
     if isinstance(held, Shard) and held.dim == q.ndim - 2:
         strategies.insert(len(strategies) - 1, _queries_sharded(op, held))
+    return strategies
+
+
+@register_rule(blockwise_attention)
+def blockwise_attention_rule(op: Op) -> list[Strategy]:
+    """q, every key block and value block sharded alike on heads or batch (their query and key positions, which the
+    op takes as constants, unchanged); the output and log-sum-exp follow."""
+    q = op.tensors[0]
+    strategies = [op.replicated()]
+    for d in range(min(2, q.ndim - 2)):
+        shard = op.shard_of(q, d)
+        if all(t.shape[d] == q.shape[d] for t in op.tensors):
+            strategies.insert(0, Strategy((shard,) * len(op.tensors), (shard,) * len(op.outputs)))
     return strategies
 
 

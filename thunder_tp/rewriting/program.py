@@ -13,7 +13,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracectx, tracectx
 
 from thunder_tp import collectives as C
-from thunder_tp.collectives.labels import label_collectives
+from thunder_tp.collectives.labels import label_collectives, label_of
 from thunder_tp.collectives.reshard import gather_into_tp_region, redistribute
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPGroup, is_even, rank_pieces
 from thunder_tp.pieces import piece_parts
@@ -275,7 +275,9 @@ def _emit(step: Step, needs: list[Need], local: LocalValues) -> None:
     with in_grad_mode_of([bsym]):
         result = (strategy.local or bsym.sym)(*args, **kwargs)
     where = local.names.module(bsym) or bsym.sym.name
-    label_collectives(get_tracectx().bound_symbols[emitted_from:], f"{where}: {bsym.sym.name} computed on shards")
+    # another transform's collective (context parallelism's) keeps its label
+    text = label_of(bsym) or f"{where}: {bsym.sym.name} computed on shards"
+    label_collectives(get_tracectx().bound_symbols[emitted_from:], text)
     for logical, value in zip(outputs, tree_flatten(result)[0], strict=True):
         if isinstance(logical, Proxy):
             local.values[logical.name] = value
