@@ -3,11 +3,11 @@
 
 What this relies on, with no public route in Thunder 0.2.6:
 
-- `register_general_jit_lookaside` on `torch.nn.Module._wrapped_call_impl` (what `module(...)` runs): every module
-  call of a jitted program reaches `module_call`, which interprets it as Thunder would (a copy of the method's
-  code under another function object: the lookaside map holds the original) unless the handler installed with
-  `set_module_call_handler` takes it. General lookasides receive the interpreter's wrapped values; `unwrap`
-  gives the module and the proxies.
+- `register_general_jit_lookaside` on `torch.nn.Module._wrapped_call_impl` (what `module(...)` runs): the
+  handler given to `set_module_call_handler` takes every module call of a jitted program (Thunder's lookaside map
+  holds it, no variable of this module); `interpret_module_call` interprets one as Thunder would (a copy of the
+  method's code under another function object: the lookaside map holds the original). General lookasides receive
+  the interpreter's wrapped values; `unwrap` gives the module and the proxies.
 - `_interpret_call` on wrapped values from inside a lookaside, and `wrap(..., ProvenanceRecord(PseudoInst.OPAQUE))`
   for a value the interpreter did not compute (a replayed block's output, derived from the module and the call's
   arguments).
@@ -49,23 +49,21 @@ _module_call_code = types.FunctionType(nn.Module._wrapped_call_impl.__code__, nn
                                        nn.Module._wrapped_call_impl.__closure__)
 
 ModuleCallHandler = Callable[[Any, tuple, dict], Any]
-_handler: list[ModuleCallHandler | None] = [None]
 
 
 def set_module_call_handler(handler: ModuleCallHandler) -> None:
-    """`handler(module, args, kwargs)` (wrapped values) runs every module call of a jitted program."""
-    _handler[0] = handler
+    """`handler(module, args, kwargs)` (wrapped values) runs every module call of a jitted program (Thunder's
+    lookaside of `Module._wrapped_call_impl`: one handler, the latest)."""
+
+    def module_call(module, *args, **kwargs):
+        return handler(module, args, kwargs)
+
+    register_general_jit_lookaside(nn.Module._wrapped_call_impl)(module_call)
 
 
 def interpret_module_call(module, args: tuple, kwargs: dict):
     """The module call, interpreted as Thunder would (hooks, `forward`)."""
     return _interpret_call(_module_call_code, module, *args, **kwargs)
-
-
-@register_general_jit_lookaside(nn.Module._wrapped_call_impl)
-def module_call(module, *args, **kwargs):
-    handler = _handler[0]
-    return interpret_module_call(module, args, kwargs) if handler is None else handler(module, args, kwargs)
 
 
 def unwrapped_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
