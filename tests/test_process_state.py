@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from thunder_tp.execution.region_cache import CompiledRegions
 from thunder_tp.run_mode import RankAlone, fake_group_on, simulated_ranks, simulated_world
 
 
@@ -20,3 +21,13 @@ def test_run_modes_nest():
             assert RankAlone().device == torch.device("cpu", 1)
         assert RankAlone().device == torch.device("meta")
     assert RankAlone().device == torch.device("cpu")
+
+
+def test_compiled_regions_clear():
+    """A cleared cache makes each value again and counts from zero."""
+    regions = CompiledRegions()
+    assert regions.get("form", object) is regions.get("form", object) and regions.compiles == 1
+    first = regions.get("form", object)
+    regions.clear()
+    assert len(regions) == 0 and regions.compiles == 0
+    assert regions.get("form", object) is not first and regions.compiles == 1

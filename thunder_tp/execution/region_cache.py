@@ -59,7 +59,8 @@ def _metadata(x: Any) -> Hashable:
 
 
 class CompiledRegions:
-    """Process-wide: what each canonical region compiled to, made once by `make` (counted in `compiles`)."""
+    """Process-wide: what each canonical region compiled to, made once by `make` (counted in `compiles`); keyed by
+    value (the canonical form), so another model's alike regions share it; `clear()` empties it."""
 
     def __init__(self) -> None:
         self._made: dict[Hashable, Any] = {}
@@ -78,3 +79,8 @@ class CompiledRegions:
 
     def __len__(self) -> int:
         return len(self._made)
+
+    def clear(self) -> None:
+        """Forget every value made (their kernels stay in Inductor's on-disk cache); the count starts again."""
+        self._made.clear()
+        self.compiles = 0
