@@ -140,7 +140,7 @@ class TensorParallel(Transform):
         self._module = model
         prepare_for_tracing(module)  # a model traced alike whatever made its plan
         _trace_meta_tensors_on(module, self.tp.group)
-        styles = styles_from_distparallel_type(module) | match_plan(module, self._resolved_plan(module))
+        styles = styles_from_distparallel_type(module) | match_plan(module, self._resolved_plan(model))
         planned = planned_tensors(module, styles, self.tp.size)
         self.parameter_layouts, self.buffer_layouts = planned.parameters, planned.buffers
         self.weight_styles = planned.weight_styles
@@ -171,14 +171,15 @@ class TensorParallel(Transform):
             if self.check_inputs != "never":
                 InputAgreement(self.tp.group, self.check_inputs).install(model)  # runs first
 
-    def _resolved_plan(self, module: nn.Module) -> Mapping[str, Style]:
+    def _resolved_plan(self, model) -> Mapping[str, Style]:
         """The plan; "auto" is searched for here, once, before any parameter is sharded."""
+        module = original_module(model)
         if self.plan == "auto":
             args, kwargs = self.example_inputs
             self.plan = auto(module, *args, tp_size=self.tp.size, **kwargs)
         searched = self.plan.take_interpretation() if isinstance(self.plan, AutoPlan) else None
         if searched is not None:  # one interpretation for the search and the compile, if the first call is alike
-            reuse_interpretation(module, searched)
+            reuse_interpretation(model, searched)
         return self.plan
 
     def _local_layouts(self, model) -> dict[str, Layout]:

@@ -14,6 +14,7 @@ from typing import Any
 import thunder
 import thunder.torch as ltorch
 import torch
+from thunder.core.compile_data import get_compile_data
 from thunder.core.module import ThunderModule
 from thunder.core.proxies import DistParallelType, TensorProxy
 
@@ -110,8 +111,8 @@ class Interpretation:
     reused: bool = False
 
 
-#: module id -> the interpretation its next compile starts from (thunder.thunder_general_jit, wrapped below)
-_reusable: dict[int, Interpretation] = {}
+#: the attribute of a jit's CompileData holding the interpretation its next compile starts from (wrapped below)
+_NEXT_INTERPRETATION = "_thunder_tp_next_interpretation"
 _interpret = thunder.thunder_general_jit
 
 
@@ -135,15 +136,17 @@ def interpretations_kept() -> Iterator[list[Interpretation]]:
         thunder.thunder_general_jit = _reusing
 
 
-def reuse_interpretation(module: torch.nn.Module, interpretation: Interpretation) -> None:
-    """The next compile of `module` starts from `interpretation` instead of interpreting the module again, if its
+def reuse_interpretation(model: ThunderModule, interpretation: Interpretation) -> None:
+    """The next compile of `model` starts from `interpretation` instead of interpreting its module again, if its
     call, the module's tensors and Thunder's cache info are as they were (0.2.6 has no hook between the interpreter
-    and the transforms: ``acquire_initial_trace`` calls ``thunder.thunder_general_jit`` by its module-level name)."""
-    _reusable[id(module)] = interpretation
+    and the transforms: ``acquire_initial_trace`` calls ``thunder.thunder_general_jit`` by its module-level name).
+    It is kept on `model`'s compile data, so it goes with that jit and no other jit sees it."""
+    setattr(thunder.compile_data(model), _NEXT_INTERPRETATION, interpretation)
 
 
 def _reusing(fn, args, kwargs, /, **options):
-    kept = _reusable.pop(id(fn), None)
+    cd = get_compile_data()
+    kept = vars(cd).pop(_NEXT_INTERPRETATION, None) if cd is not None and fn is cd.fn else None
     if kept is not None and kept.signature == _call_signature(fn, args, kwargs):
         kept.reused = True
         return kept.results
