@@ -6,13 +6,39 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import thunder
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from tests.tp_checks import FAST_EXECUTORS
+from thunder_tp.execution import block_keys, repeated_blocks
 from thunder_tp.execution.region_cache import CompiledRegions
+from thunder_tp.execution.repeated_blocks import TraceStats, stats_of
 from thunder_tp.run_mode import RankAlone, fake_group_on, simulated_ranks, simulated_world
 from thunder_tp.thunder_internals.private import interpretations_kept, reuse_interpretation
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verified_kinds(monkeypatch):
+    assert not dist.is_initialized(), "these tests run in this process alone"
+    monkeypatch.setattr(repeated_blocks, "VERIFIED_KINDS", set())
+
+
+class _Token:
+    """An object a key holds by identity (no attributes to key by value)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _at_id(address: int, make):
+    """An object `make()` allocates at `address` (a dead object's id); skips the test if none is."""
+    made = [make() for _ in range(1000)]
+    found = next((m for m in made if id(m) == address), None)
+    if found is None:
+        pytest.skip("no new object took the dead one's id")
+    return found
 
 
 def test_run_modes_nest():
@@ -27,6 +53,47 @@ def test_run_modes_nest():
             assert RankAlone().device == torch.device("cpu", 1)
         assert RankAlone().device == torch.device("meta")
     assert RankAlone().device == torch.device("cpu")
+
+
+def test_a_key_by_identity_matches_no_object_allocated_at_a_dead_ones_id():
+    """Two blocks holding one token are one kind; a token at a dead token's id is another kind."""
+    block = nn.Linear(2, 2)
+    token = _Token()
+    address, key = id(token), block_keys._Keys(block).of(token)
+    assert block_keys._Keys(block).of(token) == key
+    del token
+    gc.collect()
+    assert block_keys._Keys(block).of(_at_id(address, _Token)) != key
+
+
+class _Holding(nn.Module):
+    """A block holding a token it does not read."""
+
+    def __init__(self, token: _Token):
+        super().__init__()
+        self.linear, self.token = nn.Linear(8, 8), token
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _stats(token: _Token) -> TraceStats:
+    model = nn.Sequential(*(_Holding(token) for _ in range(3)))
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(thunder.jit(model, executors=FAST_EXECUTORS, compile_once=True)(x), model(x))
+    return stats_of(model)
+
+
+def test_a_second_model_does_not_inherit_a_dead_objects_checked_kind():
+    """A kind checked in one model's trace: a second model's blocks holding the same token replay it at once; blocks
+    holding a token allocated at the dead token's id are checked again."""
+    token = _Token()
+    assert _stats(token) == TraceStats(interpreted=2, replayed=1)
+    assert _stats(token) == TraceStats(interpreted=1, replayed=2)
+    address = id(token)
+    del token
+    gc.collect()
+    assert _stats(_at_id(address, _Token)) == TraceStats(interpreted=2, replayed=1)
 
 
 class _Relu(nn.Module):

@@ -23,7 +23,7 @@ from thunder_tp.execution.repeated_blocks import TraceStats, stats_of
 @pytest.fixture(autouse=True)
 def _no_process_group(monkeypatch):
     assert not dist.is_initialized(), "these tests simulate ranks in this process"
-    monkeypatch.setattr(repeated_blocks, "_verified_kinds", set())  # each test's first trace checks its kinds
+    monkeypatch.setattr(repeated_blocks, "VERIFIED_KINDS", set())  # each test's first trace checks its kinds
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield

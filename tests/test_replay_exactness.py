@@ -25,7 +25,7 @@ WIDTH, BLOCKS = 8, 4
 @pytest.fixture(autouse=True)
 def _float64_and_a_fresh_process_state(monkeypatch):
     assert not dist.is_initialized(), "these tests run in this process alone"
-    monkeypatch.setattr(repeated_blocks, "_verified_kinds", set())
+    monkeypatch.setattr(repeated_blocks, "VERIFIED_KINDS", set())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield

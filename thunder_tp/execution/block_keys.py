@@ -15,9 +15,11 @@ forward, its submodules' and its hooks' could read and that could differ from th
 - the call's arguments (tensor metadata, plain values).
 
 An object that is none of the above is keyed by identity: blocks holding one each are interpreted each, those
-sharing one are one kind. Attributes a registered model family declares as numbering its blocks
-(`thunder_tp.families`, litgpt's `block_idx`) are left out. What no key can see (a hook comparing the module it is
-given with a global by identity) is what the repeated blocks' second interpretation checks.
+sharing one are one kind. A key holds such an object by a weak reference (a strong one where it can have none), so
+it equals no key made after the object is gone (a later object may take its id). Attributes a registered model
+family declares as numbering its blocks (`thunder_tp.families`, litgpt's `block_idx`) are left out. What no key can
+see (a hook comparing the module it is given with a global by identity) is what the repeated blocks' second
+interpretation checks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import enum
 import functools
 import types
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -119,7 +122,7 @@ class _Keys:
         if isinstance(v, enum.Enum):
             return type(v), v.name
         if isinstance(v, nn.Module):
-            return ("module", self.names[id(v)]) if id(v) in self.names else ("object", id(v))
+            return ("module", self.names[id(v)]) if id(v) in self.names else ("object", _Identity(v))
         if isinstance(v, torch.Tensor):
             return "tensor", tuple(v.shape), v.dtype, v.device, v.requires_grad
         if isinstance(v, (type, types.ModuleType, types.BuiltinFunctionType)):
@@ -129,7 +132,7 @@ class _Keys:
         if id(v) in self.memo:
             return self.memo[id(v)][1]
         if id(v) in self.visiting:
-            return ("cycle", id(v))
+            return ("cycle", _Identity(v))
         self.visiting.add(id(v))
         try:
             key = self._composite(v)
@@ -171,7 +174,33 @@ def _global_key(keys: _Keys, value: Any) -> Hashable:
 
 
 def _identity(v: Any) -> Hashable:
-    return "id", id(v)
+    return "id", _Identity(v)
+
+
+class _Identity:
+    """`v` as a key by identity: equal to the key of the same object while it lives, to none after."""
+
+    __slots__ = ("_hash", "_ref")
+
+    def __init__(self, v: Any):
+        self._hash = id(v)
+        try:
+            self._ref = weakref.ref(v)
+        except TypeError:  # no weak reference (a builtin function): held, so no other object takes its id
+            self._ref = functools.partial(_itself, v)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Identity):
+            return NotImplemented
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
+
+
+def _itself(v: Any) -> Any:
+    return v
 
 
 def _filled(cell: types.CellType) -> bool:

@@ -11,7 +11,7 @@ too and must give the same program up to names (a block whose behaviour the key 
 every time); every later call is not interpreted: the recorded symbols are appended again with its own parameters,
 buffers and arguments swapped in and fresh names. A kind checked so in one trace is not checked again in a later
 trace of the process (a retrace under no_grad, another model of the same blocks: the same key): there the first call
-alone is interpreted.
+alone is interpreted (`VERIFIED_KINDS`: a key equals no later one once an object it holds by identity is gone).
 
 The trace that results is the one interpretation gives, so everything after it (TensorParallel, autodiff, fusion,
 DDP/FSDP, checkpoints, generation, the trace dumps) is as before. What a replayed block's interpretation would
@@ -43,7 +43,7 @@ from thunder_tp.execution.block_keys import block_key
 from thunder_tp.execution.region_cache import canonical_form, compile_once_option
 from thunder_tp.thunder_internals import replay
 
-__all__ = ["TraceStats", "repeated_blocks", "stats_of"]
+__all__ = ["VERIFIED_KINDS", "TraceStats", "repeated_blocks", "stats_of"]
 
 #: what a replayed block's output may hold besides proxies
 _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -80,8 +80,9 @@ class _TraceState:
 _states: weakref.WeakKeyDictionary[TraceCtx, _TraceState] = weakref.WeakKeyDictionary()
 _repeated: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKeyDictionary()
 _latest: weakref.WeakKeyDictionary[nn.Module, TraceStats] = weakref.WeakKeyDictionary()
-#: the kinds (`_kind`) whose second call gave the first's program, in any trace of this process
-_verified_kinds: set[Hashable] = set()
+#: process-wide: the kinds (`block_keys.block_key`) whose second call gave the first's program, in any trace;
+#: `VERIFIED_KINDS.clear()` has every kind checked again
+VERIFIED_KINDS: set[Hashable] = set()
 
 
 def stats_of(model: nn.Module) -> TraceStats:
@@ -170,13 +171,13 @@ def _checked(first: _Recording | None, new: _Recording | None, kind: Hashable) -
     verified its kind), or the first verified by the second if they gave the same program; None (interpret every
     call) if not."""
     if first is None:
-        if new is not None and kind in _verified_kinds:
+        if new is not None and kind in VERIFIED_KINDS:
             new.verified = True
         return new
     if new is None or new.form != first.form:
         return None
     first.verified = True
-    _verified_kinds.add(kind)
+    VERIFIED_KINDS.add(kind)
     return first
 
 
