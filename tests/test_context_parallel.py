@@ -136,15 +136,20 @@ def _cp_tp_steps(family: str, sequence_parallel: bool, rotate: str) -> None:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    _assert_attention_heads_stay_split(thunder.last_traces(jm)[-1], mesh, rotate)
+    _assert_tp_collectives_as_without_cp(thunder.last_traces(jm)[-1], mesh, sequence_parallel, rotate)
 
 
-def _assert_attention_heads_stay_split(trace, mesh, rotate: str) -> None:
+def _assert_tp_collectives_as_without_cp(trace, mesh, sequence_parallel: bool, rotate: str) -> None:
     """Over the TP group nothing of attention is gathered (its heads stay split: CP's attention runs on each TP
-    rank's heads); over the CP group the keys and values move, labelled with the rotation."""
+    rank's heads), SP's all_gathers and reduce_scatters replace the all_reduces (the plan's styles reach the modules
+    that read CP's copies of their weights), each labelled with its module; over the CP group the keys and values
+    move, labelled with the rotation."""
     calls = collective_calls(trace)
     over_tp = [c["issued_by"] for c in calls if c["group"] is mesh.tp_group]
     assert over_tp and not [label for label in over_tp if "attention" in label], over_tp
+    reduced = [c["issued_by"] for c in calls if c["group"] is mesh.tp_group and c["kind"] == "all_reduce"]
+    assert not reduced if sequence_parallel else reduced, reduced
+    assert [label for label in over_tp if label.startswith(("gpt.", "model."))], over_tp
     over_cp = [c for c in calls if c["group"] is mesh.dp_group and c["kind"] != "all_reduce"]
     rotation = "gathered (all-gather)" if rotate == "allgather" else "passed (ring)"
     keys_and_values = {c["issued_by"] for c in over_cp if dtypes.is_float_dtype(c["bsym"].flat_args[0].dtype)}

@@ -24,6 +24,7 @@ from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, local_shape
 from thunder_tp.plan_search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
+from thunder_tp.propagation.collectives import copies_named_as_sources
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.rewriting.program import rewrite
 from thunder_tp.run_mode import ranks_of
@@ -269,7 +270,9 @@ class TensorParallel(Transform):
         param_names = unpacked_tensor_names(prologue)
         _check_known(param_names, self._tensors_at_jit)
         layouts = self._initial_layouts(computation, param_names)
-        styles = {proxy: self.weight_styles[name] for proxy, name in param_names.items() if name in self.weight_styles}
+        # (a copy over another group: context parallelism's of a replicated parameter, styled and labelled as it)
+        named = copies_named_as_sources(computation, param_names, self.tp.group)
+        styles = {proxy: self.weight_styles[name] for proxy, name in named.items() if name in self.weight_styles}
         # dead code first (Thunder removes it only after this hook): an unused consumer, such as the router logits
         # an HF MoE block returns and its decoder layer drops, must not decide how a live value is communicated
         logical = constrain_styled_ops(dce(computation), styles)
@@ -285,7 +288,7 @@ class TensorParallel(Transform):
         # shapes differ among the simulated ranks, which one check cannot say
         localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank,
                           unchecked=parameters if one_trace else frozenset())
-        local = rewrite(logical, steps, propagation.layouts, self.tp, input_shapes, parameters, param_names)
+        local = rewrite(logical, steps, propagation.layouts, self.tp, input_shapes, parameters, named)
         # the chains feeding matmuls are tagged first: a decomposition reads them through its chunks' views
         inputs = {name: (shape, layouts[name]) for name, shape in input_shapes.items()}
         return prologue, decompose_for_overlap(recompute_matmul_inputs(local), self.tp, self.overlap, inputs), epilogue

@@ -4,6 +4,8 @@ the values are split over this group as they are, where that is along another di
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from thunder_tp import collectives as C
 from thunder_tp.collectives.shift import tp_shift
 from thunder_tp.layouts import Partial, Shard
@@ -34,3 +36,20 @@ def _crosses(layout, dim: int | None, op: Op) -> bool:
     if isinstance(layout, Partial):
         return op.bsym.sym.id == C.tp_max_all_reduce.id
     return isinstance(layout, Shard) and layout.dim == dim
+
+
+#: another group's identity copies (context parallelism's copy of a replicated parameter, whose grad it sums)
+_COPIES = frozenset(sym.id for sym in (C.tp_copy_to_tp, C.tp_copy_all_to_tp))
+
+
+def copies_named_as_sources(trace, names: Mapping[str, str], group) -> dict[str, str]:
+    """`names` (proxy name -> parameter name) and, named as what they copy, the copies of those proxies over another
+    group than `group`: a style or a label keyed by a parameter then reaches the ops that read its copy."""
+    named = dict(names)
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id not in _COPIES or bsym.args[-1] is group:
+            continue
+        copied = bsym.args[0] if isinstance(bsym.args[0], (list, tuple)) else (bsym.args[0],)
+        copies = bsym.output if isinstance(bsym.output, (list, tuple)) else (bsym.output,)
+        named |= {c.name: named[t.name] for t, c in zip(copied, copies, strict=True) if t.name in named}
+    return named
