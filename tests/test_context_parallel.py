@@ -122,7 +122,8 @@ def _cp_tp_steps(family: str, sequence_parallel: bool, rotate: str) -> None:
     reference = _litgpt("llama").double() if family == "litgpt" else _hf_llama()
     model = copy.deepcopy(reference)
     plans = thunder_tp.plans.litgpt if family == "litgpt" else thunder_tp.plans.hf
-    tp = thunder_tp.TensorParallel(plans(model, sequence_parallel=sequence_parallel), process_group=mesh.tp_group)
+    plan = plans(model, sequence_parallel=sequence_parallel, loss_parallel=sequence_parallel)
+    tp = thunder_tp.TensorParallel(plan, process_group=mesh.tp_group)
     cp = thunder_tp.ContextParallel(mesh.dp_group, rotate=rotate)
     jm = thunder.jit(model, transforms=[cp, tp], executors=FAST_EXECUTORS)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, jm)]
@@ -150,6 +151,10 @@ def _assert_tp_collectives_as_without_cp(trace, mesh, sequence_parallel: bool, r
     reduced = [c["issued_by"] for c in calls if c["group"] is mesh.tp_group and c["kind"] == "all_reduce"]
     assert not reduced if sequence_parallel else reduced, reduced
     assert [label for label in over_tp if label.startswith(("gpt.", "model."))], over_tp
+    if sequence_parallel:  # and loss parallel: the logits' (log-sum-exp, target logit) pairs gathered, not the logits
+        rows = batch(0)[0].numel() // 2
+        loss = [c for c in calls if c["group"] is mesh.tp_group and "cross_entropy" in c["issued_by"]]
+        assert [c["kind"] for c in loss] == ["all_gather"] and loss[0]["bytes"] <= 2 * rows * 8 * 2, loss
     over_cp = [c for c in calls if c["group"] is mesh.dp_group and c["kind"] != "all_reduce"]
     rotation = "gathered (all-gather)" if rotate == "allgather" else "passed (ring)"
     keys_and_values = {c["issued_by"] for c in over_cp if dtypes.is_float_dtype(c["bsym"].flat_args[0].dtype)}
@@ -162,6 +167,6 @@ def _assert_tp_collectives_as_without_cp(trace, mesh, sequence_parallel: bool, r
     ("litgpt", False, "allgather"), ("litgpt", True, "ring"), ("hf", True, "allgather")],
     ids=["litgpt-tp-allgather", "litgpt-tp_sp-ring", "hf-tp_sp-allgather"])
 def test_context_and_tensor_parallel_on_a_mesh(family, sequence_parallel, rotate):
-    """CP x TP (and TP's SP), 4 ranks, keys and values gathered or passed around the ring: one device's losses and
-    grads for 3 steps."""
+    """CP x TP (and TP's SP with loss parallel), 4 ranks, keys and values gathered or passed around the ring: one
+    device's losses and grads for 3 steps."""
     run_ranks(_cp_tp_steps, 4, family, sequence_parallel, rotate)

@@ -33,7 +33,8 @@ def _finite(a: TensorProxy) -> TensorProxy:
     return ltorch.where(ltorch.isinf(a), 0.0, a)
 
 
-def _logsumexp(a: TensorProxy, dim: int) -> TensorProxy:
+def finite_logsumexp(a: TensorProxy, dim: int) -> TensorProxy:
+    """log(sum(exp(a))) along `dim`, -inf (not nan) over a slice of -inf only."""
     shift = _finite(ltorch.amax(a, dim, True))  # a slice of -inf only (a masked vocabulary shard) gives -inf, not nan
     summed = ltorch.sum(ltorch.exp(ltorch.sub(a, shift)), dim)
     return ltorch.add(ltorch.log(summed), ltorch.squeeze(shift, dim))
@@ -54,7 +55,7 @@ def _target_hit(target: TensorProxy, columns: int, device) -> TensorProxy:
 def _stats(logits: TensorProxy, target: TensorProxy) -> TensorProxy:
     a = _upcast(logits)
     target_logit = ltorch.sum(ltorch.where(_target_hit(target, a.shape[1], a.device), a, 0.0), 1)
-    return ltorch.stack((_logsumexp(a, 1), target_logit))
+    return ltorch.stack((finite_logsumexp(a, 1), target_logit))
 
 
 #: (N, C) logits, (N,) targets (column indices, any value outside 0..C-1 hits no column) -> (2, N): each row's
@@ -83,7 +84,7 @@ register_grad(cross_entropy_stats, _stats_grad)
 
 def _loss_of_stats(stats: TensorProxy, target: TensorProxy, ignore_index: int, reduction: str, dtype) -> TensorProxy:
     ranks = ltorch.reshape(stats, (-1, 2, stats.shape[1]))
-    losses = ltorch.sub(_logsumexp(ranks[:, 0], 0), ltorch.sum(ranks[:, 1], 0))
+    losses = ltorch.sub(finite_logsumexp(ranks[:, 0], 0), ltorch.sum(ranks[:, 1], 0))
     valid = ltorch.ne(target, ignore_index)
     losses = ltorch.where(valid, losses, 0.0)
     if reduction != "none":
@@ -107,7 +108,7 @@ def _loss_of_stats_backward(stats: TensorProxy, target: TensorProxy, grad: Tenso
         per_row = ltorch.true_divide(per_row, ltorch.sum(valid))
     per_row = ltorch.where(valid, per_row, 0.0)
     log_sum_exps = ranks[:, 0]
-    from_log_sum_exp = ltorch.mul(_softmax(log_sum_exps, _logsumexp(log_sum_exps, 0), 0), per_row)
+    from_log_sum_exp = ltorch.mul(_softmax(log_sum_exps, finite_logsumexp(log_sum_exps, 0), 0), per_row)
     from_target = ltorch.expand(ltorch.neg(per_row), from_log_sum_exp.shape)
     return ltorch.reshape(ltorch.stack((from_log_sum_exp, from_target), 1), stats.shape)
 

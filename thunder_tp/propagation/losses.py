@@ -15,7 +15,7 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled, tp_reduce_from_tp
 from thunder_tp.layouts import PARTIAL, REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
-from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats
+from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats, finite_logsumexp
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
 from thunder_tp.run_mode import ranks_of
 
@@ -37,16 +37,32 @@ def _vocab_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str
     shorter piece is padded to the longest: its padding columns count as -inf, and no target hits them."""
 
     def loss(logits: TensorProxy, target: TensorProxy, *_, **__) -> TensorProxy:
-        local_target = ltorch.sub(target, rank_value(tp, tuple(chunks[0][0] for chunks in every), target))
-        if ranks_of(tp.group).one_trace_for_all and not is_even(every):
-            logits = tp_padding_filled(logits, 1, every, -float("inf"), tp.group)
-            columns = rank_value(tp, tuple(chunks[0][1] for chunks in every), target)
-            local_target = ltorch.where(ltorch.lt(local_target, columns), local_target, -1)
-        stats = cross_entropy_stats(logits, local_target)
-        stats = tp_gather(stats, 0, rank_pieces(Shard(0), 2 * tp.size, tp.size), tp.group)
+        stats = _every_ranks_stats(logits, target, tp, every)
         return cross_entropy_of_stats(stats, target, ignore_index, reduction, logits.dtype)
 
     return loss
+
+
+def _every_ranks_stats(logits: TensorProxy, target: TensorProxy, tp: TPGroup, every: Pieces) -> TensorProxy:
+    """(2R, N): every rank's ``cross_entropy_stats`` of its columns of the (N, C) logits, gathered."""
+    local_target = ltorch.sub(target, rank_value(tp, tuple(chunks[0][0] for chunks in every), target))
+    if ranks_of(tp.group).one_trace_for_all and not is_even(every):
+        logits = tp_padding_filled(logits, 1, every, -float("inf"), tp.group)
+        columns = rank_value(tp, tuple(chunks[0][1] for chunks in every), target)
+        local_target = ltorch.where(ltorch.lt(local_target, columns), local_target, -1)
+    stats = cross_entropy_stats(logits, local_target)
+    return tp_gather(stats, 0, rank_pieces(Shard(0), 2 * tp.size, tp.size), tp.group)
+
+
+def _vocab_parallel_stats(tp: TPGroup, every: Pieces):
+    """``cross_entropy_stats`` of logits sharded on C: every rank's stats gathered and merged into the whole
+    vocabulary's (log-sum-exp of the ranks' log-sum-exps, sum of their target logits)."""
+
+    def stats(logits: TensorProxy, target: TensorProxy) -> TensorProxy:
+        ranks = ltorch.reshape(_every_ranks_stats(logits, target, tp, every), (tp.size, 2, logits.shape[0]))
+        return ltorch.stack((finite_logsumexp(ranks[:, 0], 0), ltorch.sum(ranks[:, 1], 0)))
+
+    return stats
 
 
 def _rows_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str):
@@ -64,6 +80,21 @@ def _rows_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str)
         return ltorch.to(ltorch.true_divide(totals[0], totals[1]), logits.dtype)
 
     return loss
+
+
+@register_rule(cross_entropy_stats)
+def cross_entropy_stats_rule(op: Op) -> list[Strategy]:
+    """Logits (N, C) sharded on C (context parallelism's loss under loss parallel) -> replicated stats, the ranks'
+    stats of their columns gathered (2N numbers each); rows sharded -> each rank its rows'."""
+    logits = op.tensors[0]
+    every = rank_pieces(Shard(1), logits.shape[1], op.tp.size)
+    gathered = ("all_gather", 2 * logits.shape[0] * max(logits.dtype.bytes, 4) * op.tp.size)
+    strategies = [Strategy((Shard(1), REPLICATE), (REPLICATE,), _vocab_parallel_stats(op.tp, every),
+                           issues=(gathered,)), op.replicated()]
+    rows = op.layouts[0]
+    if isinstance(rows, Shard) and rows.dim == 0:
+        strategies.insert(0, Strategy((rows, rows), (rows.moved(1),)))
+    return strategies
 
 
 @register_rule(ltorch.cross_entropy)
