@@ -6,7 +6,7 @@ import pytest
 from torch._inductor import cpu_vec_isa
 from torch._inductor.cpu_vec_isa import VecAVX2, VecISA
 
-from thunder_tp.execution import isa_probe
+from thunder_tp.thunder_internals import inductor as isa_probe
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from thunder_tp.thunder_internals.distributed import is_local_tensor, local_tensor, local_tensors
+
 __all__ = ["Ranks", "fake_group_on", "ranks_of", "simulated_ranks"]
 
 _fake_group_device: torch.device | None = None  # set by thunder_tp.one_rank while its fake group is active
@@ -131,15 +133,11 @@ class SimulatedRanks(Ranks):
 
     def value(self, t: torch.Tensor, rank: int) -> torch.Tensor:
         """Simulated rank ``rank``'s value of ``t`` (a plain tensor is the same on every rank)."""
-        from torch.distributed._local_tensor import LocalTensor
-
-        return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
+        return local_tensors(t)[rank] if is_local_tensor(t) else t
 
     def joined(self, per_rank: list[torch.Tensor]) -> torch.Tensor:
         """One LocalTensor of every simulated rank's value."""
-        from torch.distributed._local_tensor import LocalTensor
-
-        return LocalTensor(dict(zip(self.computed, per_rank, strict=True)))
+        return local_tensor(dict(zip(self.computed, per_rank, strict=True)))
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:

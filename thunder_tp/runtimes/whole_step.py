@@ -25,13 +25,11 @@ from thunder.extend import OperatorExecutor
 
 from thunder_tp.collectives.symbols import tp_all_to_all_start, tp_name_work
 from thunder_tp.thunder_internals.computation import calling, region_function
+from thunder_tp.thunder_internals.distributed import FUNCTIONAL_COLLECTIVES as _functional
 
 __all__ = ["compiled_whole", "whole_program"]
 
 whole_step_executor = OperatorExecutor("thunder_tp_whole_step", version="0.1")
-
-_functional = torch.ops._c10d_functional
-
 
 def _all_reduce(a: torch.Tensor, group_name: str) -> torch.Tensor:
     return _functional.wait_tensor(_functional.all_reduce(a, "sum", group_name))

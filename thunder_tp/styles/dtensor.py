@@ -15,9 +15,7 @@ around TP.
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +24,7 @@ from torch.distributed.tensor import parallel as dtensor
 
 from thunder_tp.styles import ColwiseParallel, ModuleLayouts, RowwiseParallel, SequenceParallel, Style
 from thunder_tp.styles.float8 import torchao_readers
+from thunder_tp.thunder_internals.dtensor import entry_points, rebound_everywhere
 
 
 def read_plan(plan: Mapping[str, object] | object) -> dict[str, Style]:
@@ -143,7 +142,7 @@ def read_parallelize_fn(fn: Callable, model: nn.Module, *args, **kwargs) -> Para
     what they asked for; whatever else it does happens. `distribute_module` / `distribute_tensor` raise: their
     partition functions cannot be read as layouts."""
     recorder = _Recorder(model)
-    with recorder.installed(getattr(fn, "__globals__", None)):
+    with rebound_everywhere(recorder.stand_ins(), getattr(fn, "__globals__", None)):
         fn(model, *args, **kwargs)
     return ParallelizeFnPlan(recorder.plan, recorder.data_parallel)
 
@@ -187,29 +186,8 @@ class _Recorder:
                              f"not part of the {self.model_type} it was given")
         return self.names[id(module)]
 
-    @contextlib.contextmanager
-    def installed(self, fn_globals: dict | None) -> Iterator[None]:
-        """Every module-level name bound to one of the entry points (and `fn_globals`' own) points to its stand-in
-        meanwhile."""
-        stand_ins = {id(original): stand_in for original, stand_in in self._entry_points()}
-        namespaces = [vars(m) for m in list(sys.modules.values()) if m is not None and hasattr(m, "__dict__")]
-        if fn_globals is not None:
-            namespaces.append(fn_globals)
-        replaced = [(ns, name, value) for ns in namespaces for name, value in list(ns.items())
-                    if id(value) in stand_ins and isinstance(name, str)]
-        for ns, name, value in replaced:
-            ns[name] = stand_ins[id(value)]
-        try:
-            yield
-        finally:
-            for ns, name, value in replaced:
-                ns[name] = value
-
-    def _entry_points(self) -> list[tuple[Callable, Callable]]:
-        from torch.distributed._composable import replicate
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import distribute_module, distribute_tensor
-
-        return [(dtensor.parallelize_module, self.parallelize_module), (fully_shard, self.fully_shard),
-                (replicate, self.replicate), (distribute_module, self.refuse("distribute_module")),
-                (distribute_tensor, self.refuse("distribute_tensor"))]
+    def stand_ins(self) -> list[tuple[Callable, Callable]]:
+        """Each entry point with the stand-in that notes its call (or refuses it)."""
+        noted = {"parallelize_module": self.parallelize_module, "fully_shard": self.fully_shard,
+                 "replicate": self.replicate}
+        return [(fn, noted[name] if name in noted else self.refuse(name)) for name, fn in entry_points().items()]

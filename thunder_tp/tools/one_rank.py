@@ -29,13 +29,13 @@ Leaving the context destroys the group and restores the collectives.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from thunder_tp.run_mode import fake_group_on
+from thunder_tp.thunder_internals.distributed import fake_store, reduce_scatter_keeps_own_chunk
 
 __all__ = ["one_rank"]
 
@@ -67,56 +67,13 @@ def _check(world_size: int, rank: int) -> None:
 @contextlib.contextmanager
 def one_rank(world_size: int, rank: int, device: torch.device | str | None = None) -> Iterator[None]:
     """Run as rank ``rank`` of a ``world_size``-rank fake process group on ``device``; see the module doc."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     _check(world_size, rank)
     device = _default_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_store())
     try:
-        with fake_group_on(device), _reduce_scatter_keeps_own_chunk():
+        with fake_group_on(device), reduce_scatter_keeps_own_chunk():
             yield
     finally:
         dist.destroy_process_group()
-
-
-# --- reduce_scatter: this rank's chunk of the input instead of uninitialized memory ---------------------------
-
-
-def _own_chunk(input: torch.Tensor, size: int, rank: int) -> torch.Tensor:
-    """The piece of ``input`` (the ranks' pieces concatenated along dim 0) that ``rank`` would receive."""
-    return input.chunk(size)[rank]
-
-
-@contextlib.contextmanager
-def _reduce_scatter_keeps_own_chunk() -> Iterator[None]:
-    """Within the context, the fake group's reduce_scatter (c10d's and the functional collective's) outputs this
-    rank's chunk of its input."""
-    original = dist.reduce_scatter_tensor
-
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        work = original(output, input, op, group, async_op)
-        group = group if group is not None else dist.group.WORLD
-        output.copy_(_own_chunk(input, group.size(), group.rank()))
-        return work
-
-    def functional(input, reduce_op, group_size, group_name):
-        group = dist.distributed_c10d._resolve_process_group(group_name)
-        return _own_chunk(input, group_size, group.rank()).clone()
-
-    def functional_out(input, reduce_op, group_size, group_name, *, out):
-        return out.copy_(functional(input, reduce_op, group_size, group_name))
-
-    library = torch.library.Library("_c10d_functional", "IMPL")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # replacing a kernel is the point here
-        for key in ("CPU", "CUDA"):
-            library.impl("reduce_scatter_tensor", functional, key)
-            library.impl("reduce_scatter_tensor_out", functional_out, key)
-    dist.reduce_scatter_tensor = reduce_scatter_tensor
-    try:
-        yield
-    finally:
-        dist.reduce_scatter_tensor = original
-        library._destroy()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.run_mode import simulated_ranks, simulated_world
+from thunder_tp.thunder_internals.distributed import fake_store, is_local_tensor, local_tensor_mode, local_tensors
 from thunder_tp.thunder_internals.private import fake_args_built_under
 
 __all__ = ["per_rank", "simulate"]
@@ -35,9 +36,6 @@ __all__ = ["per_rank", "simulate"]
 @contextlib.contextmanager
 def simulate(world_size: int) -> Iterator[None]:
     """Simulate ``world_size`` ranks in this process (fake process group + LocalTensorMode); see the module doc."""
-    from torch.distributed._local_tensor import LocalTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"thunder_tp.simulate: world_size must be a positive int, got {world_size!r}")
     if simulated_world() is not None:
@@ -48,11 +46,11 @@ def simulate(world_size: int) -> Iterator[None]:
             f"{dist.get_backend()}, world size {dist.get_world_size()}); simulate in a process without a "
             "process group (it creates its own fake one), or call torch.distributed.destroy_process_group() first"
         )
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store())
     try:
         # Thunder's fake tensors for tracing a torch op it has no symbol for (e.g. Tensor.bool in litgpt's
         # sliding-window mask) must stay fake tensors, not become LocalTensors
-        with LocalTensorMode(world_size) as mode, fake_args_built_under(mode.disable):
+        with local_tensor_mode(world_size) as mode, fake_args_built_under(mode.disable):
             with simulated_ranks(world_size, mode):
                 yield
     finally:
@@ -61,10 +59,8 @@ def simulate(world_size: int) -> Iterator[None]:
 
 def per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
     """``{rank: that rank's value}`` of a simulated tensor; a plain tensor is the same on every rank."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    if isinstance(t, LocalTensor):
-        return {r: t._local_tensors[r] for r in sorted(t._local_tensors)}
+    if is_local_tensor(t):
+        return dict(sorted(local_tensors(t).items()))
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"thunder_tp.per_rank expects a tensor, got {type(t).__name__}")
     simulation = simulated_world()
