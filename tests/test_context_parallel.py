@@ -170,3 +170,82 @@ def test_context_and_tensor_parallel_on_a_mesh(family, sequence_parallel, rotate
     """CP x TP (and TP's SP with loss parallel), 4 ranks, keys and values gathered or passed around the ring: one
     device's losses and grads for 3 steps."""
     run_ranks(_cp_tp_steps, 4, family, sequence_parallel, rotate)
+
+
+def _gather_over(t: torch.Tensor, group) -> torch.Tensor:
+    pieces = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, t.contiguous(), group=group)
+    return torch.cat(pieces)
+
+
+def _cp_inside_data_parallel_steps(kind: str) -> list[dict[str, int]]:
+    """A (dp 2 x cp 2) mesh of 4 gloo ranks: ContextParallel over consecutive ranks (the mesh's tp groups), then
+    Thunder's DDPTransform or FSDPTransform over the other dim; each DP pair fed its own half of the batch, 3 SGD
+    steps: the mean loss over DP and every grad (DDP: averaged over DP; FSDP: its shards gathered over DP) those of
+    one device on the whole batch. Returns the forward's and the backward's collectives (a program without CP gives
+    the same numbers: only its collectives tell)."""
+    from thunder.distributed.transforms.ddp_v2 import DDPTransform
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    mesh = thunder_tp.init_mesh(dp=2, tp=2)  # the tp groups (ranks 0, 1 and 2, 3) are the CP groups
+    reference = _litgpt("llama").double()
+    model = copy.deepcopy(reference)
+    cp_group, dp_group = mesh.tp_group, mesh.dp_group
+    data_parallel = (DDPTransform(process_group=dp_group, bucket_size_in_mb=25.0, broadcast_from=None) if kind == "ddp"
+                     else FSDPTransform(device=torch.device("cpu"), process_group=dp_group))
+    jm = thunder.jit(model, transforms=[thunder_tp.ContextParallel(cp_group), data_parallel], executors=FAST_EXECUTORS)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, jm)]
+    dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    for step in range(3):
+        idx, targets = batch(step, 2 * dp)  # the DP ranks' batches, concatenated
+        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+        expected, loss = reference(idx, targets), jm(idx[mine], targets[mine])
+        expected.backward()
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp_group)
+        torch.testing.assert_close(mean / dp, expected.detach(), **TOL, msg=f"mean loss over DP of step {step}")
+        for name, p in reference.named_parameters():
+            grad = jm.get_parameter(name).grad
+            assert grad is not None, f"no grad of {name}"
+            if kind == "fsdp":  # dim 0 sharded over DP (padded)
+                assert grad.shape[0] == -(-p.shape[0] // dp), f"{name}'s grad {tuple(grad.shape)}: not FSDP's shard"
+                grad = _gather_over(grad, dp_group)[: p.shape[0]]
+            torch.testing.assert_close(grad, p.grad, **TOL, msg=f"grad of {name} at step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    groups = {tuple(dist.get_process_group_ranks(g)): name for g, name in ((cp_group, "cp"), (dp_group, "dp"))}
+    return [_collectives_by_group(trace, groups) for trace in (thunder.last_traces(jm)[-1],
+                                                              thunder.last_backward_traces(jm)[-1])]
+
+
+def _collectives_by_group(trace, groups: dict[tuple[int, ...], str]) -> dict[str, int]:
+    """'{cp|dp} {kind}: {label}' -> count, every collective's group the CP or the DP one."""
+    counts: dict[str, int] = {}
+    for c in collective_calls(trace):
+        ranks = tuple(dist.get_process_group_ranks(c["group"] or dist.group.WORLD))
+        assert ranks in groups, f"{c['kind']} ({c['issued_by']}) over ranks {ranks}: neither the CP nor the DP group"
+        key = f"{groups[ranks]} {c['kind']}: {c['issued_by']}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_context_parallel_inside_data_parallel(kind):
+    """CP over one dim of a (dp 2 x cp 2) mesh inside Thunder's DDP or FSDP over the other: one device's losses and
+    grads on the DP ranks' batches for 3 steps; CP's collectives (keys and values, the loss, the grads summed) over
+    the CP group, DDP's all_reduces or FSDP's all_gather and reduce_scatter per parameter over the DP group."""
+    n, layers = len(list(_litgpt("llama").parameters())), 2
+    keys_and_values = "context parallel: keys and values gathered (all-gather)"
+    for forward, backward in run_ranks(_cp_inside_data_parallel_steps, 4, kind):
+        fsdp_gathers = {"dp all_gather: (data parallelism)": n} if kind == "fsdp" else {}  # one per parameter
+        assert forward == {f"cp all_gather: {keys_and_values}": 2 * layers, **fsdp_gathers,
+                           "cp all_reduce: cross_entropy: cross_entropy computed on shards": 1}, forward
+        summed = {k: v for k, v in backward.items() if k.startswith("cp all_reduce: replicated parameters")}
+        assert sum(int(k.split()[-2]) * v for k, v in summed.items()) == n, backward  # every grad summed over CP
+        rest = {k: v for k, v in backward.items() if k not in summed}
+        if kind == "ddp":  # grads averaged over DP (maybe bucketed)
+            assert rest.pop("dp all_reduce: (data parallelism)", 0) > 0, backward
+        assert rest == {f"cp reduce_scatter: {keys_and_values}": 2 * layers,
+                        **({"dp reduce_scatter: (data parallelism)": n} if kind == "fsdp" else {})}, backward
