@@ -18,21 +18,12 @@ EXEMPT = PACKAGE / "thunder_internals"
 
 # module (relative to thunder_tp/) -> why it reaches in outside thunder_internals; keep this empty or very short
 EXCEPTIONS: dict[str, str] = {
-    "checkpoint/state_dict.py": "not moved yet (issue 77)",
-    "checkpoint/tensors.py": "not moved yet (issue 77)",
-    "execution/complex_grads.py": "not moved yet (issue 77)",
-    "execution/cpu_attention.py": "not moved yet (issue 77)",
-    "execution/executor.py": "not moved yet (issue 77)",
-    "execution/fallback.py": "not moved yet (issue 77)",
-    "fabric/model.py": "not moved yet (issue 77)",
     "models/hf/attention.py": "not moved yet (issue 77)",
     "models/hf/moe.py": "not moved yet (issue 77)",
     "models/litgpt.py": "not moved yet (issue 77)",
     "models/litgpt_sampling.py": "not moved yet (issue 77)",
     "models/torchao.py": "not moved yet (issue 77)",
-    "ops/blockwise_attention.py": "not moved yet (issue 77)",
     "plan_search/tracing.py": "not moved yet (issue 77)",
-    "propagation/normalization.py": "not moved yet (issue 77)",
     "runtimes/decode_step.py": "not moved yet (issue 77)",
     "runtimes/divergence.py": "not moved yet (issue 77)",
 }

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from thunder_tp.checkpoint.safetensors_dir import save_config
 from thunder_tp.checkpoint.tensors import (
@@ -23,6 +22,7 @@ from thunder_tp.checkpoint.tensors import (
 from thunder_tp.runtimes.divergence import check_replicas
 from thunder_tp.thunder_internals.private import original_module
 from thunder_tp.thunder_internals.quiet import quiet_checkpoint_save
+from thunder_tp.thunder_internals.sharded_tensor import is_sharded_tensor
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
@@ -75,7 +75,7 @@ def optimized_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
 
 def _restore(param: HeldTensor, value):
     """An optimizer state value as this rank's tensor (a ShardedTensor's slices placed like its parameter's)."""
-    if not isinstance(value, ShardedTensor):
+    if not is_sharded_tensor(value):
         return value
     state = state_like(param, torch.empty_like(param.local, dtype=value.dtype))
     state.copy_from(value)

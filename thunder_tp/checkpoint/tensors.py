@@ -10,14 +10,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard as LocalShard
-from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.pieces import piece_parts, shard_chunks, shard_tensor
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
+from thunder_tp.thunder_internals.sharded_tensor import is_sharded_tensor, local_slices, sharded_tensor
 
 Chunks = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -51,28 +49,22 @@ class HeldTensor:
         whole = [((0,) * len(self.global_shape), self.global_shape)]
         if all(self.chunks(r) == whole for r in range(self.size)):  # (a StackShard tensor: whole on one rank only)
             return self.local
-        device = self.local.device
         holders: dict[tuple, int] = {}
         for r in range(self.size):
             for chunk in self.chunks(r):
                 holders.setdefault(chunk, r)
-        def placement(r):
-            return f"rank:{dist.get_global_rank(self.group, r)}/{device}"
-        every = [ShardMetadata(list(o), list(s), placement(r)) for (o, s), r in holders.items()]
+        device = self.local.device
+        placements = {chunk: f"rank:{dist.get_global_rank(self.group, r)}/{device}" for chunk, r in holders.items()}
         views = {(o, s): view for o, s, view in self.slices()}
-        shards = [LocalShard(views[(o, s)].contiguous(), md)
-                  for ((o, s), r), md in zip(holders.items(), every, strict=True) if r == self.rank]
-        props = TensorProperties(dtype=self.local.dtype, requires_grad=False)
-        metadata = ShardedTensorMetadata(every, torch.Size(self.global_shape), props)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=self.group)
+        mine = {chunk: views[chunk].contiguous() for chunk, r in holders.items() if r == self.rank}
+        return sharded_tensor(placements, mine, self.global_shape, self.local.dtype, self.group)
 
     def copy_from(self, value: torch.Tensor) -> None:
         """Write what DCP loaded into for_dcp()'s value into `local`, wherever DCP did not write in place
         (collective for a layout with replicated chunks: their first holders pass them on)."""
-        if isinstance(value, ShardedTensor):
+        if is_sharded_tensor(value):
             views = {(o, s): view for o, s, view in self.slices()}
-            pairs = [(views[(tuple(x.metadata.shard_offsets), tuple(x.metadata.shard_sizes))], x.tensor)
-                     for x in value.local_shards()]
+            pairs = [(views[chunk], tensor) for chunk, tensor in local_slices(value)]
         else:
             pairs = [(self.local, value)]
         with torch.no_grad():

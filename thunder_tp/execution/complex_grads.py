@@ -68,14 +68,8 @@ def touches_complex(bsym: BoundSymbol) -> bool:
 def _conj(x):
     """The complex conjugate of a tensor or number (real ones are their own)."""
     if isinstance(x, TensorProxy):
-        return _torch_conj(x) if dtypes.is_complex_dtype(x.dtype) else x
+        return ltorch.conj_physical(x) if dtypes.is_complex_dtype(x.dtype) else x
     return x.conjugate() if isinstance(x, Number) else x
-
-
-def _torch_conj(x: TensorProxy) -> TensorProxy:
-    from thunder.torch import _torch_to_thunder_function_map
-
-    return _torch_to_thunder_function_map[torch.conj_physical](x)
 
 
 def _put(x, grad: TensorProxy) -> None:

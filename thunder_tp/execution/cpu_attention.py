@@ -10,12 +10,13 @@ a mask that needs a grad or is not a 2-D / 4-D mask of the query's dtype, heads 
 from __future__ import annotations
 
 import thunder.torch as ltorch
-import torch
 from thunder.core import dtypes
 from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
+
+from thunder_tp.thunder_internals.aten import cpu_flash_attention, cpu_flash_attention_backward
 
 __all__ = ["cpu_attention_executor"]
 
@@ -33,8 +34,7 @@ def _forward_meta(query, key, value, attn_mask, is_causal: bool, scale: float | 
 
 
 def _forward_impl(query, key, value, attn_mask, is_causal: bool, scale: float | None):
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+    return cpu_flash_attention(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
 
 
 def _backward_meta(grad, query, key, value, attn_mask, out, logsumexp, is_causal: bool, scale: float | None):
@@ -42,8 +42,8 @@ def _backward_meta(grad, query, key, value, attn_mask, out, logsumexp, is_causal
 
 
 def _backward_impl(grad, query, key, value, attn_mask, out, logsumexp, is_causal: bool, scale: float | None):
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    return kernel(grad, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+    return cpu_flash_attention_backward(grad, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=attn_mask,
+                                        scale=scale)
 
 
 flash_attention_forward = cpu_attention_executor.register_operator(

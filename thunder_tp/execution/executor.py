@@ -46,6 +46,7 @@ from thunder_tp.thunder_internals import (
     inductor,  # noqa: F401  (Inductor's CPU ISA probe: once per machine)
     untraced,  # noqa: F401  (modules built in a jitted forward, traced natively)
 )
+from thunder_tp.thunder_internals.private import torch_function_symbols
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
 
@@ -77,9 +78,8 @@ def _automatic_backwards() -> frozenset:
     `Tensor.index_copy_` in litgpt's LoRA): they call torch.autograd.functional.vjp, which dynamo cannot trace."""
     from thunder.core.prims import OpTags
     from thunder.core.transforms import backward_impls
-    from thunder.torch import _torch_to_thunder_function_map
 
-    automatic = (s for s in _torch_to_thunder_function_map.values()
+    automatic = (s for s in torch_function_symbols()
                  if OpTags.AUTO_REGISTERED in (getattr(s, "tags", None) or ()))
     return frozenset(backward_impls[s.id].id for s in automatic if s.id in backward_impls)
 

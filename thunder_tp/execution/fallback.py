@@ -38,6 +38,7 @@ from thunder.executors.torch_compile import make_compiled
 from thunder.extend import FusionExecutor
 
 from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
+from thunder_tp.thunder_internals.dynamo import is_program_error
 
 __all__ = ["BACKEND_NAMES", "SHARED_REGIONS", "FallbackRegion", "RegionBackend", "RegionFallbackWarning",
            "is_backend_error", "with_fallback"]
@@ -70,7 +71,7 @@ def is_backend_error(error: BaseException, backend: RegionBackend) -> bool:
         return isinstance(error, RuntimeError) and _NVFUSER_MESSAGE.search(str(error)) is not None
     if backend == "inductor":
         return type(error).__module__.startswith(_INDUCTOR_MODULES) and \
-            not isinstance(error, torch._dynamo.exc.TorchRuntimeError)
+            not is_program_error(error)
     return False
 
 

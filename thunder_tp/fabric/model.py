@@ -29,6 +29,7 @@ from thunder_tp.plans import hf as hf_plan
 from thunder_tp.plans import litgpt as litgpt_plan
 from thunder_tp.runtimes.divergence import checksum
 from thunder_tp.styles import dtensor
+from thunder_tp.thunder_internals.dynamo import in_torch_compile
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 from thunder_tp.transform import TensorParallel
 
@@ -215,7 +216,7 @@ def _run_eagerly_under_torch_compile(jitted) -> None:
 
     @torch.compiler.disable
     def forward_outside_dynamo(*args, **kwargs):
-        if not forward_outside_dynamo.told and _in_torch_compile():
+        if not forward_outside_dynamo.told and in_torch_compile():
             rank_zero_warn("ThunderTPStrategy: the model was torch.compile'd; Thunder compiles it instead "
                            "(torch.compile is not applied on top of a Thunder-jitted module)")
         forward_outside_dynamo.told = True
@@ -223,13 +224,6 @@ def _run_eagerly_under_torch_compile(jitted) -> None:
 
     forward_outside_dynamo.told = False
     jitted.forward = forward_outside_dynamo
-
-
-def _in_torch_compile() -> bool:
-    """Whether this call came through a torch.compile'd module (torch._dynamo's flag; no public API tells)."""
-    from torch._dynamo.eval_frame import _is_in_optimized_module
-
-    return _is_in_optimized_module()
 
 
 def stand_ins(jitted, device: torch.device) -> list[tuple[torch.Tensor, str]]:

@@ -20,6 +20,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import register_grad
 from thunder.extend import OperatorExecutor, add_default_executor, register_executor
 
+from thunder_tp.thunder_internals.aten import cpu_flash_attention, cpu_flash_attention_backward
+
 __all__ = ["Pair", "blockwise_attention", "blockwise_attention_executor"]
 
 #: (query start, query length, key tensor index, key start, key length, causal)
@@ -39,7 +41,7 @@ def _query_chunks(pairs: tuple[Pair, ...]) -> dict[tuple[int, int], list[Pair]]:
 
 
 def _forward(q, keys, values, pairs: tuple[Pair, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    kernel = cpu_flash_attention
     outs, lses = [], []
     for (start, length), chunk in sorted(_query_chunks(pairs).items()):
         rows = q[..., start : start + length, :]
@@ -52,7 +54,7 @@ def _forward(q, keys, values, pairs: tuple[Pair, ...], scale: float) -> tuple[to
 
 
 def _backward(grad, q, keys, values, out, lse, pairs: tuple[Pair, ...], scale: float):
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    kernel = cpu_flash_attention_backward
     grad_q = torch.zeros_like(q)
     grad_keys, grad_values = [torch.zeros_like(k) for k in keys], [torch.zeros_like(v) for v in values]
     for start, length, i, k0, n, causal in pairs:

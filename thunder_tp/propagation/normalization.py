@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import thunder.torch as ltorch
+import torch
 
 from thunder_tp.layouts import REPLICATE, Partial, Shard
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
+from thunder_tp.thunder_internals.private import symbol_of
 
 
 def _batch_dim_strategies(op: Op, normalized: set[int]) -> list[Strategy]:
@@ -25,7 +27,7 @@ def norm(op: Op) -> list[Strategy]:
     return _batch_dim_strategies(op, set(range(x.ndim - n, x.ndim)))
 
 
-@register_rule(ltorch.softmax, ltorch._softmax, ltorch.log_softmax)
+@register_rule(ltorch.softmax, symbol_of(torch.softmax), ltorch.log_softmax)
 def softmax(op: Op) -> list[Strategy]:
     """Sharded on any dim but the softmax dim."""
     x = op.tensors[0]

@@ -15,8 +15,10 @@ import thunder
 import thunder.torch as ltorch
 import torch
 from thunder.core.compile_data import get_compile_data
+from thunder.core.interpreter import _interpret_call
 from thunder.core.module import ThunderModule
 from thunder.core.proxies import DistParallelType, TensorProxy
+from thunder.core.symbol import Symbol
 
 
 def set_parameter(tm: ThunderModule, name: str, value: torch.nn.Parameter) -> None:
@@ -84,6 +86,23 @@ def fake_args_built_under(context: Callable[[], contextlib.AbstractContextManage
     finally:
         ltorch._get_fake_arg = original
 
+
+
+def symbol_of(torch_fn: Callable) -> Symbol:
+    """Thunder's symbol for the torch function `torch_fn` (``_torch_to_thunder_function_map``: 0.2.6 names some
+    privately, e.g. ``torch.softmax``'s ``_softmax``, and has no public lookup)."""
+    return ltorch._torch_to_thunder_function_map[torch_fn]
+
+
+def torch_function_symbols() -> list[Symbol]:
+    """Every symbol Thunder maps a torch function to, those it registered automatically included (the values of
+    ``_torch_to_thunder_function_map``; 0.2.6 lists them nowhere public)."""
+    return list(ltorch._torch_to_thunder_function_map.values())
+
+
+#: ``fn(*args, **kwargs)`` interpreted from inside a lookaside, as the interpreter runs a call, its result wrapped
+#: (``thunder.core.interpreter._interpret_call``: 0.2.6 has no public way for a lookaside to trace a replacement)
+interpret_call = _interpret_call
 
 # --- public routes, named here so that the callers read alike ----------------------------------------------------
 
