@@ -17,16 +17,7 @@ FOREIGN = {"thunder", "torch", "transformers"}
 EXEMPT = PACKAGE / "thunder_internals"
 
 # module (relative to thunder_tp/) -> why it reaches in outside thunder_internals; keep this empty or very short
-EXCEPTIONS: dict[str, str] = {
-    "models/hf/attention.py": "not moved yet (issue 77)",
-    "models/hf/moe.py": "not moved yet (issue 77)",
-    "models/litgpt.py": "not moved yet (issue 77)",
-    "models/litgpt_sampling.py": "not moved yet (issue 77)",
-    "models/torchao.py": "not moved yet (issue 77)",
-    "plan_search/tracing.py": "not moved yet (issue 77)",
-    "runtimes/decode_step.py": "not moved yet (issue 77)",
-    "runtimes/divergence.py": "not moved yet (issue 77)",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def is_private(name: str) -> bool:

@@ -26,11 +26,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
 
 from thunder_tp.ops.sampling import Sampling, draw_keys, sample, sample_tokens
-from thunder_tp.thunder_internals.private import original_module
+from thunder_tp.thunder_internals.private import interpret_call, original_module
 
 __all__ = ["KEYS", "SAMPLERS", "SAMPLING", "batched_next_token", "next_token", "next_tokens", "samples_in_program",
            "sampling", "set_sampling"]
@@ -156,7 +155,7 @@ if _GPT is not None:
     @register_general_jit_lookaside(_GPT.forward)
     def _gpt_forward_lookaside(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """thunder.jit traces the forward, and with ``SAMPLING`` the tokens of its last position."""
-        return _interpret_call(_sampled_forward if SAMPLING in kwargs else _gpt_forward, model, *args, **kwargs)
+        return interpret_call(_sampled_forward if SAMPLING in kwargs else _gpt_forward, model, *args, **kwargs)
 
     _LITGPT.update(next_token=_litgpt_base.next_token, batched_next_token=_litgpt_base.batched_next_token)
     _litgpt_base.next_token, _litgpt_base.batched_next_token = next_token, batched_next_token

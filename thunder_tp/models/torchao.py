@@ -7,10 +7,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from thunder.core.interpreter import _interpret_call, unwrap, wrap_const
+from thunder.core.interpreter import unwrap, wrap_const
 from thunder.core.jit_ext import register_general_jit_lookaside
 
 from thunder_tp.models.float8 import Recipe, float8_matmul
+from thunder_tp.thunder_internals.private import interpret_call
 
 __all__ = ["float8_linear_forward", "recipe"]
 
@@ -42,4 +43,4 @@ if Float8Linear is not None:
     def _float8_linear_lookaside(module, input):
         """thunder.jit traces `float8_linear_forward` wherever a Float8Linear is called."""
         m = unwrap(module)
-        return _interpret_call(float8_linear_forward, module, input, wrap_const(recipe(m.config, m.linear_mm_config)))
+        return interpret_call(float8_linear_forward, module, input, wrap_const(recipe(m.config, m.linear_mm_config)))

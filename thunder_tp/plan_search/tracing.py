@@ -13,6 +13,7 @@ from thunder.core.transform_common import Transform, dce
 from thunder_tp.families import prepare_for_tracing
 from thunder_tp.thunder_internals.private import Interpretation, interpretations_kept, meta_traced_on
 from thunder_tp.thunder_internals.prologue import unpacked_tensor_names
+from thunder_tp.thunder_internals.torch_pytree import tree_map_only
 
 
 @dataclass
@@ -42,7 +43,7 @@ def traced(module: nn.Module, args: tuple, kwargs: dict) -> Traced:
     CPU ones (HF's rotary embedding, for one, opens an autocast region on its inputs' device, which meta is not)."""
     prepare_for_tracing(module)
     tensors = [*module.parameters(), *module.buffers()]
-    args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, _off_meta, (args, kwargs))
+    args, kwargs = tree_map_only(torch.Tensor, _off_meta, (args, kwargs))
     capture = _Capture()
     with meta_traced_on(tensors, torch.device("cpu")), interpretations_kept() as kept:
         try:

@@ -33,6 +33,7 @@ from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.cuda_graphs import CapturedCall, capturable, split_at_communication
 from thunder_tp.runtimes.whole_step import compiled_whole
 from thunder_tp.thunder_internals.computation import computation_and_inputs
+from thunder_tp.thunder_internals.torch_pytree import tree_map
 
 __all__ = ["STRATEGIES", "DecodeStep", "Strategy"]
 
@@ -192,4 +193,4 @@ def _argument_slots(values: tuple, inputs: list) -> list[tuple[int, list[int]]]:
 
 def _cloned(output: Any) -> Any:
     """A graph's output, copied out of the memory the next replay overwrites."""
-    return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output)
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, output)

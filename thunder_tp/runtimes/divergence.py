@@ -33,12 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from thunder.core.trace import TraceCtx
-from torch.utils._pytree import tree_flatten
 
 from thunder_tp.layouts import Layout, Shard, held_chunks
 from thunder_tp.pieces import piece_parts
 from thunder_tp.runtimes.agreement import gathered, ranks_alike
 from thunder_tp.thunder_internals.private import wrap_module_call
+from thunder_tp.thunder_internals.torch_pytree import tree_flatten
 
 _MODULUS = (1 << 61) - 1  # a Mersenne prime: checksums stay exact int64s
 _CHUNK = 1 << 16  # words per step of a checksum (a cache-sized temporary: 4x faster than 1 << 20 on a CPU)

@@ -18,8 +18,10 @@ import sys
 
 import torch
 import torch.nn as nn
-from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import register_general_jit_lookaside
+
+from thunder_tp.thunder_internals.private import interpret_call
+from thunder_tp.thunder_internals.transformers import ignore_causal_mask_check
 
 _registered: set = set()
 
@@ -53,22 +55,21 @@ def register_lookasides(model: nn.Module) -> None:
     """Make thunder.jit trace `repeat_kv` wherever HF's sdpa attention, or the model's own module, calls theirs, GPT-2's
     Conv1D as `conv1d_forward`, and answer `_ignore_causal_mask_sdpa` as in eager mode."""
     import transformers.integrations.sdpa_attention as sdpa
-    from transformers.modeling_attn_mask_utils import AttentionMaskConverter
     from transformers.pytorch_utils import Conv1D
 
     if Conv1D.forward not in _registered:
-        register_general_jit_lookaside(Conv1D.forward)(lambda module, x: _interpret_call(conv1d_forward, module, x))
+        register_general_jit_lookaside(Conv1D.forward)(lambda module, x: interpret_call(conv1d_forward, module, x))
         _registered.add(Conv1D.forward)
 
-    ignore = AttentionMaskConverter._ignore_causal_mask_sdpa
+    ignore = ignore_causal_mask_check()
     if ignore not in _registered:
         register_general_jit_lookaside(ignore)(
-            lambda *args, **kwargs: _interpret_call(ignore_causal_mask_sdpa, *args, **kwargs)
+            lambda *args, **kwargs: interpret_call(ignore_causal_mask_sdpa, *args, **kwargs)
         )
         _registered.add(ignore)
 
     modules = [sdpa, *(sys.modules[type(m).__module__] for m in model.modules())]
     for fn in {getattr(module, "repeat_kv", None) for module in modules} - {None}:
         if fn not in _registered:
-            register_general_jit_lookaside(fn)(lambda x, n_rep: _interpret_call(repeat_kv, x, n_rep))
+            register_general_jit_lookaside(fn)(lambda x, n_rep: interpret_call(repeat_kv, x, n_rep))
             _registered.add(fn)
