@@ -212,8 +212,8 @@ def test_batch_larger_than_the_cache_is_a_clear_error():
 def _compiles_for_prompts(lengths: list[int]) -> list[int]:
     """thunder_tp.generate's chunked prefill, then a decode step, for prompts of several lengths: the programs
     compiled after each."""
+    from thunder_tp.generation import TokenPicker, prefill
     from thunder_tp.ops.sampling import Sampling
-    from thunder_tp.runtimes.generation import TokenPicker, prefill
 
     _, model = models_with_cache(gen_config("gqa"), 1)
     jm = _jit(model)

@@ -142,8 +142,8 @@ def test_without_a_process_group_the_ranks_live_on_the_cpu():
 
 
 def test_nothing_to_agree_with_under_one_rank():
+    from thunder_tp.generation import _check_ranks_agree
     from thunder_tp.run_mode import ranks_of
-    from thunder_tp.runtimes.generation import _check_ranks_agree
 
     with thunder_tp.one_rank(2, 1, device="cpu"):
         assert not ranks_of().has_peers
