@@ -29,8 +29,8 @@ LAYERS: dict[str, int] = {
     "thunder_tp.execution": 5,  # the fusion executor and its passes
     "thunder_tp.runtimes": 6,  # the decode step, the ranks' agreement checks
     "thunder_tp.plan_search": 6,  # the automatic plan, searched with the analysis and the rewrite's prices
-    "thunder_tp.data_parallel.composition": 6,  # TP's checks of Thunder's DDP / FSDP transforms
     "thunder_tp.transform": 7,  # TensorParallel: drives the stages on each trace
+    "thunder_tp.composition": 7,  # the transform's checks of its place among Thunder's DDP / FSDP transforms
     "thunder_tp.context_parallel": 7,  # ContextParallel: a TensorParallel over the sequence
     "thunder_tp.tools": 8,  # simulate, one_rank, debug, clipping: around a TensorParallel program
     "thunder_tp.data_parallel": 8,  # 2-D meshes, parallelize()

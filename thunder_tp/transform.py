@@ -15,7 +15,7 @@ from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.collectives.distributed import local_piece
-from thunder_tp.data_parallel.composition import check_composition
+from thunder_tp.composition import check_composition
 from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
 from thunder_tp.execution.overlap_cost import Costs
