@@ -3,9 +3,14 @@
 The public names load on first use (PEP 562): ``import thunder_tp`` imports neither torch nor Thunder, so that a
 command line's ``--help`` (``python -m thunder_tp.generate --help``) answers at once. Reading any of them loads the
 whole API (``thunder_tp.api``): Thunder's import-time warnings quieted first, the model families registered.
+Importing it checks the installed Thunder and torch against the versions its patches of their internals were
+written for (``thunder_tp.thunder_internals.versions``, from the packages' metadata).
 """
 
 from thunder_tp.thunder_internals import quiet  # noqa: F401, I001  (first: filters the warning importing Thunder raises)
+from thunder_tp.thunder_internals import versions
+
+versions.check()  # one UnsupportedThunderVersion (THUNDER_TP_STRICT_VERSIONS=1: ImportError) for another Thunder
 
 __all__ = [
     "ColwiseParallel",

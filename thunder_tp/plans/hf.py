@@ -29,10 +29,11 @@ from thunder_tp.styles import (
 )
 from thunder_tp.styles.expert import expert_parallel_plan
 from thunder_tp.styles.matching import checked_plan
+from thunder_tp.thunder_internals import versions
 
 SEQUENCE_DIM = 1
 #: the transformers versions whose models Thunder 0.2.6 traces (4.57 fails in Thunder's interpreter)
-SUPPORTED_VERSIONS = ("4.52.0", "4.53.0")
+SUPPORTED_VERSIONS = versions.SUPPORTED["transformers"]
 #: HF's style strings (transformers 4.52) -> what they mean for one projection: "col" split on the output
 #: features, "row" on the input features, "replicate" not split, "sp" a norm on sequence shards. "_rep" / "local_"
 #: variants differ from these only in where DTensor gathers or splits, which the layouts decide here.
@@ -123,16 +124,15 @@ def _hf_model(model: nn.Module) -> tuple[str, nn.Module]:
 
 
 def _check_version() -> None:
-    """A warning naming the supported range when transformers is another version."""
+    """A warning naming the supported range when transformers is another version (thunder_internals.versions)."""
     import transformers
-    from packaging.version import Version
 
-    low, high = SUPPORTED_VERSIONS
-    if not Version(low) <= Version(transformers.__version__) < Version(high):
+    if not versions.supports("transformers", transformers.__version__):
         warnings.warn(
-            f"thunder_tp.plans.hf is tested with transformers >={low},<{high} (4.52.4, the version Thunder 0.2.6 "
-            f"tests against); {transformers.__version__} is installed, whose models Thunder may not trace "
-            "(4.57 fails in Thunder's interpreter): pip install transformers==4.52.4",
+            f"thunder_tp.plans.hf is tested with transformers{SUPPORTED_VERSIONS} (4.52.4, the version Thunder "
+            f"{versions.SUPPORTED['lightning-thunder'].lstrip('=')} tests against); {transformers.__version__} is "
+            "installed, whose models Thunder may not trace (4.57 fails in Thunder's interpreter): "
+            "pip install transformers==4.52.4",
             stacklevel=3,
         )
 
