@@ -8,6 +8,7 @@ written for (``thunder_tp.thunder_internals.versions``, from the packages' metad
 """
 
 from thunder_tp.thunder_internals import quiet  # noqa: F401, I001  (first: filters the warning importing Thunder raises)
+from thunder_tp.families import register_loader as _register_loader
 from thunder_tp.thunder_internals import versions
 
 versions.check()  # one UnsupportedThunderVersion (THUNDER_TP_STRICT_VERSIONS=1: ImportError) for another Thunder
@@ -38,6 +39,13 @@ __all__ = [
     "set_sampling",
     "simulate",
 ]
+
+
+@_register_loader
+def _load_families() -> None:
+    """The model families (``thunder_tp.models``), loaded by the core's registry (``thunder_tp.families``) on its
+    first use, wherever thunder_tp was entered from: the core and the registry name no family."""
+    from thunder_tp import models  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -1,7 +1,8 @@
 """Model families hook into the core here: what the core must know of a family's models.
 
-The core (TensorParallel, plans.auto) imports no model family: the registry loads them (`thunder_tp.models`) on its
-first use, wherever thunder_tp was entered from. A family's adapter registers
+The core (TensorParallel, plans.auto) imports no model family, and neither does this registry: the package
+(`thunder_tp/__init__.py`, which runs first wherever thunder_tp is entered from) registers how they load
+(`register_loader`), and the registry runs that on its first use. A family's adapter registers
 - a `prepare(module)` function, which the core calls on every module it is about to trace, so that a model is traced
   alike whatever made its plan (HF's lookasides, for one);
 - a wrapper rule: which of its modules wrap a layer whose style their own parameters follow (a LoRA pair around its
@@ -12,15 +13,14 @@ first use, wherever thunder_tp was entered from. A family's adapter registers
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.nn as nn
+if TYPE_CHECKING:  # (nothing heavy at import: the package's __init__ imports this module)
+    import torch.nn as nn
 
-Prepare = Callable[[nn.Module], None]
+Prepare = Callable[["nn.Module"], None]
 _preparers: list[Prepare] = []
 
 
@@ -31,10 +31,26 @@ def register_family(prepare: Prepare) -> Prepare:
     return prepare
 
 
-@functools.cache
+Loader = Callable[[], None]
+_loaders: list[Loader] = []
+_loaded: set[Loader] = set()
+
+
+def register_loader(load: Loader) -> Loader:
+    """Register how model families load (a function importing their adapters), run on the registry's first use
+    (a decorator)."""
+    if load not in _loaders:
+        _loaders.append(load)
+    return load
+
+
 def load_families() -> None:
-    """Import the model-family adapters, which register themselves (lookasides, op rules, preparers), once."""
-    importlib.import_module("thunder_tp.models")
+    """Run the registered loaders: the model-family adapters register themselves (lookasides, op rules, preparers),
+    once (a loader that raised runs again on the next use)."""
+    for load in _loaders:
+        if load not in _loaded:
+            load()
+            _loaded.add(load)
 
 
 def prepare_for_tracing(module: nn.Module) -> None:
@@ -53,7 +69,7 @@ class Wrapper:
     follow: Callable[[Any], Any]
 
 
-WrapperRule = Callable[[nn.Module], Wrapper | None]
+WrapperRule = Callable[["nn.Module"], Wrapper | None]
 _wrapper_rules: list[WrapperRule] = []
 
 
