@@ -249,3 +249,37 @@ def test_context_parallel_inside_data_parallel(kind):
             assert rest.pop("dp all_reduce: (data parallelism)", 0) > 0, backward
         assert rest == {f"cp reduce_scatter: {keys_and_values}": 2 * layers,
                         **({"dp reduce_scatter: (data parallelism)": n} if kind == "fsdp" else {})}, backward
+
+
+@pytest.mark.parametrize(("backend", "device", "dtype", "tokens", "heads", "head_size", "cp", "ring"), [
+    ("nccl", "cuda", torch.bfloat16, 32768, 4, 128, 8, True),  # Llama-3-8B at TP 8: 4 heads a rank, 32k tokens
+    ("nccl", "cuda", torch.bfloat16, 131072, 4, 128, 8, True),
+    ("nccl", "cuda", torch.bfloat16, 4096, 4, 128, 8, False),  # 512 tokens a rank: the transfers' latency shows
+    ("gloo", "cpu", torch.float32, 16384, 4, 32, 2, False),
+], ids=["llama3-8b-32k", "llama3-8b-128k", "4k", "cpu-gloo-16k"])
+def test_the_cost_model_chooses_the_ring_where_its_transfers_hide(backend, device, dtype, tokens, heads, head_size,
+                                                                  cp, ring):
+    """rotate="auto": the ring where each chunk's attention outlasts the next chunk's transfer, else the gather."""
+    from thunder_tp.execution.overlap_cost import device_costs, ring_attention_pays
+
+    local = tokens // cp
+    chunk = 2 * heads * local * head_size * dtype.itemsize  # a rank's keys and values
+    flops = 4 * heads * local * head_size * local  # its queries over one chunk: q k^T, then p v
+    assert ring_attention_pays(device_costs(backend, device, dtype), chunk, flops, cp) is ring
+
+
+def _auto_rotation_step() -> None:
+    """ContextParallel's default rotate="auto" on 2 CPU ranks: causal attention blockwise, so keys and values are
+    gathered (the ring has nothing to overlap there); one device's loss."""
+    reference = _litgpt("llama").double()
+    model = copy.deepcopy(reference)
+    cp = thunder_tp.ContextParallel()
+    assert cp.rotate == "auto"
+    jm = thunder.jit(model, transforms=[cp], executors=FAST_EXECUTORS)
+    torch.testing.assert_close(jm(*batch(0)), reference(*batch(0)), **TOL)
+    labels = {c["issued_by"] for c in collective_calls(thunder.last_traces(jm)[-1])}
+    assert "context parallel: keys and values gathered (all-gather)" in labels, labels
+
+
+def test_auto_rotation_on_cpu_ranks_gathers():
+    run_ranks(_auto_rotation_step, 2)

@@ -25,10 +25,12 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch.distributed as dist
+from thunder.core.dtypes import to_torch_dtype
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.layouts import Shard, Split
+from thunder_tp.execution.overlap_cost import device_costs, ring_attention_pays
+from thunder_tp.layouts import Shard, Split, TPGroup
 from thunder_tp.propagation.attention import ROTATIONS
 from thunder_tp.propagation.constraints import constrain_inputs
 from thunder_tp.thunder_internals.private import original_module
@@ -46,10 +48,11 @@ class ContextParallel(TensorParallel):
     themselves); None: every tensor input of two or more dims, along dim 1 (token ids, targets, masks of shape
     (batch, sequence, ...)). `load_balance`: head-tail order for causal attention (the sequence a multiple of 2 x CP;
     without it, of CP). `rotate`: how the keys and values reach every rank's queries: "allgather" (all of them
-    gathered before attention), or "ring" (passed around the ring of ranks one rank's at a time, each chunk's
+    gathered before attention), "ring" (passed around the ring of ranks one rank's at a time, each chunk's
     attention merged by its running softmax statistics: no rank holds all keys at once outside the backward's
-    saved values), as PyTorch's `set_rotate_method`. The checks of TensorParallel apply (`check_inputs`,
-    `check_collectives`, `check_weights`).
+    saved values), as PyTorch's `set_rotate_method`, or "auto": each attention's choice by the cost model
+    (`execution.overlap_cost.ring_attention_pays`: the ring where the chunks' transfers hide behind their
+    attention). The checks of TensorParallel apply (`check_inputs`, `check_collectives`, `check_weights`).
     """
 
     def __init__(
@@ -58,7 +61,7 @@ class ContextParallel(TensorParallel):
         *,
         sequence_dims: Mapping[str, int] | None = None,
         load_balance: bool = True,
-        rotate: Literal["allgather", "ring"] = "allgather",
+        rotate: Literal["auto", "allgather", "ring"] = "auto",
         check_inputs: Literal["training", "every", "first", "never"] = "training",
         check_collectives: bool = True,
         check_weights: bool = True,
@@ -86,7 +89,7 @@ class ContextParallel(TensorParallel):
 
     def rule_options(self) -> dict[str, object]:
         """TensorParallel's, and how attention rotates keys and values."""
-        return super().rule_options() | {"rotate": self.rotate}
+        return super().rule_options() | {"rotate": self.rotate, "ring_pays": ring_pays}
 
     def transform_traces_pre_prologue(self, prologue: TraceCtx, computation: TraceCtx, epilogue, **kwargs):
         """The call's sequence inputs split where the program reads them, then TensorParallel's rewrite."""
@@ -119,3 +122,12 @@ def _sequence_dim(sequence_dims: Mapping[str, int] | None, name: str | None, t: 
     if sequence_dims is None:
         return 1 if t.ndim >= 2 else None
     return None if name not in sequence_dims else sequence_dims[name] % t.ndim
+
+
+def ring_pays(q: TensorProxy, k: TensorProxy, cp: TPGroup) -> bool:
+    """Whether one attention's keys and values should go around the ring: priced with the group's link and the
+    device's matmul rate (`execution.overlap_cost`)."""
+    backend = dist.get_backend(cp.group) if dist.is_initialized() else ""
+    costs = device_costs(backend, q.device.type, to_torch_dtype(q.dtype))
+    chunk_flops = 4 * q.numel * k.shape[-2]  # q k^T and the probabilities times v, over one rank's keys
+    return ring_attention_pays(costs, 2 * k.numel * k.dtype.bytes, chunk_flops, cp.size)

@@ -120,6 +120,17 @@ def compute_after_receive(piece_s: float, comm_s: float, count: int, local: bool
     return t
 
 
+def ring_attention_pays(c: Costs, kv_bytes: float, chunk_flops: float, size: int) -> bool:
+    """Context parallelism's keys and values passed around a ring of ``size`` ranks, each rank's chunk attended to
+    when it arrives (``kv_bytes`` a chunk's keys and values, ``chunk_flops`` the queries' attention over one chunk),
+    against all of them gathered first, then attended to."""
+    piece_s = chunk_flops / c.flops_per_s + c.matmul_call_s
+    send = c.send_s(kv_bytes)
+    ring = compute_after_receive(piece_s + c.busy_s(send), send, size - 1, True)
+    gathered = c.collective_s("all_gather", kv_bytes * size, size) + size * piece_s
+    return ring < gathered
+
+
 # --- the sites: the pass of the collective priced, plus what the chunks add to the other pass -------------------
 
 

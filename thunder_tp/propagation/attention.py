@@ -59,8 +59,9 @@ def blockwise_attention_rule(op: Op) -> list[Strategy]:
     return strategies
 
 
-#: how keys and values reach every rank's queries under context parallelism (TensorParallel's `Op.options`)
-ROTATIONS = ("allgather", "ring")
+#: how keys and values reach every rank's queries under context parallelism (TensorParallel's `Op.options`):
+#: "auto" asks `Op.options["ring_pays"]`
+ROTATIONS = ("auto", "allgather", "ring")
 
 
 def _queries_sharded(op: Op, held: Shard) -> Strategy:
@@ -73,13 +74,26 @@ def _queries_sharded(op: Op, held: Shard) -> Strategy:
     rows = [REPLICATE if t.ndim < 2 or t.shape[-2] != q.shape[-2] else held.moved(t.ndim - 2)
             for t in op.tensors[3:]]
     pieces = rank_pieces(held, q.shape[-2], op.tp.size)
-    rotate = op.options.get("rotate", "allgather")
+    rotate = _rotation(op, q, k)
     attention = _ring_attention if rotate == "ring" else _gathered_attention
     local = functools.partial(attention, tp=op.tp, pieces=pieces)
     kv_bytes = 2 * k.numel * k.dtype.bytes
     issues = (("all_gather", kv_bytes),) if rotate == "allgather" else (("send_recv", kv_bytes),)
     return Strategy((held, keys, keys, *rows), (held.moved(out.ndim - 2),), local, issues=issues,
                     backward_issues=(("reduce_scatter", kv_bytes),))
+
+
+def _rotation(op: Op, q: TensorProxy, k: TensorProxy) -> str:
+    """The rotation asked for; for "auto", the ring where the cost model says it pays and the ring can run: not on
+    simulated ranks, nor with dropout, nor where causal attention runs blockwise (one fused call over every key
+    block: nothing to overlap with the transfers)."""
+    rotate = op.options.get("rotate", "allgather")
+    if rotate != "auto":
+        return rotate
+    blockwise = op.arg("is_causal") and _blockwise(q, op.arg("attn_mask"), op.arg("dropout_p"), op.tp)
+    if blockwise or op.arg("dropout_p") or ranks_of(op.tp.group).one_trace_for_all:
+        return "allgather"
+    return "ring" if op.options["ring_pays"](q, k, op.tp) else "allgather"
 
 
 def _gathered_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, tp: TPGroup,
