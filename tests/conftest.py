@@ -14,6 +14,19 @@ def _dist_pools():
     dist.shutdown_pools()
 
 
+@pytest.fixture
+def simulated_float64():
+    """float64 as the default dtype for a test whose simulated ranks run in this process (the previous one after)."""
+    import torch
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "simulated ranks run in this process"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked ``slow`` unless asked for (``-m slow`` or THUNDER_TP_SLOW=1), ``cuda`` ones without a GPU."""
     _skip_slow_unless_asked(config, items)

@@ -22,15 +22,6 @@ from thunder_tp.plans.litgpt import GPTWithLoss
 TOL = dict(rtol=1e-6, atol=1e-6)  # litgpt's and HF's RMSNorm compute in float32
 
 
-@pytest.fixture
-def _float64():
-    assert not dist.is_initialized(), "simulated ranks run in this process"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
 def _litgpt(name: str) -> torch.nn.Module:
     from tests.litgpt_models import zoo_config
 
@@ -46,7 +37,7 @@ def _hf_llama() -> torch.nn.Module:
     return model
 
 
-@pytest.mark.usefixtures("_float64")
+@pytest.mark.usefixtures("simulated_float64")
 @pytest.mark.parametrize(("model", "world", "load_balance"), [
     ("llama", 2, False), ("llama", 2, True), ("neox", 4, True), ("hf_llama", 2, True), ("Gemma-2-2b", 2, True)])
 def test_simulated_ranks_give_one_devices_loss_and_grads(model, world, load_balance):
@@ -103,7 +94,7 @@ def test_training_steps_on_gloo_ranks_are_one_devices(load_balance, rotate):
     run_ranks(_litgpt_steps, 2, load_balance, rotate)
 
 
-@pytest.mark.usefixtures("_float64")
+@pytest.mark.usefixtures("simulated_float64")
 def test_a_sequence_the_ranks_cannot_split_is_a_clear_error():
     """A sequence length CP (or, load-balanced, 2 x CP) does not divide: an error naming the lengths that work."""
     model = _litgpt("llama")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import thunder
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import thunder_tp
@@ -61,16 +60,7 @@ class TwoMLPs(nn.Module):
         return self.second(self.first(x).detach())
 
 
-@pytest.fixture
-def _float64():
-    assert not dist.is_initialized(), "simulated ranks run in this process"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-@pytest.mark.usefixtures("_float64")
+@pytest.mark.usefixtures("simulated_float64")
 @pytest.mark.parametrize("plan", ["megatron", "empty"])
 @pytest.mark.parametrize("frozen", ["prefix", "suffix", "inference", "detached"])
 def test_simulated_ranks_leave_what_runs_without_grad_without_a_grad(frozen, plan):
