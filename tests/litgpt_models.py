@@ -118,6 +118,18 @@ def batch(seed: int = 0, batch_size: int = BATCH) -> tuple[torch.Tensor, torch.T
     return idx, torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
 
 
+def training_losses(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+    """The losses of one optimizer step on ``batch(step)`` for each of ``steps``."""
+    losses = []
+    for step in steps:
+        loss = model(*batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 # --- the litgpt zoo: one scaled-down representative per distinct architecture -------------------------------------
 
 #: config fields that are sizes or names: architectures that differ only in these are the same architecture

@@ -20,7 +20,7 @@ from litgpt import GPT
 import thunder_tp
 import thunder_tp.checkpoint as ck
 from tests.dist import run_ranks
-from tests.litgpt_models import GPTWithLoss, batch, make_config
+from tests.litgpt_models import GPTWithLoss, batch, make_config, training_losses
 from tests.tp_checks import FAST_EXECUTORS
 
 SAVED_AFTER, RESUMED = 3, 2
@@ -47,17 +47,6 @@ def _jit(model: torch.nn.Module) -> torch.nn.Module:
     return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=FAST_EXECUTORS)
 
 
-def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, first: int, count: int) -> list[float]:
-    losses = []
-    for step in range(first, first + count):
-        loss = model(*batch(step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -66,9 +55,9 @@ def _train_save_continue(path: str) -> list[float]:
     """3 AdamW steps at TP=2, save, 2 more steps: their losses."""
     jm = _jit(_model(0))
     optimizer = _optimizer(jm)
-    _steps(jm, optimizer, 0, SAVED_AFTER)
+    training_losses(jm, optimizer, range(SAVED_AFTER))
     ck.save(path, jm, optimizer)
-    return _steps(jm, optimizer, SAVED_AFTER, RESUMED)
+    return training_losses(jm, optimizer, range(SAVED_AFTER, SAVED_AFTER + RESUMED))
 
 
 def _resume(path: str, meta: bool = False, own_dcp_calls: bool = False, resave: str = "") -> list[float]:
@@ -89,14 +78,14 @@ def _resume(path: str, meta: bool = False, own_dcp_calls: bool = False, resave: 
         model_sd, optim_sd = ck.get_state_dict(jm, optimizer)
         torch.distributed.checkpoint.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         ck.set_state_dict(jm, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return _steps(jm, optimizer, SAVED_AFTER, RESUMED)
+    return training_losses(jm, optimizer, range(SAVED_AFTER, SAVED_AFTER + RESUMED))
 
 
 def _resume_plain(path: str) -> list[float]:
     model = _model(1)
     optimizer = _optimizer(model)
     ck.load(path, model, optimizer)
-    return _steps(model, optimizer, SAVED_AFTER, RESUMED)
+    return training_losses(model, optimizer, range(SAVED_AFTER, SAVED_AFTER + RESUMED))
 
 
 @pytest.fixture(scope="module")

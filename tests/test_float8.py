@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import thunder_tp
 from tests.dist import run_ranks
-from tests.litgpt_models import BATCH, batch, make_config
+from tests.litgpt_models import BATCH, batch, make_config, training_losses
 from tests.tp_checks import FAST_EXECUTORS, rank_and_size
 
 torchao = pytest.importorskip("torchao", reason="torchao is the optional extra thunder_tp[float8]")
@@ -269,17 +269,6 @@ def _momentum_sgd(parameters) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
 
 
-def _sgd_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        loss = model(*batch(step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _train_save_continue(path: str) -> list[float]:
     """The float8 llama at TP=2: one SGD step (momentum: an optimizer state), ck.save, then 2 more steps' losses."""
     import thunder_tp.checkpoint as ck
@@ -288,9 +277,9 @@ def _train_save_continue(path: str) -> list[float]:
     jm = thunder.jit(model, transforms=[thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))],
                      executors=FAST_EXECUTORS)
     optimizer = _momentum_sgd(jm.parameters())
-    _sgd_steps(jm, optimizer, range(1))
+    training_losses(jm, optimizer, range(1))
     ck.save(path, jm, optimizer)
-    return _sgd_steps(jm, optimizer, range(1, 3))
+    return training_losses(jm, optimizer, range(1, 3))
 
 
 def test_checkpoint_saved_at_tp2_holds_float32_weights_and_resumes_on_one_device(tmp_path):
@@ -322,7 +311,7 @@ def test_checkpoint_saved_at_tp2_holds_float32_weights_and_resumes_on_one_device
     weight = swapped.gpt.transformer.h[0].attn.proj.weight  # row-parallel: its two column halves swapped
     with torch.no_grad():
         weight.copy_(weight.roll(weight.shape[1] // 2, dims=1))
-    torch.testing.assert_close(_sgd_steps(one, optimizer, range(1, 3)), expected[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(training_losses(one, optimizer, range(1, 3)), expected[0], rtol=1e-5, atol=0)
     with torch.no_grad():
         wrong = swapped(*batch(1)).item()
     assert abs(wrong - expected[0][0]) > 1e-3 * abs(expected[0][0]), (wrong, expected[0][0])
