@@ -82,15 +82,24 @@ def _rows_parallel_cross_entropy(tp: TPGroup, ignore_index: int, reduction: str)
     return loss
 
 
+def _stats_bytes(logits: TensorProxy) -> int:
+    """A number's bytes in the loss's precision (float32 at least)."""
+    return max(logits.dtype.bytes, 4)
+
+
+def _stats_gathered(logits: TensorProxy, size: int) -> tuple[str, int]:
+    """The all_gather of every rank's (log-sum-exp, target logit) pair per row of the (N, C) logits."""
+    return "all_gather", 2 * logits.shape[0] * _stats_bytes(logits) * size
+
+
 @register_rule(cross_entropy_stats)
 def cross_entropy_stats_rule(op: Op) -> list[Strategy]:
     """Logits (N, C) sharded on C (context parallelism's loss under loss parallel) -> replicated stats, the ranks'
     stats of their columns gathered (2N numbers each); rows sharded -> each rank its rows'."""
     logits = op.tensors[0]
     every = rank_pieces(Shard(1), logits.shape[1], op.tp.size)
-    gathered = ("all_gather", 2 * logits.shape[0] * max(logits.dtype.bytes, 4) * op.tp.size)
     strategies = [Strategy((Shard(1), REPLICATE), (REPLICATE,), _vocab_parallel_stats(op.tp, every),
-                           issues=(gathered,)), op.replicated()]
+                           issues=(_stats_gathered(logits, op.tp.size),)), op.replicated()]
     rows = op.layouts[0]
     if isinstance(rows, Shard) and rows.dim == 0:
         strategies.insert(0, Strategy((rows, rows), (rows.moved(1),)))
@@ -116,14 +125,13 @@ def cross_entropy(op: Op) -> list[Strategy]:
     every = rank_pieces(Shard(1), logits.shape[1], op.tp.size)
     vocab_parallel = _vocab_parallel_cross_entropy(op.tp, ignore_index, reduction, every)
     replicated = _replicated_cross_entropy(ignore_index, reduction)
-    stats_bytes = max(logits.dtype.bytes, 4)  # in the loss's precision (float32 at least)
-    stats = ("all_gather", 2 * logits.shape[0] * stats_bytes * op.tp.size)  # (log-sum-exp, target logit) pairs
-    strategies = [Strategy((Shard(1), REPLICATE), (REPLICATE,), vocab_parallel, issues=(stats,)),
+    strategies = [Strategy((Shard(1), REPLICATE), (REPLICATE,), vocab_parallel,
+                           issues=(_stats_gathered(logits, op.tp.size),)),
                   replace(op.replicated(), local=replicated)]
     rows = op.layouts[0]
     if isinstance(rows, Shard) and rows.dim == 0:  # context parallelism: each rank its tokens' losses
         rows_parallel = _rows_parallel_cross_entropy(op.tp, ignore_index, reduction)
         output = {"none": rows, "sum": PARTIAL}.get(reduction, REPLICATE)
-        summed = (("all_reduce", 2 * stats_bytes),) if reduction == "mean" else ()
+        summed = (("all_reduce", 2 * _stats_bytes(logits)),) if reduction == "mean" else ()
         strategies.insert(0, Strategy((rows, rows), (output,), rows_parallel, issues=summed))
     return strategies
