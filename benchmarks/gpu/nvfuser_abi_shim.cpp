@@ -1,4 +1,4 @@
-// LD_PRELOAD shim for benchmarks/gpu_check.sh. nvFuser's wheel, built against torch 2.10, references
+// LD_PRELOAD shim for benchmarks/gpu/check.sh. nvFuser's wheel, built against torch 2.10, references
 // c10::MessageLogger(const char*, int, int, bool); torch 2.11 replaced it by MessageLogger(SourceLocation, int, bool)
 // and a larger object. This symbol only lets the library load: if nvFuser ever logs through it, the process stops.
 #include <cstdio>

@@ -2,14 +2,14 @@
 # The GPU checks, in one run on a one-GPU machine: the CUDA tests (tests/test_cuda.py and the CUDA ones of
 # tests/test_executor.py, nvFuser's included when it loads) and a one-GPU benchmark of the fusion backends.
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]
+#   bash benchmarks/gpu/check.sh [OUT_DIR]
 #
 # Expects python3 with torch on CUDA, and in .whl/ the wheels of what that python lacks: lightning-thunder, litgpt
 # and their small deps (looseversion, optree, dill, jsonargparse), transformers 4.52.4 with its huggingface-hub
 # and tokenizers (requirements-ci.txt's pins) for the HF tests, and nvFuser (pyproject's `nvfuser` extra;
 # nvfuser-cu130-torch210 of the same version where torch is built for CUDA 13). Where torch is 2.11 (the wheel is
 # built for 2.10), also the one-symbol shim `g++ -O2 -shared -fPIC -o .whl/nvfuser_abi_shim.so
-# benchmarks/nvfuser_abi_shim.cpp`, and, where the machine lacks it, zstd's library as .whl/lib/libzstd.so.1.
+# benchmarks/gpu/nvfuser_abi_shim.cpp`, and, where the machine lacks it, zstd's library as .whl/lib/libzstd.so.1.
 # GPU_TESTS (a pytest -k expression), GPU_TESTS_S (seconds for the tests), GPU_CHECK_S (seconds for the tests and
 # the benchmark together; under 90 left, no benchmark) and GPU_MODES (compare.py's --modes) narrow a rerun.
 # On a cold machine each litgpt test compiles for about a minute: the tests stop after 240 s by default, so the
@@ -26,21 +26,21 @@
 #   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
 # Every phase but full8b measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.log into
 # OUT_DIR, and their JSON comes in one rank_json.tar.gz (at most 8 files come back from a device call).
-#   GPU_PARTS=rank bash benchmarks/gpu_check.sh        # one call, within 10 minutes with the install
+#   GPU_PARTS=rank bash benchmarks/gpu/check.sh        # one call, within 10 minutes with the install
 # "bf16" runs what users train, in bf16, all at once within GPU_BF16_S (default 420 s; one 10-minute call with the
 # install): a training step of Llama-3-8B's shapes at one layer, seq 8192, as the last rank of a fake group of 2 and
 # of 8 (bench_rank.py's modes (a) nvFuser and (b) Inductor: every region compiled, the loss finite, (a)'s equal to
 # (b)'s, no region fallen back) under each plan (TP, TP+SP, TP+LP, TP+SP+LP), one process per plan; beside them the
 # CUDA tests in bf16 (tests/test_cuda.py -k bf16), in three processes. Into OUT_DIR: bf16_steps.log (the four
 # plans' tables), bf16_steps.tar.gz (their JSON), bf16_tests.log.
-#   GPU_PARTS=bf16 bash benchmarks/gpu_check.sh
+#   GPU_PARTS=bf16 bash benchmarks/gpu/check.sh
 # "decode32" measures Llama-3-8B decode at TP=8 at full depth instead, not extrapolated: 32 layers
 # (GPU_DECODE_LAYERS; "8,24" measures two depths and extrapolates where 32 does not fit), (e) thunder_tp's decode
 # step replayed as a CUDA graph against (f) the hand-written TP under torch.compile reduce-overhead, 10 steps:
 #   decode32_b1   batch 1      decode32_b8   batch 8
 # each phase given what is left of GPU_RANK_S (its compiles take most of it: Thunder's and Inductor's, per batch);
 # their JSON in decode32_json.tar.gz.
-#   GPU_PARTS=decode32 bash benchmarks/gpu_check.sh   # one 10-minute call with the install
+#   GPU_PARTS=decode32 bash benchmarks/gpu/check.sh   # one 10-minute call with the install
 # "overlap" calibrates the projection of the collectives decomposed for overlap (docs/gpu.md): the chunked matmuls
 # at Llama-3-8B's shapes against whole ones, at TP 2, 4 and 8 in as many chunks of tokens, forward, input grads and
 # weight grads (benchmarks/bench_chunked_matmuls.py: one GPU, no process group, about a minute), then a training step
@@ -48,12 +48,12 @@
 # depths 0 and 1) within what is left of GPU_OVERLAP_S (default 540 s). Into OUT_DIR: chunked_matmuls.json and .log,
 # overlap_never.log, overlap_always.log. Then, anywhere: python -m benchmarks.projection.overlap --chunk_timings
 # chunked_matmuls.json (docs/gpu.md).
-#   GPU_PARTS=overlap bash benchmarks/gpu_check.sh    # one 10-minute call with the install
+#   GPU_PARTS=overlap bash benchmarks/gpu/check.sh    # one 10-minute call with the install
 # "compile32" times Llama-3-8B's shapes at TP=8 (one rank of a fake group) at all 32 layers to the first
 # training step (mode (a), nvFuser) and the first decode step (mode (e), the decode step as a CUDA graph): their
 # first_step_s in the JSON (Thunder's interpretation, once per kind of block, and the backend's compiles, once per
 # kind of region), beside a compiled step; each phase given what is left of GPU_RANK_S. JSON in compile32_json.tar.gz.
-#   GPU_PARTS=compile32 bash benchmarks/gpu_check.sh  # one 10-minute call with the install
+#   GPU_PARTS=compile32 bash benchmarks/gpu/check.sh  # one 10-minute call with the install
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
