@@ -211,31 +211,6 @@ def test_context_and_tensor_parallel(tmp_path):
         assert line in output, output[-4000:]
 
 
-def _side_by_side(argv: list[str]) -> dict:
-    """benchmarks/bench_float8.py's run on this gloo rank (as under torchrun, minus the process-group set-up)."""
-    import torch
-    import torch.distributed as dist
-
-    from benchmarks import bench_float8
-
-    options, rounds = bench_float8.parse_args(argv)
-    return bench_float8.run(options, rounds, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-
-
-def test_bench_float8_times_float8_beside_bf16():
-    """bench_float8: the bf16 and the float8 runs of the same flags, alternating; float8's collectives add the amax
-    all_reduces (4 bytes each) to bf16's."""
-    pytest.importorskip("torchao", reason="torchao is the optional extra thunder_tp[float8]")
-    from tests.dist import run_ranks
-
-    res = run_ranks(_side_by_side, 2, [*TINY, "--distributed_mode", "tp", "--rounds", "2"])[0]
-    bf16, float8 = res["runs"]["bfloat16"], res["runs"]["float8"]
-    assert len(bf16["step_ms"]) == len(float8["step_ms"]) == 2 and res["float8_over_high_precision"] > 0, res
-    amaxes = float8["collectives"]["forward"]["by_kind"]["all_reduce"]["count"] - \
-        bf16["collectives"]["forward"]["by_kind"]["all_reduce"]["count"]
-    assert amaxes == 6, res  # the 4 weights, the inputs of the 2 row-parallel linears
-
-
 @pytest.mark.slow  # the flag of what test_auto_plan checks (plans.auto's search, training with its plan)
 def test_plan_auto_prints_the_plan_it_trains_with(tmp_path):
     """--plan auto: plans.auto searches the plan (printed by rank 0) and trains with it; the collectives that ran are

@@ -337,14 +337,3 @@ def test_transport_threads_fifo_refused_on_cuda():
     """On CUDA the option is refused with the reason, before any thread changes policy."""
     with pytest.raises(SystemExit, match="for CPU runs"):
         compare.prioritize_transport_threads(torch.device("cuda", 0))
-
-
-@pytest.mark.slow  # a side benchmark of gloo's collectives: run before measuring with it
-def test_bench_gloo_runs(tmp_path):
-    """benchmarks/bench_gloo.py on 2 ranks: every row, and the all_reduce after a matmul at the default scheduling of
-    gloo's threads and, where the machine allows it, at SCHED_FIFO."""
-    stdout, _ = torchrun(["-m", "benchmarks.bench_gloo"], timeout=300)
-    rows = [line for line in stdout.splitlines() if " ms" in line]
-    assert sum(line.startswith(("all_reduce", "all_gather")) for line in rows) == 5, stdout
-    after = next(line for line in rows if "right after a matmul" in line)
-    assert "default:" in after and ("SCHED_FIFO 1:" in after) == _may_use_real_time_priority(), after

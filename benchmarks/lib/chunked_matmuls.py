@@ -1,5 +1,5 @@
 """Each matmul of a Llama layer at its TP shape, timed whole and cut into chunks of tokens (as the collectives
-decomposed for overlap run them): what ``bench_chunked_matmuls.py`` prints and ``bench_overlap.py`` reports."""
+decomposed for overlap run them): what ``bench_chunked_matmuls.py`` prints."""
 
 from __future__ import annotations
 
