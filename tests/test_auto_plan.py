@@ -293,10 +293,10 @@ def test_a_search_prices_each_plan_as_a_pricing_of_it_alone():
     costs what a pricing of that plan alone finds: collectives each way, their cost, parameter bytes."""
     from tests.litgpt_models import make_config
     from thunder_tp.layouts import TPGroup
-    from thunder_tp.plan_search.decisions import decisions_of
-    from thunder_tp.plan_search.pricing import Pricing
-    from thunder_tp.plan_search.search import _most_sharded
-    from thunder_tp.plan_search.tracing import traced
+    from thunder_tp.plans.search.decisions import decisions_of
+    from thunder_tp.plans.search.pricing import Pricing
+    from thunder_tp.plans.search.search import _most_sharded
+    from thunder_tp.plans.search.tracing import traced
 
     with torch.device("meta"):
         model = GPTWithLoss(make_config("llama"))

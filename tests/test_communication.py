@@ -10,8 +10,8 @@ import torch
 import thunder_tp
 from tests.litgpt_models import MODES, GPTWithLoss, batch, expected_counts, make_config
 from thunder_tp.layouts import TPGroup
-from thunder_tp.plan_search.pricing import Pricing
-from thunder_tp.plan_search.tracing import traced
+from thunder_tp.plans.search.pricing import Pricing
+from thunder_tp.plans.search.tracing import traced
 
 #: the default run: every mode once, neox's parallel residual in TP; the others price the same rules (slow)
 DEFAULT = {("llama", "tp_sp"), ("llama", "tp_lp"), ("neox", "tp")}

@@ -161,8 +161,8 @@ def test_routings_that_leave_a_rank_without_tokens():
 def test_priced_collectives_are_the_ones_a_step_issues(sequence_parallel):
     """communication.py prices the all_to_alls the layer issues inside it (at an even routing's bytes), both ways."""
     from thunder_tp.layouts import TPGroup
-    from thunder_tp.plan_search.pricing import Pricing
-    from thunder_tp.plan_search.tracing import traced
+    from thunder_tp.plans.search.pricing import Pricing
+    from thunder_tp.plans.search.tracing import traced
 
     with torch.device("meta"):
         model = make_moe_model("mixtral")

@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     "thunder_tp.rewriting": 4,  # the rewrite: what a program communicates, ops on local pieces
     "thunder_tp.execution": 5,  # the fusion executor and its passes
     "thunder_tp.runtimes": 6,  # the decode step, the ranks' agreement checks
-    "thunder_tp.plan_search": 6,  # the automatic plan, searched with the analysis and the rewrite's prices
+    "thunder_tp.plans.search": 6,  # the automatic plan, searched with the analysis and the rewrite's prices
     "thunder_tp.transform": 7,  # TensorParallel: drives the stages on each trace
     "thunder_tp.composition": 7,  # the transform's checks of its place among Thunder's DDP / FSDP transforms
     "thunder_tp.context_parallel": 7,  # ContextParallel: a TensorParallel over the sequence

@@ -22,7 +22,7 @@ from thunder_tp.execution.overlap_cost import Costs
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
 from thunder_tp.families import prepare_for_tracing
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, local_shape
-from thunder_tp.plan_search import AutoPlan, auto
+from thunder_tp.plans.search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.collectives import copies_named_as_sources
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from thunder_tp.plan_search import auto
 from thunder_tp.plans import hf, litgpt
+from thunder_tp.plans.search import auto
 from thunder_tp.styles import Style
 from thunder_tp.styles.dtensor import read_parallelize_fn
 

@@ -17,11 +17,11 @@ import time
 import torch.nn as nn
 
 from thunder_tp.layouts import TPGroup
-from thunder_tp.plan_search.decisions import decisions_of
-from thunder_tp.plan_search.keys import plan_of
-from thunder_tp.plan_search.pricing import Pricing, default_budget
-from thunder_tp.plan_search.search import search
-from thunder_tp.plan_search.tracing import traced
+from thunder_tp.plans.search.decisions import decisions_of
+from thunder_tp.plans.search.keys import plan_of
+from thunder_tp.plans.search.pricing import Pricing, default_budget
+from thunder_tp.plans.search.search import search
+from thunder_tp.plans.search.tracing import traced
 from thunder_tp.rewriting.communication import Communication
 from thunder_tp.styles import Style
 from thunder_tp.thunder_internals.private import Interpretation, original_module

@@ -14,7 +14,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_tp.families import wrapper_of
 from thunder_tp.layouts import REPLICATE
-from thunder_tp.plan_search.tracing import Traced
+from thunder_tp.plans.search.tracing import Traced
 from thunder_tp.styles import ColwiseParallel, FeatureShardedNorm, KVCacheParallel, RowwiseParallel, Style
 
 

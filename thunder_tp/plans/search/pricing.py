@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Layout, TPGroup, local_shape
-from thunder_tp.plan_search.decisions import Decision
-from thunder_tp.plan_search.tracing import Traced
+from thunder_tp.plans.search.decisions import Decision
+from thunder_tp.plans.search.tracing import Traced
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.constraints import Emitted, constrain_styled_ops
 from thunder_tp.propagation.engine import Choices

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 
-from thunder_tp.plan_search.decisions import Decision
+from thunder_tp.plans.search.decisions import Decision
 from thunder_tp.styles import Style
 from thunder_tp.styles.matching import plan_key_matches
 

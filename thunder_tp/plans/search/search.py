@@ -6,8 +6,8 @@ from __future__ import annotations
 from itertools import product
 
 from thunder_tp.layouts import REPLICATE
-from thunder_tp.plan_search.decisions import Decision
-from thunder_tp.plan_search.pricing import Pricing, split_alone
+from thunder_tp.plans.search.decisions import Decision
+from thunder_tp.plans.search.pricing import Pricing, split_alone
 from thunder_tp.rewriting.communication import Communication
 from thunder_tp.styles import FeatureShardedNorm, KVCacheParallel, Style
 from thunder_tp.styles.matching import planned_tensors
