@@ -1,55 +1,30 @@
-"""Training benchmark of a litgpt GPT under thunder_tp tensor parallelism (flag names as in Thunder's benchmark_litgpt).
+"""The trainer: a litgpt GPT (or an HF model) under thunder_tp, flag names as in Thunder's benchmark_litgpt.
 
     torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --model_name pythia-14m --n_layers 2 \\
         --distributed_mode tp --tp_size 2 --max_iters 10 --warmup_iters 2 --dump_thunder_traces true
 
-The model is ``litgpt.GPT(Config.from_name(model_name))`` with random weights (the configs are builtin; nothing is
-downloaded) wrapped with its next-token cross-entropy, so the loss is inside the jitted program (which is what
-makes ``--loss_parallel true`` possible). Batches are random tokens (seeded; the same on every rank of a TP group).
-One iteration is forward + backward + an SGD step. Runs on CPU (gloo) or, when CUDA is available, on one GPU per
-rank (NCCL).
+One mode per run: ``--distributed_mode`` picks an entry of ``lib/litgpt_setup.MODES`` (none, tp, tp_sp, and the 2-D
+tp_ddp / tp_fsdp over ``--dp_size`` data-parallel groups); ``--context_parallel_size`` adds ContextParallel,
+``--hf_model_type`` trains an HF architecture, ``--simulate N`` dry-runs the TP plan on N simulated ranks in one
+process. The model has random weights and its cross-entropy inside the jitted program; batches are seeded random
+tokens; an iteration is forward + backward + SGD. Rank 0 reports the mean iteration time after ``--warmup_iters``,
+tokens/s, bytes per rank, peak memory, saved-for-backward bytes and the collectives per iteration (``--json_path``).
 
-Reported (rank 0; averages over the iterations after ``--warmup_iters``): iteration time (the slowest rank's),
-tokens/s, parameter bytes per rank, peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the process's
-max RSS; with ``--measure_step_memory true`` also the last iteration's peak above what was live before it, per
-rank), bytes saved for backward, and the collectives of one iteration (forward/backward, from the final traces via
-``thunder_tp.collectives_table``). ``--json_path`` writes all of it, per-iteration losses and times included.
+Several modes side by side: ``--compare MODES`` trains the benchmark Llama (``lib/llama.py``) under each mode of
+``lib/compare_modes.py`` (single device, thunder_tp, DTensor, HF's own TP, litgpt's and HF's Llama of the same dims),
+each gated against one device, timed in alternating rounds, medians reported (``lib/side_by_side.py``)::
 
-Distributed modes are entries of ``MODES`` in ``litgpt_setup.py`` (mode ->
-``DistributedMode(transforms=..., data_parallel=...)``; shared measuring and timing in ``harness.py``): a mode is a
-function that builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process
-groups: ``none``, ``tp``, ``tp_sp`` and the 2-D ``tp_ddp`` / ``tp_fsdp`` (TP over ``--tp_size`` consecutive ranks
-inside Thunder's DDPTransform / FSDPTransform over the ``--dp_size`` data-parallel groups), e.g.::
-
-    torchrun --nproc-per-node 4 -m benchmarks.benchmark_litgpt --distributed_mode tp_fsdp --tp_size 2 --dp_size 2
-
-Context parallelism goes with any mode: ``--context_parallel_size N`` puts ``thunder_tp.ContextParallel`` over CP
-groups of N ranks ``--tp_size`` apart before the mode's transforms (world = dp x cp x tp; ``--cp_rotate``,
-``--cp_load_balance``), e.g. cp 2 x tp 2 on 4 ranks::
-
-    torchrun --nproc-per-node 4 -m benchmarks.benchmark_litgpt --distributed_mode tp --tp_size 2 \\
-        --context_parallel_size 2
-
-Thunder benchmark_litgpt's ``--global_batch_size`` (gradient accumulation), ``--checkpoint_activations``,
-``--low_precision_mode`` (``none``; a bf16 model with ``--dtype bfloat16``) and torchao's float8 training
-(``--use_torchao_fp8_linear true``, ``--use_torchao_fp8_allgather true`` under ``tp_sp``; ``lib/float8.py``) work as
-there; ``--tp_overlap`` is ``TensorParallel(overlap=...)``. A 2-D mode is a few
-lines, e.g.::
-
-    def _tp_ddp(model, args, groups):
-        from thunder.distributed.transforms.ddp_v2 import DDPTransform
-        return [*_tp(model, args, groups), DDPTransform(process_group=groups.dp_group, bucket_size_in_mb=25.0,
-                                                        broadcast_from=None)]
-    MODES["tp_ddp"] = DistributedMode(_tp_ddp, data_parallel=True)
-
-Its length (past 300 lines) is Thunder's benchmark_litgpt report and the ``--simulate`` dry run kept in one script;
-its flags live in ``lib/litgpt_options.py``, its modes and model in ``lib/litgpt_setup.py``, its timing in
-``lib/harness.py``.
+    torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --compare single_thunder,thunder_tp_tp,dtensor_tp
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
+
 import argparse
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -91,6 +66,7 @@ from benchmarks.lib.litgpt_setup import (
     model_info,
     resolve_groups,
 )
+from benchmarks.lib.side_by_side import compare, compare_process
 
 T = TypeVar("T")
 
@@ -151,11 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.simulate:
         return simulate_dry_run(args)
-    rank, world, device = init_distributed(args.timeout)
-    try:
-        return run(args, rank, world, device)
-    finally:
-        dist.destroy_process_group()
+    with compare_process(args) if args.compare else contextlib.nullcontext():
+        rank, world, device = init_distributed(args.timeout)
+        try:
+            return (compare if args.compare else run)(args, rank, world, device)
+        finally:
+            dist.destroy_process_group()
 
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:

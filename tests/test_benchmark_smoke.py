@@ -442,7 +442,7 @@ def test_tp_overlap_and_float8_all_gather_reach_tensor_parallel():
         assert isinstance(tp, thunder_tp.TensorParallel) and (tp.overlap, tp.float8_all_gather) == (overlap, gather)
 
 
-@pytest.mark.parametrize("script", ["benchmark_litgpt", "compare", "bench_generate"])
+@pytest.mark.parametrize("script", ["benchmark_litgpt", "bench_generate"])
 def test_help_exits_zero(script, tmp_path):
     """``python -m benchmarks.<script> --help`` prints the usage and exits 0 (torchrun's ``@record`` returns None for a
     ``SystemExit(0)``); its ``__main__`` run in a process forked from the test pools' server (torch imported)."""

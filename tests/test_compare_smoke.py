@@ -1,5 +1,5 @@
-"""Smoke test of benchmarks/compare.py: every mode runs under torchrun on a tiny config, its every gradient gated
-against single device; the gate fails on one wrong shard."""
+"""Smoke test of ``benchmark_litgpt --compare``: every mode runs under torchrun on a tiny config, its every gradient
+gated against single device; the gate fails on one wrong shard."""
 
 import contextlib
 import json
@@ -12,33 +12,35 @@ from functools import partial
 import pytest
 import torch
 
-from benchmarks import compare
-from benchmarks.lib import compare_modes, compare_report, gate, harness, llama, transport
+from benchmarks.lib import compare_modes, compare_report, gate, harness, llama, side_by_side, transport
 from tests.dist import REPO_ROOT, run_ranks, torchrun
 
 DIMS = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab": 64, "ffn_hidden": 64}
 BATCH, SEQ = 2, 8
-TINY = [*(x for k, v in DIMS.items() for x in (f"--{k}", str(v))), "--batch", str(BATCH), "--seq", str(SEQ),
-        "--steps", "2", "--warmup", "1", "--fresh_inductor_cache", "0"]
+TINY = ["--llama_config", json.dumps(DIMS), "--micro_batch_size", str(BATCH), "--block_size", str(SEQ),
+        "--max_iters", "3", "--warmup_iters", "1", "--fresh_inductor_cache", "false", "--learning_rate", "0.01"]
 EVERY_MODE = {
     "single_eager", "single_thunder", "single_thunder_defaults", "single_thunder_inductor",
     "thunder_tp_tp", "thunder_tp_auto", "thunder_tp_sp", "thunder_tp_tp_lp",
     "dtensor_tp_lp", "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
     "litgpt_single_thunder", "litgpt_thunder_tp_tp", "litgpt_thunder_tp_sp",
+    "hf_single_thunder", "hf_tp", "hf_thunder_tp", "hf_thunder_tp_lp",
 }
+HF_MODES = {"hf_single_thunder", "hf_tp", "hf_thunder_tp", "hf_thunder_tp_lp"}
 #: modes that compile with Inductor by default (the slow-marked test)
 INDUCTOR_MODES = ("thunder_tp_tp", "dtensor_tp_compile", "single_thunder_inductor")
-#: a bound for a run on a loaded machine (minutes on 2 shared cores); a hung rank fails earlier, after compare.py's
+#: a bound for a run on a loaded machine (minutes on 2 shared cores); a hung rank fails earlier, after the
 #: process-group --timeout
 TIMEOUT_S = 1500
 
 pytest.importorskip("litgpt")
 
 
-def _compare(tmp_path, *args: str) -> tuple[dict, str]:
-    """Run compare.py on 2 ranks under torchrun; its JSON report and stdout."""
+def _compare(tmp_path, modes: str, *args: str) -> tuple[dict, str]:
+    """Run ``benchmark_litgpt --compare modes`` on 2 ranks under torchrun; its JSON report and stdout."""
     json_path = tmp_path / "compare.json"
-    stdout, _ = torchrun(["-m", "benchmarks.compare", *TINY, "--json_path", str(json_path), *args],
+    stdout, _ = torchrun(["-m", "benchmarks.benchmark_litgpt", "--compare", modes, *TINY, "--timeout", "600",
+                          "--json_path", str(json_path), *args],
                          timeout=TIMEOUT_S)
     return json.loads(json_path.read_text()), stdout
 
@@ -72,11 +74,10 @@ def _may_use_real_time_priority() -> bool:
 
 
 def test_compare_runs_thunder_tp_against_dtensor(tmp_path):
-    """The default run's compare.py: thunder_tp's TP and loss-parallel modes and DTensor's on Thunder's default
+    """The default side-by-side run: thunder_tp's TP and loss-parallel modes and DTensor's on Thunder's default
     executors (no Inductor compile), each gated against one device and timed; the broken-down step of one mode."""
     modes = ["single_eager", "thunder_tp_tp", "thunder_tp_tp_lp", "dtensor_tp", "dtensor_tp_lp"]
-    report, stdout = _compare(tmp_path, "--executors", "thunder_default", "--modes", ",".join(modes),
-                              "--scaling_layers", "", "--breakdown", "1")
+    report, stdout = _compare(tmp_path, ",".join(modes), "--compile", "thunder_default", "--breakdown", "1")
     assert set(report["modes"]) == set(modes), sorted(report["modes"])
     _check_modes(report["modes"])
     for name in ("thunder_tp_tp", "dtensor_tp"):  # Megatron's minimum, the logits gathered
@@ -87,24 +88,22 @@ def test_compare_runs_thunder_tp_against_dtensor(tmp_path):
     assert "| thunder_tp_tp |" in stdout and "| dtensor_tp_lp |" in stdout
 
 
-# every mode, the transform-time scaling, the plot, the transport runs: ~9 minutes on 2 cores
+# every mode, the transport runs: ~9 minutes on 2 cores
 @pytest.mark.slow
 def test_compare_runs_every_mode(tmp_path):
     """Every mode but the Inductor ones (in the slow test), the thunder modes on Thunder's default executors:
-    no Inductor compile at all; the report and the plot; gloo's threads at SCHED_FIFO where the machine allows it."""
-    png_path = tmp_path / "compare.png"
+    no Inductor compile at all; the report; gloo's threads at SCHED_FIFO where the machine allows it."""
     fifo = _may_use_real_time_priority()
-    report, stdout = _compare(tmp_path, "--executors", "thunder_default",
+    report, stdout = _compare(tmp_path, "all", "--compile", "thunder_default",
                               "--skip", "dtensor_tp_compile,single_thunder_inductor",
-                              "--scaling_layers", "1,2", "--scaling_repeats", "1", "--png_path", str(png_path),
-                              "--breakdown", "2", "--without_transport", "1",
+                              "--breakdown", "2", "--without_transport", "true",
                               *(["--transport_threads", "fifo"] if fifo else []))
     assert ("(its threads at SCHED_FIFO 1)" in stdout) == fifo
     modes = report["modes"]
     assert set(modes) == EVERY_MODE - {"dtensor_tp_compile", "single_thunder_inductor"}, sorted(modes)
     _check_modes(modes)
     # the same model gives the same first-step loss in every Llama mode
-    llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith("litgpt") and "loss_step1" in r}
+    llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith(("litgpt", "hf")) and "loss_step1" in r}
     assert max(llama) - min(llama) <= 1e-4 * max(llama), llama
     # Megatron's minimum: 2 all_reduce per block + the embedding's (forward) / lm_head's (backward), the logits gathered
     for name in ("thunder_tp_tp", "dtensor_tp"):
@@ -114,10 +113,8 @@ def test_compare_runs_every_mode(tmp_path):
         assert backward["counts"] == {"all_reduce": 3}, (name, backward)
     # parameters: single device holds the whole model, a TP rank its shards (DTensor's and thunder_tp's alike)
     for name, r in modes.items():
-        if "param_bytes" in r and not name.startswith("litgpt"):
+        if "param_bytes" in r and not name.startswith(("litgpt", "hf")):
             assert r["param_bytes"] == _llama_param_bytes(r["ranks"]), (name, r["param_bytes"])
-    assert set(report["transform_scaling"]) == {"1", "2"} and "transform_s_per_layer" in report["targets"]
-    assert png_path.stat().st_size > 0
     assert "| thunder_tp_tp |" in stdout and "| dtensor_sp |" in stdout
     _check_breakdowns(modes, stdout)
     # what communication adds: every multi-rank mode measured with and without its transport, one row each
@@ -158,11 +155,10 @@ def test_compare_with_inductor(tmp_path):
     """The Inductor-compiled runs: the default executors (thunder_tp.executors(): Inductor fusions) on the headline TP
     mode, and DTensor under torch.compile. Slow-marked: Inductor compiles on 2 cores take minutes; the fusion executor
     under TP is tested in tests/test_tp_executor.py and run by the main-job smoke of .ci/run."""
-    report, _ = _compare(tmp_path, "--modes", ",".join(INDUCTOR_MODES), "--scaling_layers", "")
+    report, _ = _compare(tmp_path, ",".join(INDUCTOR_MODES))
     assert set(report["modes"]) == set(INDUCTOR_MODES)
     _check_modes(report["modes"])
     assert report["modes"]["thunder_tp_tp"]["description"] == "thunder_tp TP"
-    assert report["transform_scaling"] == {}
 
 
 # --- the gradient gate ----------------------------------------------------------------------------------------
@@ -196,7 +192,7 @@ def _gate_with_one_wrong_shard(mode_names: list[str]) -> dict:
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
     model = compare_modes.make_model("llama", cfg, 0)
-    reference = compare.reference_run("llama", cfg, model.state_dict(), idx, targets, lr=1e-2)["grads"]
+    reference = side_by_side.reference_run("llama", cfg, model.state_dict(), idx, targets, lr=1e-2)["grads"]
     modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
     out = {}
     for name in mode_names:
@@ -274,7 +270,7 @@ def test_targets_pair_the_modes_round_by_round():
     tp = {"median_s": 1.0, "round_medians_s": [0.8, 1.6, 0.8]}  # round 2: the host twice as slow for every mode
     dtensor = {"median_s": 1.0, "round_medians_s": [1.0, 2.0, 1.0]}
     single = {"median_s": 1.6, "round_medians_s": [1.44, 2.88, 1.44]}
-    targets = report.targets_summary({"thunder_tp_tp": tp, "dtensor_tp": dtensor, "single_thunder": single}, {}, 2)
+    targets = report.targets_summary({"thunder_tp_tp": tp, "dtensor_tp": dtensor, "single_thunder": single}, 2)
     assert targets["tp_vs_dtensor"]["ratio_paired_by_round"] == pytest.approx(0.8)
     assert targets["parallel_efficiency"]["value_paired_by_round"] == pytest.approx(0.9)
     assert targets["parallel_efficiency"]["value"] == pytest.approx(0.8)
@@ -292,7 +288,8 @@ def test_communication_cost_pairs_by_round():
 
 _PRIORITIZE = """
 import json, os, sys, threading
-from benchmarks import compare
+from benchmarks.lib import transport
+import torch
 ready, stop, tids = threading.Event(), threading.Event(), []
 def idle():
     tids.append(threading.get_native_id())
@@ -304,7 +301,7 @@ ready.wait()
 if sys.argv[1] == "unprivileged":
     os.setuid(65534)  # nobody: no CAP_SYS_NICE, and RLIMIT_RTPRIO 0
 try:
-    count, error = compare.prioritize_transport_threads(compare.torch.device("cpu")), None
+    count, error = transport.prioritize_transport_threads(torch.device("cpu")), None
 except SystemExit as e:
     count, error = 0, str(e)
 print(json.dumps({"count": count, "error": error, "other": os.sched_getscheduler(tids[0]),
@@ -336,4 +333,21 @@ def test_transport_threads_fifo_leaves_the_main_thread_alone(privileges):
 def test_transport_threads_fifo_refused_on_cuda():
     """On CUDA the option is refused with the reason, before any thread changes policy."""
     with pytest.raises(SystemExit, match="for CPU runs"):
-        compare.prioritize_transport_threads(torch.device("cuda", 0))
+        transport.prioritize_transport_threads(torch.device("cuda", 0))
+
+
+@pytest.mark.slow  # the side-by-side runs and gates: the tests above; HF models under TP: test_hf
+def test_compare_hf_against_its_own_tp(tmp_path):
+    """HF's own TP and thunder_tp's TP / TP + loss parallel on a 1-layer HF Llama, each gated against one device,
+    timed in alternating rounds with and without transport."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # from_pretrained(tp_plan="auto")
+    report, stdout = _compare(tmp_path, ",".join(sorted(HF_MODES)), "--compile", "thunder_default", "--rounds", "2",
+                              "--without_transport", "true")
+    assert set(report["modes"]) == HF_MODES
+    _check_modes(report["modes"])
+    for name in HF_MODES - {"hf_single_thunder"}:
+        assert report["modes"][name]["transport"]["rounds"] == 2, name
+    forward = report["modes"]["hf_thunder_tp"]["comm_forward_trace"]["counts"]
+    assert forward == {"all_reduce": 3, "all_gather": 1}, forward  # Megatron's minimum for one block
+    assert "| hf_thunder_tp |" in stdout and "hf_thunder_tp_vs_hf_tp" in stdout

@@ -206,7 +206,7 @@ def test_benchmarks_share_only_lib():
 
 
 @pytest.mark.parametrize("line, target", [("from benchmarks import bench_generate", "benchmarks.bench_generate"),
-                                          ("from benchmarks.compare import comm_mode", "benchmarks.compare"),
+                                          ("from benchmarks.benchmark_litgpt import main", "benchmarks.benchmark_litgpt"),
                                           ("    from tests.dist import run_ranks", "tests.dist"),
                                           ("import benchmarks.projection.overlap", "benchmarks.projection.overlap")])
 def test_a_planted_benchmark_import_is_found(line, target):

@@ -97,11 +97,12 @@ fi
 left=$((${GPU_CHECK_S:-480} - (SECONDS - T0)))
 if [[ $PARTS == *,bench,* ]] && ((left > 90)); then
     say "benchmark (${left} s left)"
-    timeout "$left" python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29533 -m benchmarks.compare \
-        --modes "${GPU_MODES:-single_eager,single_thunder,single_thunder_inductor,single_thunder_defaults}" \
-        --dim 2048 --n_layers 4 --n_heads 16 --n_kv_heads 8 --ffn_hidden 5632 --vocab 32000 --batch 8 --seq 256 \
-        --steps 10 --rounds 2 --warmup 2 --scaling_layers "" --json_path "$OUT_DIR/compare_gpu.json" \
-        --dump_traces /tmp/gpu_check_traces > "$OUT_DIR/compare_gpu.log" 2>&1
+    timeout "$left" python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29533 -m benchmarks.benchmark_litgpt \
+        --compare "${GPU_MODES:-single_eager,single_thunder,single_thunder_inductor,single_thunder_defaults}" \
+        --llama_config '{"dim": 2048, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 5632, "vocab": 32000}' \
+        --n_layers 4 --micro_batch_size 8 --block_size 256 --max_iters 12 --warmup_iters 2 --rounds 2 \
+        --learning_rate 0.01 --json_path "$OUT_DIR/compare_gpu.json" \
+        --dump_thunder_traces true --trace_dir /tmp/gpu_check_traces > "$OUT_DIR/compare_gpu.log" 2>&1
     tar czf "$OUT_DIR/traces.tar.gz" -C /tmp gpu_check_traces  # each thunder mode's final traces, in one file
     grep -E "^\[compare\].*median|^\|" "$OUT_DIR/compare_gpu.log" | tail -12
 fi

@@ -1,14 +1,16 @@
-"""The modes ``compare.py`` runs side by side: single device, thunder_tp and PyTorch DTensor TP (its plans for
-the Llama), each a function that turns the model into the module to train."""
+"""The modes ``benchmark_litgpt --compare`` runs side by side: single device, thunder_tp, PyTorch DTensor TP (its plans
+for the Llama) and HuggingFace's own TP, each a function that turns the model into the module to train."""
 
 from __future__ import annotations
+
+import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib.harness import EXECUTORS, Mode, seeded_model
-from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, litgpt_config, thunder_tp_plan
+from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, hf_config, litgpt_config, thunder_tp_plan
 
 
 def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
@@ -104,6 +106,24 @@ def _dtensor(kind: str, compile: bool = False, loss_parallel: bool = False):
     return build
 
 
+def _hf_tp(model: nn.Module) -> nn.Module:
+    """HF's own TP of the model (``from_pretrained(tp_plan="auto")``: its DTensor plan, eager), with the loss; each
+    rank saves its (identical) copy first."""
+    from transformers import AutoModelForCausalLM
+
+    from thunder_tp.plans.hf import CausalLMLoss
+
+    with tempfile.TemporaryDirectory(prefix="compare_hf_") as directory:
+        model.model.save_pretrained(directory)
+        return CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", torch_dtype=torch.float32))
+
+
+def _hf_plan(loss_parallel: bool):
+    import thunder_tp
+
+    return lambda model: thunder_tp.plans.hf(model, loss_parallel=loss_parallel)
+
+
 def all_modes(executors: str = "thunder") -> list[Mode]:
     """Every mode; ``executors`` (a key of ``harness.EXECUTORS``) is what the thunder modes (but
     single_thunder_defaults) run with."""
@@ -121,8 +141,8 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
     def llama(name, ranks, runtime, build, description):
         return Mode(name, description, ranks, build, runtime=runtime, model="llama")
 
-    def litgpt(name, ranks, build, description):
-        return Mode(name, description, ranks, build, runtime="thunder", model="litgpt")
+    def litgpt(name, ranks, build, description, model="litgpt"):
+        return Mode(name, description, ranks, build, runtime="thunder", model=model)
 
     return [
         llama("single_eager", 1, "eager", lambda m: m, "1 rank, eager PyTorch"),
@@ -152,6 +172,11 @@ def all_modes(executors: str = "thunder") -> list[Mode]:
                "litgpt GPT, thunder_tp TP (plans.litgpt)"),
         litgpt("litgpt_thunder_tp_sp", 0, _thunder_tp(litgpt_plan(True), chosen),
                "litgpt GPT, thunder_tp TP+SP (plans.litgpt)"),
+        litgpt("hf_single_thunder", 1, _thunder_single(chosen), f"HF Llama, 1 rank, thunder.jit, {name}", "hf"),
+        Mode("hf_tp", "HF Llama, HF's tp_plan='auto' (DTensor), eager", 0, _hf_tp, model="hf"),
+        litgpt("hf_thunder_tp", 0, _thunder_tp(_hf_plan(False), chosen), "HF Llama, thunder_tp TP (plans.hf)", "hf"),
+        litgpt("hf_thunder_tp_lp", 0, _thunder_tp(_hf_plan(True), chosen),
+               "HF Llama, thunder_tp TP, loss parallel (plans.hf)", "hf"),
     ]
 
 
@@ -166,7 +191,13 @@ def select_modes(modes: list[Mode], wanted: str, skip: str) -> list[Mode]:
 
 
 def make_model(kind: str, cfg: LlamaConfig, seed: int) -> nn.Module:
-    """The model a mode runs (its ``model``) with its loss: the Llama, or litgpt's GPT of the same dims."""
+    """The model a mode runs (its ``model``) with its loss: the Llama, or litgpt's or HF's Llama of the same dims."""
+    if kind == "hf":
+        from transformers import LlamaForCausalLM
+
+        from thunder_tp.plans.hf import CausalLMLoss
+
+        return seeded_model(lambda: CausalLMLoss(LlamaForCausalLM(hf_config(cfg))), seed)
     if kind == "litgpt":
         from thunder_tp.plans.litgpt import GPTWithLoss
 

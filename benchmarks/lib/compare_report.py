@@ -1,4 +1,4 @@
-"""The side-by-side report of ``compare.py``: the markdown table, the targets, the JSON and the plot."""
+"""The side-by-side report of ``benchmark_litgpt --compare``: the markdown table, the targets and the JSON."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def comm_bytes(r: dict) -> int | None:
 
 def baseline_for(name: str) -> str:
     """The 1-rank run a mode's speed-up is measured against: same model family and runtime."""
-    if name.startswith("litgpt"):
-        return "litgpt_single_thunder"
+    if name.startswith(("litgpt", "hf")):
+        return f"{name.split('_')[0]}_single_thunder"
     if name.startswith(("thunder_tp", "single_thunder")):
         return "single_thunder"
     return "single_eager"
@@ -68,9 +68,9 @@ def _fmt(x, spec: str) -> str:
 
 def markdown_table(results: dict) -> str:
     """One row per mode: step times, speed-ups, memory, fusion regions and collectives, or why it was not timed."""
-    ref = results.get("dtensor_tp", {}).get("median_s")
+    ref = (results.get("dtensor_tp") or results.get("hf_tp") or {}).get("median_s")
     lines = [
-        "| mode | ranks | step median (ms) | min–max (ms) | tokens/s | × DTensor TP | speed-up vs 1 rank "
+        "| mode | ranks | step median (ms) | min–max (ms) | tokens/s | × DTensor TP (or HF's) | speed-up vs 1 rank "
         "| parallel eff. | first iter (s) | params/rank (MB) | saved for bwd (MB) | peak step mem (MB) "
         "| page faults/step | fusion regions fwd / bwd | collectives fwd / bwd | comm/step (MB) | loss ok |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
@@ -117,47 +117,6 @@ def transport_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, scaling: dict, path: str) -> None:
-    """Step time and communication per mode (and the TP pass's time vs depth) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    timed = {n: r for n, r in results.items() if "median_s" in r}
-    names = list(timed)
-    fig, axes = plt.subplots(1, 3 if scaling else 2, figsize=(18 if scaling else 13, 5.5))
-    ax = axes[0]
-    med = [timed[n]["median_s"] * 1e3 for n in names]
-    err = [[m - timed[n]["min_s"] * 1e3 for n, m in zip(names, med, strict=True)],
-           [timed[n]["max_s"] * 1e3 - m for n, m in zip(names, med, strict=True)]]
-    colors = ["tab:gray" if timed[n]["ranks"] == 1 else "tab:blue" if "thunder_tp" in n else "tab:orange"
-              for n in names]
-    ax.barh(names, med, xerr=err, color=colors)
-    ax.invert_yaxis()
-    ax.set_xlabel("step time, ms (median, min–max)")
-    ax.set_title("Training step (fwd + CE + bwd + SGD)")
-    ax = axes[1]
-    comm = [(comm_bytes(timed[n]) or 0) / 2**20 for n in names]
-    ax.barh(names, comm, color=colors)
-    for i, n in enumerate(names):
-        ax.text(comm[i], i, " " + _comm_cell(timed[n]), va="center", fontsize=7)
-    ax.invert_yaxis()
-    ax.set_yticklabels([])
-    ax.set_xlabel("communication per step, MB (collectives fwd / bwd)")
-    ax.set_title("Communication")
-    if scaling:
-        ax = axes[2]
-        depths = sorted(int(k) for k in scaling)
-        ax.plot(depths, [scaling[d]["transform_s"] * 1e3 for d in depths], "o-")
-        ax.set_xlabel("n_layers")
-        ax.set_ylabel("TensorParallel pass, ms")
-        ax.set_title("TP transform time vs depth")
-        ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def summary_line(r: dict) -> str:
     """One mode's result in a line (the progress log)."""
     if "median_s" not in r:
@@ -186,7 +145,7 @@ def _efficiency(tp: dict, single: dict, world: int, target: float) -> dict:
             "value_paired_by_round": None if paired is None else paired / world, "target": target}
 
 
-def targets_summary(results: dict, scaling: dict, world: int) -> dict:
+def targets_summary(results: dict, world: int) -> dict:
     """The run against its targets (step time against DTensor's and the single device's, first iteration against
     plain thunder.jit), measured."""
     out: dict = {}
@@ -200,35 +159,29 @@ def targets_summary(results: dict, scaling: dict, world: int) -> dict:
         out["tp_vs_dtensor_loss_parallel"] = _ratio(lp, dt_lp, 0.85)
     if "median_s" in lp and "median_s" in single:
         out["parallel_efficiency_loss_parallel"] = _efficiency(lp, single, world, 0.9)
+    for name in ("hf_thunder_tp", "hf_thunder_tp_lp"):
+        if "median_s" in results.get(name, {}) and "median_s" in results.get("hf_tp", {}):
+            out[f"{name}_vs_hf_tp"] = _ratio(results[name], results["hf_tp"], 0.7)
     if "first_iter_s" in tp and "first_iter_s" in single:
         out["first_iter_vs_thunder_jit"] = {"ratio": tp["first_iter_s"] / single["first_iter_s"], "target": 1.3}
     if "comm_forward_trace" in tp:
         out["thunder_tp_tp_collectives"] = {"forward": tp["comm_forward_trace"]["counts"],
                                             "backward": tp["comm_backward_trace"]["counts"]}
-    if len(scaling) >= 2:
-        depths = sorted(scaling)
-        out["transform_s_per_layer"] = {d: scaling[d]["transform_s"] / d for d in depths}
     return out
 
 
-def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
-    """Print the run's header, the table, the transform times and the targets; write the JSON and the plot."""
+def report(args, cfg, world: int, results: dict) -> None:
+    """Print the run's header, the table and the targets; write the JSON."""
     table = markdown_table(results)
     print()
     print(f"Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
-          f"vocab={cfg.vocab}, batch={args.batch} seq={args.seq}; {world} ranks x {torch.get_num_threads()} thread, "
+          f"vocab={cfg.vocab}, batch={args.micro_batch_size} seq={args.block_size}; {world} ranks x "
+          f"{torch.get_num_threads()} thread, "
           f"{'NCCL' if torch.cuda.is_available() else 'gloo'}"
           f"{' (its threads at SCHED_FIFO 1)' if args.transport_threads == 'fifo' else ''}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+          f"median of {args.max_iters - args.warmup_iters} steps after {args.warmup_iters} warm-up")
     print()
     print(table)
-    if scaling:
-        print()
-        print("| n_layers | TP transform (ms) | per layer (ms) | logical trace bsyms |")
-        print("|---:|---:|---:|---:|")
-        for d in sorted(scaling):
-            s = scaling[d]
-            print(f"| {d} | {s['transform_s'] * 1e3:.0f} | {s['transform_s'] * 1e3 / d:.1f} | {s['trace_bsyms']} |")
     broken_down = {name: r["breakdown"] for name, r in results.items() if "breakdown" in r}
     if broken_down:
         print()
@@ -242,12 +195,10 @@ def report(args, cfg, world: int, results: dict, scaling: dict) -> None:
         print("What communication adds to a step (each multi-rank mode's steps of every round run again with "
               "collectives that move no data, right before or after them; slowest rank; benchmarks/lib/transport.py):")
         print(transport_table(results))
-    summary = targets_summary(results, scaling, world)
+    summary = targets_summary(results, world)
     print()
     print(json.dumps(summary, indent=1))
     if args.json_path:
-        write_json(args.json_path, {"command": " ".join(sys.argv), "config": asdict(cfg), "batch": args.batch,
-                                    "seq": args.seq, "world_size": world, "steps": args.steps, "warmup": args.warmup,
-                                    "modes": results, "transform_scaling": scaling, "targets": summary, "table": table})
-    if args.png_path:
-        plot(results, scaling, args.png_path)
+        write_json(args.json_path, {"command": " ".join(sys.argv), "config": asdict(cfg), "world_size": world,
+                                    "batch": args.micro_batch_size, "seq": args.block_size, "steps": args.max_iters,
+                                    "warmup": args.warmup_iters, "modes": results, "targets": summary, "table": table})

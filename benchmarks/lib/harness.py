@@ -270,22 +270,6 @@ def time_steps(step: Callable[[], Any], steps: int, *, distributed: bool,
     return (slowest_rank(times, device), slowest_rank(faults, device)) if distributed else (times, faults)
 
 
-def profile_steps(name: str, step: Callable[[], Any], directory: str | None, steps: int = 2) -> None:
-    """torch.profiler over ``steps`` calls of ``step()``; the table and the Chrome trace written to ``directory`` as
-    ``name``.txt / ``name``.json (None: not written, as on the ranks that step along with the one that writes)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    if directory is None:
-        return
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"{name}.txt"), "w") as f:
-        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
-    prof.export_chrome_trace(os.path.join(directory, f"{name}.json"))
-
-
 def time_stats(times: list[float]) -> dict[str, float]:
     """Median, min, max and quartiles of step times (seconds)."""
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3

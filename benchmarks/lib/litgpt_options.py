@@ -107,7 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--simulate", type=int, default=0, metavar="N",
                    help="dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + "
                         "backward; prints each rank's parameter bytes and collectives (no torchrun)")
+    add_compare_options(p)
     args = p.parse_args(argv)
+    if args.compare and args.compile == "eager":
+        p.error("--compare runs every mode it names (single_eager is the eager one): use --compile thunder or "
+                "thunder_default")
     if args.simulate and args.distributed_mode not in ("tp", "tp_sp"):
         p.error(f"--simulate simulates a TP plan: use --distributed_mode tp or tp_sp, not {args.distributed_mode!r}")
     if args.max_iters <= args.warmup_iters:
@@ -127,6 +131,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--compile eager runs plain PyTorch, which has no tensor parallelism: use --distributed_mode none, "
                 "or --compile thunder / thunder_default")
     return args
+
+
+def add_compare_options(p: argparse.ArgumentParser) -> None:
+    """The side-by-side run's own flags (``lib/side_by_side.py``); it reads --n_layers, --block_size,
+    --micro_batch_size, --max_iters, --warmup_iters, --learning_rate, --compile and --dump_thunder_traces too."""
+    g = p.add_argument_group("side by side (--compare): modes of lib/compare_modes.py on the benchmark Llama")
+    g.add_argument("--compare", default="", help="comma-separated modes (or 'all') trained side by side, each gated "
+                                                 "against one device, timed in alternating rounds")
+    g.add_argument("--skip", default="", help="comma-separated modes to leave out of --compare")
+    g.add_argument("--llama_config", default="",
+                   help="JSON of LlamaConfig fields over lib/llama.py's (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
+                        "vocab 8192), e.g. '{\"dim\": 64}'")
+    g.add_argument("--rounds", type=int, default=5, help="alternating rounds the timed steps are spread over")
+    g.add_argument("--rtol", type=float, default=1e-4, help="first-step loss tolerance (10x for the second step)")
+    g.add_argument("--grad_rtol", type=float, default=1e-4,
+                   help="first-step gradient tolerance, relative to each gradient's largest entry")
+    g.add_argument("--fresh_inductor_cache", type=str2bool, default=True,
+                   help="compile into an empty Inductor cache (honest first-iteration times)")
+    g.add_argument("--pin_cores", type=str2bool, default=True, help="CPU runs: pin local rank r to core r")
+    g.add_argument("--transport_threads", choices=("default", "fifo"), default="default",
+                   help="fifo: every rank's threads but its main one (gloo's) at real-time priority SCHED_FIFO 1, "
+                        "every mode alike (needs CAP_SYS_NICE; CPU only)")
+    g.add_argument("--breakdown", type=int, default=0,
+                   help="steps of each thunder mode timed region by region and collective by collective")
+    g.add_argument("--without_transport", type=str2bool, default=False,
+                   help="each multi-rank mode's steps of every round run again with collectives that move no data: "
+                        "what communication adds to a step (lib/transport.py)")
 
 
 def context_parallel_error(args: argparse.Namespace) -> str | None:

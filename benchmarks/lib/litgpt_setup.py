@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from benchmarks.lib.float8 import convert_to_float8
 from benchmarks.lib.harness import EXECUTORS, log, random_batch, seeded_model
+from benchmarks.lib.llama import LlamaConfig, hf_sizes
 
 #: --dtype -> the parameters' dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -163,9 +164,8 @@ MODES["tp_fsdp"] = DistributedMode(_tp_fsdp, data_parallel=True)
 # --------------------------------------------------------------------------------------------------------------
 
 
-#: --hf_model_type's sizes unless --hf_config overrides them: the Llama of the comparison with HF's own TP
-HF_SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                intermediate_size=1536, vocab_size=8192)
+#: --hf_model_type's sizes unless --hf_config overrides them: the benchmark Llama's
+HF_SIZES = hf_sizes(LlamaConfig())
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,13 @@
-"""The Llama that ``compare.py`` trains (separate q/k/v, RMSNorm, RoPE, SwiGLU, GQA, causal SDPA, untied embedding
-and lm_head), the litgpt config of the same dims, thunder_tp's plan for it, and the TP pass's time vs depth."""
+"""The benchmark Llama (separate q/k/v, RMSNorm, RoPE, SwiGLU, GQA, causal SDPA, untied embedding and lm_head), the
+litgpt and HF configs of the same dims, and thunder_tp's plan for it."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-from benchmarks.lib.harness import seeded_model, thunder_default_executors
 
 
 @dataclass
@@ -134,6 +129,19 @@ class WithLoss(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def hf_sizes(cfg: LlamaConfig) -> dict:
+    """An HF LlamaConfig's sizes for the dims of ``cfg``."""
+    return dict(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.ffn_hidden, vocab_size=cfg.vocab)
+
+
+def hf_config(cfg: LlamaConfig):
+    """An HF LlamaConfig with the same dims as ``cfg``."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    return HFLlamaConfig(**hf_sizes(cfg), max_position_embeddings=cfg.max_seq)
+
+
 def litgpt_config(cfg: LlamaConfig):
     """A litgpt Config with the same dims as ``cfg``."""
     from litgpt import Config
@@ -169,46 +177,3 @@ def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dic
         plan.update({f"{blk}attention_norm": SequenceParallel(1), f"{blk}ffn_norm": SequenceParallel(1),
                      "model.norm": SequenceParallel(1)})
     return plan
-
-
-# --- transform time vs depth ------------------------------------------------------------------------
-
-
-def transform_scaling(cfg: LlamaConfig, depths: list[int], repeats: int) -> dict:
-    """Time of TensorParallel.transform_traces_pre_prologue (the TP pass) for Llamas of each depth."""
-    import thunder
-
-    import thunder_tp
-
-    timings: list[float] = []
-    timings_bsyms: list[int] = []
-    original = thunder_tp.TensorParallel.transform_traces_pre_prologue
-
-    def timed(self, prologue, computation, epilogue, **kwargs):
-        start = time.perf_counter()
-        out = original(self, prologue, computation, epilogue, **kwargs)
-        timings.append(time.perf_counter() - start)
-        timings_bsyms.append(len(computation.bound_symbols))
-        return out
-
-    thunder_tp.TensorParallel.transform_traces_pre_prologue = timed
-    results = {}
-    try:
-        for n in depths:
-            c = LlamaConfig(**{**asdict(cfg), "n_layers": n})
-            samples = []
-            for _ in range(repeats):
-                model = seeded_model(lambda c=c: WithLoss(Llama(c)), 0)
-                jm = thunder.jit(model, transforms=[thunder_tp.TensorParallel(thunder_tp_plan(False))],
-                                 executors=thunder_default_executors())
-                idx = torch.zeros(1, min(16, c.max_seq), dtype=torch.long)
-                with torch.no_grad():
-                    jm(idx, idx)
-                samples.append(timings[-1])
-            t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            results[n] = {"transform_s": t.item(), "samples_s": samples, "trace_bsyms": timings_bsyms[-1]}
-    finally:
-        thunder_tp.TensorParallel.transform_traces_pre_prologue = original
-    return results
-

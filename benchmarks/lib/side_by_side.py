@@ -1,0 +1,267 @@
+"""``benchmark_litgpt --compare MODES``: several modes (``compare_modes.py``) trained side by side in one run.
+
+Every mode trains the same model from the same weights on the same batch with the same step. Before any timing,
+each mode's first-step gradients (gathered to full tensors) are gated against one device's eager run (``gate.py``)
+and its first two losses compared; then the modes' timed steps run in ``--rounds`` alternating rounds (a step
+starts at a barrier and lasts until its slowest rank is done), medians reported. Diagnostics: ``--breakdown N``
+(``breakdown.py``), ``--without_transport 1`` (``transport.py``), ``--transport_threads fifo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from benchmarks.lib.breakdown import step_breakdown
+from benchmarks.lib.compare_modes import all_modes, make_model, select_modes
+from benchmarks.lib.compare_report import report, summary_line
+from benchmarks.lib.eager_counts import comm_mode, hooked_saved_bytes, summarize_records
+from benchmarks.lib.gate import GradientMismatch, check_gradients, full_grads
+from benchmarks.lib.harness import (
+    Mode,
+    add_round,
+    alternating_rounds,
+    on_ranks,
+    param_bytes,
+    peak_step_bytes,
+    pin_to_core,
+    random_batch,
+    saved_for_backward,
+    slowest_rank,
+    step_context,
+    steps_per_round,
+    sync,
+    time_stats,
+    time_steps,
+    train_step,
+)
+from benchmarks.lib.llama import LlamaConfig
+from benchmarks.lib.transport import communication_cost, prioritize_transport_threads, steps_without_transport
+
+
+def llama_config(args: argparse.Namespace) -> LlamaConfig:
+    """The compared Llama's dims: ``--llama_config`` over the defaults, ``--n_layers`` and ``--block_size``."""
+    import json
+
+    fields = json.loads(args.llama_config or "{}") | {"max_seq": args.block_size}
+    if args.n_layers is not None:
+        fields["n_layers"] = args.n_layers
+    return LlamaConfig(**fields)
+
+
+def reference_run(kind: str, cfg: LlamaConfig, state: dict, idx, targets, lr: float) -> dict:
+    """Eager single-device first and second-step losses and first-step gradients (float64 copies)."""
+    model = make_model(kind, cfg, 0)
+    model.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss1 = train_step(model, opt, idx, targets).item()
+    grads = {name: p.grad.detach().to(torch.float64) for name, p in model.named_parameters()}
+    return {"losses": [loss1, train_step(model, opt, idx, targets).item()], "grads": grads}
+
+
+def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
+    """Build, check every gradient and the first two losses, warm up; this rank's result and (jm, opt, params)."""
+    distributed = mode.ranks != 1
+    result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
+                    "runtime": mode.runtime, "times_s": [], "round_medians_s": [], "minor_faults": []}
+    if distributed:
+        dist.barrier()
+    t0 = time.perf_counter()
+    jm = mode.build(model)
+    opt = torch.optim.SGD(list(jm.parameters()), lr=args.learning_rate)
+    loss1 = train_step(jm, opt, idx, targets)
+    sync()
+    result["first_iter_s"] = time.perf_counter() - t0
+    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.model]["grads"], args.grad_rtol)
+    loss2 = train_step(jm, opt, idx, targets)
+    result["loss_step1"], result["loss_step2"] = loss1.item(), loss2.item()
+    ref1, ref2 = reference[mode.model]["losses"]
+    ok = math.isclose(loss1.item(), ref1, rel_tol=args.rtol) and math.isclose(loss2.item(), ref2,
+                                                                              rel_tol=10 * args.rtol)
+    result |= {"reference_losses": [ref1, ref2], "param_bytes": param_bytes(jm)}
+    if distributed:
+        agreed = torch.tensor([float(ok)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        ok = bool(agreed.item())
+        result["first_iter_s"] = slowest_rank([result["first_iter_s"]])[0]
+    result["loss_ok"] = ok
+    if not ok:
+        result["error"] = (f"first/second-step loss {loss1.item():.7f}/{loss2.item():.7f} differs from single-device "
+                           f"{ref1:.7f}/{ref2:.7f}; not timed")
+        return result, None
+    for _ in range(max(args.warmup_iters - 2, 0)):  # the first two steps were warm-up too
+        train_step(jm, opt, idx, targets)
+    return result, (jm, opt, list(jm.parameters()))
+
+
+def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
+    """Statistics of the timed steps, the diagnostics asked for (breakdown, communication's cost, traces), peak
+    memory, saved-for-backward bytes and collectives of more steps."""
+    jm, opt, params = state
+    step = partial(train_step, jm, opt, idx, targets)
+    result.update(time_stats(result["times_s"]))
+    result["minor_faults_per_step"] = statistics.median(result["minor_faults"])
+    result["tokens_per_s"] = idx.numel() / result["median_s"]
+    if args.breakdown and mode.runtime == "thunder":
+        result["breakdown"] = step_breakdown(jm, step, args.breakdown, distributed=mode.ranks != 1)
+    if "without_transport" in result:
+        result["transport"] = communication_cost(result, result.pop("without_transport"))
+    if args.dump_thunder_traces and mode.runtime == "thunder":
+        import thunder_tp
+
+        thunder_tp.dump_traces(jm, os.path.join(args.trace_dir, mode.name))
+    result["peak_step_bytes"] = peak_step_bytes(step)
+    measure_memory_and_comm(mode, jm, params, idx, targets, result)
+
+
+def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) -> None:
+    """Saved-for-backward bytes and collectives of one more forward/backward; after timing, since a dispatch mode
+    (CommDebugMode) makes Dynamo give up on compiled code (Inductor regions and torch.compile run eagerly after)."""
+    jm.zero_grad(set_to_none=True)
+    with step_context(jm):
+        saved, loss = hooked_saved_bytes(lambda: jm(idx, targets), params)
+        loss.backward()
+    result["saved_bytes_hooks"] = saved
+    result["saved_bytes"] = saved
+    if mode.runtime == "thunder":
+        import thunder
+
+        from thunder_tp.tools.debug import collective_calls
+
+        fwd_t, bwd_t = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+        result["saved_bytes"] = (saved_for_backward(fwd_t) or {}).get("activation_bytes")
+        for name, trace in (("forward", fwd_t), ("backward", bwd_t)):
+            result[f"comm_{name}_trace"] = summarize_records([(c["kind"], c["bytes"]) for c in collective_calls(trace)])
+        result["fusion_regions"] = [sum(b.sym.is_fusion for b in t.bound_symbols) for t in (fwd_t, bwd_t)]
+    fwd_mode, bwd_mode = comm_mode(), comm_mode()
+    jm.zero_grad(set_to_none=True)
+    try:
+        with step_context(jm):
+            with fwd_mode:
+                loss = jm(idx, targets)
+            with bwd_mode:
+                loss.backward()
+        result["comm_forward"] = summarize_records(fwd_mode.records)
+        result["comm_backward"] = summarize_records(bwd_mode.records)
+    except Exception as e:
+        result["comm_note"] = f"runtime comm measurement failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+    jm.zero_grad(set_to_none=True)
+
+
+def prepare_all(modes: list[Mode], cfg: LlamaConfig, idx, targets, args, results: dict) -> dict:
+    """Build, gate and warm up every mode; each ready mode's (jm, opt, params)."""
+    kinds = sorted({m.model for m in modes})
+    initial = {k: make_model(k, cfg, 0).state_dict() for k in kinds}
+    # every rank runs the reference itself: each checks the full gradients it gathered
+    reference = {k: reference_run(k, cfg, initial[k], idx, targets, args.learning_rate) for k in kinds}
+    states: dict = {}
+
+    def prepare(mode: Mode) -> None:
+        model = make_model(mode.model, cfg, 0)
+        model.load_state_dict(initial[mode.model])
+        try:
+            results[mode.name], state = prepare_mode(mode, model, idx, targets, args, reference)
+            if state is not None:
+                states[mode.name] = state
+        except Exception as e:
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            if mode.runtime != "compile" or isinstance(e, GradientMismatch):
+                traceback.print_exc()
+                raise
+            results[mode.name] = {"description": mode.description, "skipped": f"torch.compile failed: {msg}"}
+            print(f"[compare] {mode.name} skipped: {msg}", file=sys.stderr, flush=True)
+
+    for mode in modes:
+        if dist.get_rank() == 0:
+            print(f"[compare] {mode.name}: {mode.description}", file=sys.stderr, flush=True)
+        results[mode.name] = {"description": mode.description}
+        on_ranks(mode.ranks, partial(prepare, mode))
+    return states
+
+
+def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: dict) -> list[Mode]:
+    """The timed steps of every ready mode in alternating rounds; the modes timed."""
+    ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
+    dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
+    timed_modes = [m for m, ok in zip(modes, ready.tolist(), strict=True) if ok]
+    runs = [(m, transport) for m in timed_modes for transport in (True, False)
+            if transport or (args.without_transport and measures_transport(m))]
+    per_round = steps_per_round(args.max_iters - args.warmup_iters, args.rounds)
+    for r, (mode, transport) in alternating_rounds(runs, len(per_round)):  # every mode a few steps per round
+        def run(mode=mode, transport=transport, steps=per_round[r]):
+            jm, opt, params = states[mode.name]
+            with contextlib.nullcontext() if transport else steps_without_transport(params):
+                times, faults = time_steps(partial(train_step, jm, opt, idx, targets), steps,
+                                           distributed=mode.ranks != 1)
+            add_round(results[mode.name], times, transport, faults)
+
+        on_ranks(mode.ranks, run)
+    return timed_modes
+
+
+def measures_transport(mode: Mode) -> bool:
+    """True for the modes ``--without_transport`` measures: multi-rank, eager or thunder (a compiled graph holds its
+    collectives, out of ``transport.py``'s reach)."""
+    return mode.ranks != 1 and mode.runtime != "compile"
+
+
+def compare(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    """Run the modes of ``--compare`` side by side on this rank and report (rank 0); 0 on success."""
+    torch.set_num_threads(1)
+    if device.type == "cuda":
+        torch.set_default_device(device)
+    cfg = llama_config(args)
+    idx, targets = random_batch(args.micro_batch_size, args.block_size, cfg.vocab, 1234, device)
+    modes = select_modes(all_modes(args.compile), args.compare, args.skip)
+    results: dict = {}
+    fifo = args.transport_threads == "fifo"
+    if fifo:
+        prioritize_transport_threads(device)  # fails before the modes are built where it cannot be done
+    states = prepare_all(modes, cfg, idx, targets, args, results)
+    if fifo:  # again: the process groups that building the modes made have threads of their own
+        count = prioritize_transport_threads(device)
+        if rank == 0:
+            print(f"[compare] --transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)",
+                  file=sys.stderr, flush=True)
+    for mode in time_rounds(modes, states, idx, targets, args, results):
+        state = states.pop(mode.name, None)  # on a one-rank mode's other ranks: none
+        on_ranks(mode.ranks, partial(finish_mode, mode, state, idx, targets, args, results[mode.name]))
+        if rank == 0:
+            print(f"[compare] {mode.name}: {summary_line(results[mode.name])}", file=sys.stderr, flush=True)
+        gc.collect()
+    if rank == 0:
+        report(args, cfg, world, results)
+    dist.barrier()
+    return 0
+
+
+@contextlib.contextmanager
+def compare_process(args: argparse.Namespace):
+    """What a side-by-side run sets up before its process group: ranks pinned one per core (CPU) and an empty
+    Inductor cache (honest first-iteration times), removed after."""
+    if args.pin_cores and not torch.cuda.is_available():
+        pin_to_core()
+    cache_dir = None
+    if args.fresh_inductor_cache:
+        cache_dir = tempfile.mkdtemp(prefix=f"compare_inductor_{os.environ.get('RANK', '0')}_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        yield
+    finally:
+        if cache_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
