@@ -82,7 +82,7 @@ def _jitted(args: argparse.Namespace, device):
 def _figures(model, first_s: float, cpu_s: float, step_s: float) -> dict:
     from torch._dynamo.utils import counters
 
-    from thunder_tp.execution.repeated_blocks import stats_of
+    from thunder_tp.tracing.repeated_blocks import stats_of
 
     stats = stats_of(model)
     return {"compile_s": first_s - step_s, "compile_cpu_s": cpu_s, "step_s": step_s,

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "thunder_tp.families": 2,  # the registry through which model families hook into the stages
     "thunder_tp.propagation": 3,  # the analysis: constraints and propagation
     "thunder_tp.rewriting": 4,  # the rewrite: what a program communicates, ops on local pieces
+    "thunder_tp.tracing": 5,  # the shortcuts through Thunder's tracing: blocks traced once, regions compiled once
     "thunder_tp.execution": 5,  # the fusion executor and its passes
     "thunder_tp.runtimes": 6,  # the decode step, the ranks' agreement checks
     "thunder_tp.plans.search": 6,  # the automatic plan, searched with the analysis and the rewrite's prices

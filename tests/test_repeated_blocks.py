@@ -1,5 +1,5 @@
-"""A model's repeated blocks traced once (thunder_tp.execution.repeated_blocks) and its regions compiled once
-(thunder_tp.execution.region_cache): the same program as interpreting every block, bit for bit, under TP too; the
+"""A model's repeated blocks traced once (thunder_tp.tracing.repeated_blocks) and its regions compiled once
+(thunder_tp.tracing.region_cache): the same program as interpreting every block, bit for bit, under TP too; the
 number of compiled regions does not grow with the depth."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import thunder_tp
 from tests.generation import MAX_SEQ, greedy, models_with_cache
 from tests.litgpt_models import CONFIGS, MODES, SEQ, VOCAB, GPTWithLoss, batch
 from tests.tp_checks import FAST_EXECUTORS
-from thunder_tp.execution import block_keys, repeated_blocks
-from thunder_tp.execution.repeated_blocks import TraceStats, stats_of
+from thunder_tp.tracing import block_keys, repeated_blocks
+from thunder_tp.tracing.repeated_blocks import TraceStats, stats_of
 
 
 @pytest.fixture(autouse=True)
@@ -234,7 +234,7 @@ def test_compiled_regions_do_not_grow_with_depth(monkeypatch):
     kind of region its depth can give: the first block's, a middle one's, the last's). The second's compilations
     are served by Inductor's on-disk cache, which the count does not see."""
     from thunder_tp.execution import executor
-    from thunder_tp.execution.region_cache import CompiledRegions
+    from thunder_tp.tracing.region_cache import CompiledRegions
 
     compiled = []
     for layers in (3, 5):

@@ -1,4 +1,4 @@
-"""A replayed block is only ever an exact shortcut (thunder_tp.execution.block_keys): blocks of one class whose
+"""A replayed block is only ever an exact shortcut (thunder_tp.tracing.block_keys): blocks of one class whose
 forward differs from the recorded call's (hooks and what they close over, attributes of any type, grad mode,
 autocast, another model of the same class) give eager's loss and grads, and compile_once=False's bit for bit."""
 
@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.tp_checks import FAST_EXECUTORS
-from thunder_tp.execution import repeated_blocks
-from thunder_tp.execution.repeated_blocks import stats_of
+from thunder_tp.tracing import repeated_blocks
+from thunder_tp.tracing.repeated_blocks import stats_of
 
 WIDTH, BLOCKS = 8, 4
 

@@ -8,7 +8,7 @@ The core (TensorParallel, plans.auto) imports no model family, and neither does 
 - a wrapper rule: which of its modules wrap a layer whose style their own parameters follow (a LoRA pair around its
   base Linear), so that the automatic plan decides the two together;
 - index attributes: attributes that number its blocks and that their forward does not read (litgpt's `block_idx`),
-  so that blocks differing only in them are traced once (`thunder_tp.execution.repeated_blocks`).
+  so that blocks differing only in them are traced once (`thunder_tp.tracing.repeated_blocks`).
 """
 
 from __future__ import annotations

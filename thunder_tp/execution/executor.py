@@ -32,12 +32,10 @@ from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_execu
 
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
-from thunder_tp.execution import repeated_blocks  # noqa: F401  (blocks traced once, in jits with these executors)
 from thunder_tp.execution.complex_grads import complex_grads_executor, touches_complex
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
 from thunder_tp.execution.fallback import RegionBackend, with_fallback
-from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
 from thunder_tp.ops.cross_entropy import CROSS_ENTROPY_SYMBOLS
@@ -47,6 +45,8 @@ from thunder_tp.thunder_internals import (
     untraced,  # noqa: F401  (modules built in a jitted forward, traced natively)
 )
 from thunder_tp.thunder_internals.private import torch_function_symbols
+from thunder_tp.tracing import repeated_blocks  # noqa: F401  (blocks traced once, in jits with these executors)
+from thunder_tp.tracing.region_cache import CompiledRegions, canonical_form
 
 __all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
 
@@ -127,7 +127,7 @@ class InductorFusionExecutor(TorchCompileExecutor):
 
     def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
         """Thunder's torch.compile region, named ``{region_name}{fusion_counter}``; its callable made once per
-        canonical region (``execution/region_cache.py``: the same region of every block is compiled once)."""
+        canonical region (``tracing/region_cache.py``: the same region of every block is compiled once)."""
         inputs = [unvariableify(x) for x in region.inputs]
         outputs = [unvariableify(x) for x in region.outputs]
         fullgraph = get_compile_option("torch_compile_fullgraph", "Whether to enable `fullgraph` from `torch.compile`.")

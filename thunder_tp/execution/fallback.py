@@ -18,7 +18,7 @@ What is a backend error (``is_backend_error``), and what is the program's:
 The program's errors propagate unchanged. A backend error whose next backend then raises one of the program's
 propagates that one (the program's error, as the next backend reports it), and the region keeps its backend.
 
-Regions of one canonical form (``execution/region_cache.py``: the same code on inputs of the same metadata, e.g. the
+Regions of one canonical form (``tracing/region_cache.py``: the same code on inputs of the same metadata, e.g. the
 same region of every block) share one ``FallbackRegion``, in the process: they run one compiled callable (one
 compilation for all of them, whatever the backend), and a region rejected in one block falls back once for all.
 """
@@ -37,8 +37,8 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.executors.torch_compile import make_compiled
 from thunder.extend import FusionExecutor
 
-from thunder_tp.execution.region_cache import CompiledRegions, canonical_form
 from thunder_tp.thunder_internals.dynamo import is_program_error
+from thunder_tp.tracing.region_cache import CompiledRegions, canonical_form
 
 __all__ = ["BACKEND_NAMES", "SHARED_REGIONS", "FallbackRegion", "RegionBackend", "RegionFallbackWarning",
            "is_backend_error", "with_fallback"]

@@ -14,7 +14,7 @@ LoRA. A `litgpt.lora.LoRALinear`'s pair follows the style of its base `linear` (
 and the family tells the automatic plan so (a wrapper rule), which decides the two together.
 
 Repeated blocks. `block_idx` only numbers a block: litgpt reads it where it builds one (its sliding-window flag
-is an attribute of its own), so blocks traced once (`thunder_tp.execution.repeated_blocks`) ignore it.
+is an attribute of its own), so blocks traced once (`thunder_tp.tracing.repeated_blocks`) ignore it.
 
 So a plain `thunder.jit` of such models traces once thunder_tp is imported.
 """

@@ -200,7 +200,7 @@ def _constrained_lookaside(module: nn.Module, what: str, keys: tuple, values: tu
 
 def _label(module: nn.Module) -> str:
     """How an error names `module`: by its name in the model being traced (the hooks carry no name, so that the
-    blocks they constrain alike stay one kind: `execution/block_keys.py`)."""
+    blocks they constrain alike stay one kind: `tracing/block_keys.py`)."""
     root = getattr(get_compile_data(), "fn", None)
     name = next((n for n, m in root.named_modules() if m is module), None) if isinstance(root, nn.Module) else None
     if name is None:

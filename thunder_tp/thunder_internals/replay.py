@@ -1,5 +1,5 @@
 """Thunder 0.2.6's interpreter, for a module interpreted once and its bound symbols appended again for its likes
-(`thunder_tp.execution.repeated_blocks`).
+(`thunder_tp.tracing.repeated_blocks`).
 
 What this relies on, with no public route in Thunder 0.2.6:
 

@@ -8,7 +8,7 @@ from thunder_tp.families import register_family, register_index_attribute
 from thunder_tp.models.hf import attention, moe
 
 # a decoder layer's attention reads `layer_idx` only with a KV cache, an object its call's arguments then hold (a
-# call thunder_tp.execution.repeated_blocks does not trace once)
+# call thunder_tp.tracing.repeated_blocks does not trace once)
 register_index_attribute("transformers.", "layer_idx")
 
 

@@ -19,7 +19,7 @@ have added to the prologue is its tensors' unpacking and checks (kept: they are 
 not checks of its Python attributes (a block's attribute changed after the first call goes unnoticed).
 
 On by default with thunder_tp's executors (with the comm executor among them); `thunder.jit(...,
-compile_once=False)` turns it off (and the sharing of compiled regions, `execution/region_cache.py`), `=True` on
+compile_once=False)` turns it off (and the sharing of compiled regions, `tracing/region_cache.py`), `=True` on
 with any executors.
 """
 
@@ -39,9 +39,9 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, get_tracectx
 
 from thunder_tp.collectives import comm_executor
-from thunder_tp.execution.block_keys import block_key
-from thunder_tp.execution.region_cache import canonical_form, compile_once_option
 from thunder_tp.thunder_internals import replay
+from thunder_tp.tracing.block_keys import block_key
+from thunder_tp.tracing.region_cache import canonical_form, compile_once_option
 
 __all__ = ["VERIFIED_KINDS", "TraceStats", "repeated_blocks", "stats_of"]
 

@@ -1,6 +1,6 @@
 """What a repeated block's call can observe, as a key: two calls with equal keys interpret to one program.
 
-A replayed block (`thunder_tp.execution.repeated_blocks`) is not interpreted, so its key must hold everything its
+A replayed block (`thunder_tp.tracing.repeated_blocks`) is not interpreted, so its key must hold everything its
 forward, its submodules' and its hooks' could read and that could differ from the recorded call:
 
 - the block's structure: every submodule's name and class, its parameters' and buffers' metadata;
