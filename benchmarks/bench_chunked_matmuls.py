@@ -13,23 +13,21 @@ weight grads (a matmul per chunk, summed), whole against chunked, medians of ``-
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from benchmarks.lib.chunked_matmuls import DTYPES, MODELS, measure, report
+from benchmarks.lib.chunked_matmuls import MODELS, measure, report
+from benchmarks.lib.harness import DTYPES, options, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options(__doc__, dtype="bfloat16")
     p.add_argument("--model", choices=list(MODELS), default="Llama-3-8B")
     p.add_argument("--tokens", type=int, default=None, help="batch x seq (default: the model's)")
     p.add_argument("--tp", default="2,4,8")
     p.add_argument("--chunks", default="tp", help="comma-separated chunk counts; tp: the TP size")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--json_path", default=None)
     return p.parse_args(argv)
 
 
@@ -44,8 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model} sites, {tokens} tokens, {args.dtype}, {name}; medians of {args.repeats}\n")
     print(report(rows), flush=True)
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"args": vars(args), "device": name, "rows": rows}, f, indent=1)
+        write_json(args.json_path, {"args": vars(args), "device": name, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.lib.harness import write_json
+from benchmarks.lib.harness import options, write_json
 
 
 def child(args: argparse.Namespace) -> None:
@@ -120,7 +120,7 @@ def _free_port() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options(__doc__)
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
     p.add_argument("--modes", nargs="+", choices=["one_device", "tp"], default=["one_device", "tp"])
     p.add_argument("--tp", type=int, default=2, help="ranks of the TP runs")
@@ -131,7 +131,6 @@ def main() -> None:
     p.add_argument("--compile_once", type=lambda s: s.lower() == "true", default=True,
                    help="thunder.jit(..., compile_once=...): false interprets every block, compiles every region")
     p.add_argument("--second", action="store_true", help="each run again in a second process on its warm caches")
-    p.add_argument("--json_path", type=Path, default=None)
     p.add_argument("--child", choices=["one_device", "tp"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--child_layers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -148,7 +147,7 @@ def main() -> None:
                     runs["second"] = run(mode, layers, cache, args)
                 results.setdefault(mode, {})[layers] = runs
                 print(_row(mode, layers, runs, results[mode]), flush=True)
-    if args.json_path is not None:
+    if args.json_path:
         write_json(args.json_path, {"model": args.model_name, "tp": args.tp, "compile_once": args.compile_once,
                                     "batch": [args.batch, args.seq], "results": results})
 

@@ -3,45 +3,14 @@
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_generate --dtype float32 --batch 1 \\
         --json_path generate.json
 
-The model is a litgpt llama (RMSNorm, SwiGLU MLP, RoPE, grouped K/V heads, untied embedding and lm_head, no biases)
-with seeded random weights, sized by the flags (the defaults: ~104 M parameters, a decode step reads ~420 MB in
-fp32). Greedy generation of ``--new_tokens`` tokens after ``--prompt_len`` random prompt tokens through litgpt's own
-loops: batch 1 ``litgpt.generate.base.generate_fn`` (the loop ``generate`` runs; timing its yields gives the time to
-the first token), batch > 1 ``batched_generate_fn``. Modes (``--modes``):
-
-- ``single_thunder`` (a): ``thunder.jit(model)`` on rank 0 alone, the other ranks waiting at a barrier (a single
-  device is one core here, as in compare.py; every rank running its own copy would share the memory bandwidth that
-  decode is bound by);
-- ``single_eager`` (b): the same litgpt GPT in eager PyTorch on rank 0: its tokens (from ``generate`` for batch 1)
-  are the reference every mode's tokens must equal, at every generation, else the run exits 1; except where a row
-  first leaves them at a near-tie (``NEAR_TIE_EPS``: (b)'s teacher-forced logits of the two tokens within rounding,
-  frequent in bf16 with random weights), reported in the table;
-- ``thunder_tp`` (c): ``model.set_kv_cache(batch_size=B)``, then ``thunder.jit(model, transforms=[TensorParallel(
-  plans.litgpt(model))], executors=...)`` on every rank; litgpt's loops sample inside its program, on each rank's
-  vocabulary shard (``thunder_tp.models.litgpt_sampling``: each rank's (largest logit, index) gathered, not the
-  logits);
-- ``thunder_tp_gather`` (c'): the same, its generations under ``thunder_tp.set_sampling("gather")``: litgpt's own
-  sampler on the logits, which the program gathers (the way before the sampler on shards);
-- ``manual_tp`` (d): gpt-fast-style TP in eager PyTorch on every rank (``shard_by_hand``): q|k|v split per block,
-  column/row splits of the MLP, an all_reduce after attention and after the MLP of each block, the KV cache of the
-  local K/V heads only, the embedding replicated (a lookup: sharding it would add an all_reduce), the lm_head split
-  by vocab and its logits all_gathered;
-- ``eager_2threads`` (e), for information: the eager GPT of (b) on rank 0 with ``torch.set_num_threads(2)`` over
-  the cores the process had before ``--pin_cores`` (CPU only).
-
-(a), (b) and (e) share one GPT (weights and KV cache; each generation writes the cache before reading it). Eager
-litgpt reads only the filled part of the cache at batch 1 (``input_pos_maxp1``); Thunder modules and the batched
-loop read all of it, masked. Each round runs one generation of every mode, the order reversed every other round,
-after ``--warmup`` untimed generations per mode (the first compiles). Reported per mode, medians over the rounds:
-time to first token (the prefill, from the call to the first token), decode tokens/s (batch x tokens after the first
-over the time from the first to the last token; a distributed mode's times are its slowest rank's), their ratios to
-(a), the collectives of one decode step ((c): its last trace's ``thunder_tp.collectives_table``; (d): counted at
-runtime), KV-cache and parameter bytes per rank, compiles over all the generations of the run
-(``thunder.cache_misses``). Every rank uses one thread.
-
-The model, its flags and the hand-written TP (``shard_by_hand``) are ``benchmarks/lib/decode_llama.py``'s, which
-the benchmarks of a rank's decode step share; the token check belongs to this benchmark alone, so it stays here
-(past 300 lines).
+Greedy generation through litgpt's own loops of ``lib/llama.py``'s litgpt llama (random weights) in the modes of
+``all_modes`` (docs/generation.md, "The decode benchmark"): (a) ``single_thunder`` and (b) ``single_eager`` on rank 0
+alone, (c) ``thunder_tp`` and (c') ``thunder_tp_gather`` (litgpt's sampler on gathered logits), (d) ``manual_tp``
+(gpt-fast-style, ``shard_by_hand``), (e) ``eager_2threads``. Every generation's tokens must equal (b)'s, else the run
+exits 1, but where a row first leaves them at a near-tie of (b)'s logits (``NEAR_TIE_EPS``), which is reported.
+Each round runs one generation of every mode (order reversed every other round) after ``--warmup`` untimed ones;
+medians over the rounds of the time to first token and decode tokens/s (a distributed mode's: its slowest rank's),
+the collectives of one decode step, KV-cache and parameter bytes per rank, compiles. One thread per rank.
 """
 
 from __future__ import annotations
@@ -67,7 +36,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from benchmarks.lib.decode_llama import generate_args, make_config, new_gpt, set_cache, shard_by_hand
 from benchmarks.lib.harness import (
     EXECUTORS,
     Mode,
@@ -85,6 +53,7 @@ from benchmarks.lib.harness import (
     slowest_rank,
     write_json,
 )
+from benchmarks.lib.llama import decode_config, generate_args, new_gpt, set_cache, shard_by_hand
 
 PROMPT_SEED = 1234
 #: a mode's token may leave the reference's where their reference logits are this many eps of the dtype (times the
@@ -367,7 +336,7 @@ def _kinds(by_kind: dict | None) -> str:
 
 def report(args: argparse.Namespace, results: dict, world: int, device: torch.device) -> None:
     """Print the markdown table and the collectives of a decode step (rank 0)."""
-    c = make_config(args)
+    c = decode_config(args)
     params = sum(p.numel() for p in new_gpt(args, torch.device("meta")).parameters())
     print(f"\nllama: {c.n_layer} layers, n_embd {c.n_embd}, {c.n_head} heads / {c.n_query_groups} K/V groups, "
           f"intermediate {c.intermediate_size}, vocab {c.padded_vocab_size}: {params / 1e6:.1f} M parameters, "

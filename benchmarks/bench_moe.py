@@ -4,25 +4,13 @@ peak memory and bytes moved per step, side by side in one process group (the two
     torchrun --nproc-per-node 2 -m benchmarks.bench_moe                  # mixtral and fine, TP=2, on the CPU (gloo)
     torchrun --nproc-per-node 4 -m benchmarks.bench_moe --configs fine   # TP=4
     python -m benchmarks.bench_moe --one_rank 8 --configs qwen3-30b-a3b --dtype bfloat16   # a GPU: one rank of 8
-    [--tokens N --steps 12 --rounds 4 --warmup 2 --json_path out.json]
 
-Configs (C = the hidden size, w = one expert's width): "mixtral" 8 experts, top-2, w 1024, C 512, 512 tokens;
-"fine" 64 experts, top-8, w 256 (fine-grained, as Qwen3-MoE and DeepSeek: the same active FLOPs per token);
-"qwen3-30b-a3b" one layer of Qwen3-30B-A3B: 128 experts, top-8, w 768, C 2048, 8192 tokens. Modes:
-- tp: every expert's fc_1/fc_2 column-, proj row-parallel (plans.litgpt's default for LLaMAMoE), router replicated:
-  each rank runs 1/TP of every expert on every token; the output all-reduced (forward), its input's grad (backward).
-- ep: each rank holds n_expert / TP experts whole (plans.litgpt(expert_parallel=True)): each rank routes its
-  sequence shard, all_to_alls move the (token, expert) rows to their experts and back, the output is all-gathered.
-A step: forward and backward of the layer on (1, tokens, C) activations, whole on every rank, the sum of squares as
-the loss. Per mode: the median step time of the slowest rank (every step starts after a barrier), the peak memory a
-step needs above what is live before it (CUDA: max allocated; CPU: peak resident set; the largest over the ranks), the
-parameters per rank and the bytes this rank's collectives move per step (thunder_tp.collectives_table of the final
-traces; an all_to_all counts the rows of this rank's (token, expert) pairs; the routing is data: the random
-activations and router here route about evenly). Before timing, both modes' outputs are checked against each other.
-
-`--one_rank N`: rank N-1 of a fake group of N (thunder_tp.one_rank) at the config's true shapes, built on the meta
-device: its own program and memory, every collective returning at once (no transport: step time is compute alone;
-an all_to_all's bytes are those of an even routing, every peer taken to route as this rank does).
+Configs: ``CONFIGS``. Modes: ``tp`` (every expert column/row-split, plans.litgpt's default for LLaMAMoE) and ``ep``
+(each rank holds n_expert / TP experts whole, plans.litgpt(expert_parallel=True): all_to_alls move the rows). A step:
+forward and backward of the layer on (1, tokens, C) activations, the sum of squares as the loss; both modes' outputs
+checked against each other first. Per mode: the median step of the slowest rank, the peak memory a step needs, the
+parameters per rank and the bytes this rank's collectives move per step (docs/results.md, "Mixture of experts").
+``--one_rank N``: rank N-1 of a fake group of N (thunder_tp.one_rank) at true shapes on the meta device.
 """
 
 from __future__ import annotations
@@ -41,12 +29,14 @@ from thunder.transforms import MaterializationTransform
 
 import thunder_tp
 from benchmarks.lib.harness import (
+    DTYPES,
     alternating_rounds,
     collectives_per_iteration,
     exit_without_teardown,
     fmt_bytes,
     init_distributed,
     log,
+    options,
     param_bytes,
     peak_step_bytes,
     steps_per_round,
@@ -61,7 +51,6 @@ EXPERT_LAYERS = ("fc_1", "fc_2", "proj")
 TP_PLAN = {"experts.*.fc_1": thunder_tp.ColwiseParallel(), "experts.*.fc_2": thunder_tp.ColwiseParallel(),
            "experts.*.proj": thunder_tp.RowwiseParallel()}
 MODES = ("tp", "ep")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -83,15 +72,13 @@ CONFIGS = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options(__doc__, dtype="float32")
     parser.add_argument("--configs", default="mixtral,fine", help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per step (default: the config's)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--one_rank", type=int, default=0, help="run one rank of a fake group of this size")
-    parser.add_argument("--json_path", default="")
     return parser.parse_args()
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks.lib.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
-from benchmarks.lib.harness import param_bytes, random_batch, step_context, write_json
+from benchmarks.lib.harness import DTYPES, options, param_bytes, random_batch, step_context, write_json
 from benchmarks.lib.llama import LlamaConfig
 from benchmarks.lib.rank_modes import DECODE, PLANS, TRAINING, RankMode
 from benchmarks.lib.rank_report import report
@@ -49,13 +49,11 @@ PRESETS = {
     "Llama-3-70B": dict(n_layer=80, n_embd=8192, n_head=64, n_query_groups=8, intermediate_size=28672, vocab=128256),
     "tiny": dict(n_layer=2, n_embd=64, n_head=8, n_query_groups=4, intermediate_size=128, vocab=256),
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = options(__doc__, dtype="bfloat16")
     p.add_argument("--model", choices=list(PRESETS), default="tiny")
     for dim in ("n_embd", "n_head", "n_query_groups", "intermediate_size", "vocab"):
         p.add_argument(f"--{dim}", type=int, default=None, help="override the preset's")
@@ -77,7 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="training rows per step")
     p.add_argument("--context", type=int, default=1024, help="decode: cached positions")
     p.add_argument("--decode_batches", default="1,8")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--steps", type=int, default=5, help="timed steps (medians)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -88,7 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode_link", choices=list(LINKS), default="h100_nvlink_graph",
                    help="the link for the CUDA-graph decode rows (e)/(f)")
     p.add_argument("--link_override", default="", help="e.g. 'all_reduce.latency_us=18,all.bus_gbps=350'")
-    p.add_argument("--json_path", default="")
     args = p.parse_args(argv)
     args.depths = [int(d) for d in args.layers.split(",") if d]
     if not 1 <= len(args.depths) <= 2 or len(set(args.depths)) != len(args.depths):

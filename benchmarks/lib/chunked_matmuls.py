@@ -14,7 +14,6 @@ MODELS = {
     "Llama-3-8B": dict(dim=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, tokens=8192),
     "benchmark": dict(dim=512, n_heads=8, n_kv_heads=4, ffn_hidden=1536, tokens=512),  # compare.py's Llama
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def sites(model: dict, tp: int) -> dict[str, tuple[int, int]]:

@@ -8,6 +8,7 @@ name one place, which is why it runs past 300 lines.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import datetime
@@ -30,6 +31,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import thunder_tp.thunder_internals.quiet  # noqa: F401  (before Thunder's first import: quiets what using thunder_tp causes)
+
+#: a --dtype flag's name -> the dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+def options(doc: str, dtype: str | None = None) -> argparse.ArgumentParser:
+    """A benchmark's parser: ``doc``'s first line as its description, defaults shown, ``--json_path`` (written when
+    given) and, with a default ``dtype``, ``--dtype``."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--json_path", default="", help="write the results as JSON here")
+    if dtype is not None:
+        p.add_argument("--dtype", choices=sorted(DTYPES), default=dtype)
+    return p
+
 
 # --- process group and device -------------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.lib import float8
-from benchmarks.lib.harness import EXECUTORS
-from benchmarks.lib.litgpt_setup import DTYPES, FP8_MODES, MODES
+from benchmarks.lib.harness import EXECUTORS, options
+from benchmarks.lib.litgpt_setup import FP8_MODES, MODES
 
 
 def str2bool(value: str | bool) -> bool:
@@ -23,10 +23,7 @@ def str2bool(value: str | bool) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = options("Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.", dtype="float32")
     p.add_argument("--model_name", default="pythia-14m",
                    help="litgpt Config.from_name (builtin configs, random weights)")
     p.add_argument("--hf_model_type", default="",
@@ -47,7 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint_activations", type=str2bool, default=False,
                    help="activation checkpointing of every transformer block (torch.utils.checkpoint, which Thunder "
                         "turns into recomputation in the backward, collectives included)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the model's parameters")
     p.add_argument("--low_precision_mode", default="none", choices=["none", *FP8_MODES],
                    help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none "
                         "only")
@@ -92,7 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump_thunder_traces", type=str2bool, default=False,
                    help="every rank writes its final traces to --trace_dir (one line says where)")
     p.add_argument("--trace_dir", default="traces", help="where --dump_thunder_traces writes rank{r}_* files")
-    p.add_argument("--json_path", default="", help="write the results as JSON here (rank 0)")
     p.add_argument("--return_metrics_as_json", type=str2bool, default=False,
                    help="accepted for compatibility with Thunder's script; JSON is written whenever --json_path is set")
     p.add_argument("--learning_rate", type=float, default=0.5, help="SGD learning rate")

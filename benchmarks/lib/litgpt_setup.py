@@ -19,11 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib.float8 import convert_to_float8
-from benchmarks.lib.harness import EXECUTORS, log, random_batch, seeded_model
+from benchmarks.lib.harness import DTYPES, EXECUTORS, log, random_batch, seeded_model
 from benchmarks.lib.llama import LlamaConfig, hf_sizes
 
-#: --dtype -> the parameters' dtype
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Thunder's benchmark_litgpt fp8 modes (TransformerEngine), refused with an explanation
 FP8_MODES = ("fp8-delayed-te", "fp8-default-te", "fp8-delayed-te-wo_layernorm", "fp8-default-te-wo_layernorm")
 

@@ -28,9 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib.compare_modes import dtensor_plan
-from benchmarks.lib.decode_llama import shard_by_hand
 from benchmarks.lib.harness import thunder_default_executors
-from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
+from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, shard_by_hand, thunder_tp_plan
 
 #: the training plans by name: (sequence parallel, loss parallel)
 PLANS = {"tp": (False, False), "tp_sp": (True, False), "tp_lp": (False, True), "tp_sp_lp": (True, True)}

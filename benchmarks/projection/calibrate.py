@@ -31,19 +31,28 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.lib.alpha_beta import Link, project_step
-from benchmarks.lib.decode_llama import generate_args, make_config, new_gpt, set_cache
 from benchmarks.lib.gloo_link import measure_link
 from benchmarks.lib.harness import (
     EXECUTORS,
     exit_without_teardown,
     init_distributed,
+    options,
     pin_to_core,
     random_batch,
     seeded_model,
     slowest_rank,
     write_json,
 )
-from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, thunder_tp_plan
+from benchmarks.lib.llama import (
+    Llama,
+    LlamaConfig,
+    WithLoss,
+    decode_config,
+    generate_args,
+    new_gpt,
+    set_cache,
+    thunder_tp_plan,
+)
 from benchmarks.lib.rank_modes import DECODE, llama_on_meta, random_weights
 from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
 
@@ -51,7 +60,7 @@ PLANS = {"tp": (False, False), "tp_lp": (False, True), "tp_sp": (True, False)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options(__doc__)
     cfg = LlamaConfig()
     for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab", "ffn_hidden"):
         p.add_argument(f"--{f}", type=int, default=getattr(cfg, f), help="training Llama (compare.py's defaults)")
@@ -65,7 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--link_repeats", type=int, default=40)
     p.add_argument("--tolerance", type=float, default=0.25)
-    p.add_argument("--json_path", default="")
     return p.parse_args(argv)
 
 
@@ -98,7 +106,7 @@ def decode_module(gen: argparse.Namespace, alone: bool) -> torch.nn.Module:
     device = torch.device("cpu")
     if alone:
         thunder_decode = next(m for m in DECODE if m.key == "d")
-        return thunder_decode.build(make_config(gen), _position(gen), gen.batch, device,
+        return thunder_decode.build(decode_config(gen), _position(gen), gen.batch, device,
                                     torch.float32, gen.compile == "thunder_default")
     model = set_cache(new_gpt(gen, device), gen, device)
     return thunder.jit(model, transforms=[thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))],

@@ -3,24 +3,12 @@ exposed communication per layer and tokens/s/GPU against the undecomposed schedu
 
     python -m benchmarks.projection.overlap --tp 2,4,8 --sensitivity send_recv.latency_us=8 --json_path out.json
 
-Per TP size and mode ("never": undecomposed; "auto": what the cost model decomposes on NCCL at the measured compute
-rate; "always": every site) the program of rank tp-1 of a fake group (``thunder_tp.one_rank``): compare.py's Llama at
-Llama-3-8B's shapes, bf16, 1 x ``--seq`` tokens, SP + loss parallel (the GPU table's plan), with
-``thunder_tp.executors("inductor")``'s schedule; traced at depths 1 and 2 without running (parameters uninitialized,
-nothing computed). Each pass is replayed with ``alpha_beta.project_pass`` on ``--link``, then again on each
-``--sensitivity`` change of it (a send_recv, the decomposition's piece, at the link's all_gather numbers unless given
-its own). The compute is the GPU table's (``--layer_ms`` per layer and ``--base_ms`` for the rest of a step at TP
-``--measured_tp``), other TP sizes scaled by FLOPs, each pass's share by its FLOPs; "auto" decides with NCCL's link
-and that compute's rate (FLOPs per measured second). A decomposed pass computes the same FLOPs in more, smaller
-matmuls: its compute is the undecomposed pass's times the ratio of their matmul time under the cost model
-(``overlap_cost.Costs.matmul_s``: a call's fixed cost and, on a GPU, the last wave of output tiles filled less),
-shared out by that time; with ``--chunk_timings`` (``bench_chunked_matmuls.py``'s JSON, measured on a GPU at these
-shapes) what the chunks add is scaled to what was measured there; ``--chunk_scales 1,0`` replays with it as priced
-and free (the bounds where nothing was measured).
-
-Per layer (depth 2 minus depth 1): compute, communication one after the other, the communication the schedule leaves
-exposed (its replay minus its compute), the decomposed schedule's against the undecomposed one's, and what the
-chunks add to compute. Whole model: depth 1 plus ``--layers`` - 1 layers, as tokens/s/GPU (batch x seq / step / TP).
+Per TP size and mode (never, auto, always) the program of rank tp-1 of a fake group (``thunder_tp.one_rank``): the
+benchmark Llama at Llama-3-8B's shapes, bf16, SP + loss parallel, traced at depths 1 and 2 without running, each pass
+replayed with ``alpha_beta.project_pass`` on ``--link`` (and each ``--sensitivity`` change of it). Compute: the GPU
+table's (``--layer_ms``, ``--base_ms`` at ``--measured_tp``) scaled by FLOPs; a decomposed pass's matmuls priced by
+``overlap_cost.Costs.matmul_s``, or scaled to ``--chunk_timings`` (``bench_chunked_matmuls.py``'s JSON from a GPU).
+Per layer (depth 2 minus depth 1) and whole model (``--layers``) as tokens/s/GPU; method in docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -37,6 +25,7 @@ import torch
 
 import thunder_tp
 from benchmarks.lib.alpha_beta import LINKS, Link, PassProjection, flops, project_pass
+from benchmarks.lib.harness import options, write_json
 from benchmarks.lib.llama import LlamaConfig, thunder_tp_plan
 from benchmarks.lib.rank_modes import llama_on_meta
 from thunder_tp.execution.overlap_cost import Costs, device_costs
@@ -49,7 +38,7 @@ TORCHTITAN = {"without async TP": 4378, "async TP": 4809}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options(__doc__)
     p.add_argument("--tp", default="2,4,8")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--layers", type=int, default=32)
@@ -64,7 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk_timings", default=None, help="bench_chunked_matmuls.py's JSON (chunks = TP size)")
     p.add_argument("--chunk_scales", default="1",
                    help="comma-separated factors on what the chunks add to compute (1: as priced; 0: free)")
-    p.add_argument("--json_path", default=None)
     return p.parse_args(argv)
 
 
@@ -226,8 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             results[f"{override or 'as given'}, chunks x {scale:g}"] = rows
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"args": vars(args), "links": results}, f, indent=1)
+        write_json(args.json_path, {"args": vars(args), "links": results})
 
 
 if __name__ == "__main__":
