@@ -43,7 +43,7 @@ def models_with_cache(config: Config, batch: int, dtype: torch.dtype = torch.flo
 def greedy(model, prompt: torch.Tensor, steps: int, on_decode=None,
            decode=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Prefill, then `steps` - 1 decode steps (the model's call, or `decode(tokens, position)`, e.g. a
-    thunder_tp.generation.Decoder): the greedy tokens and every step's last logits."""
+    thunder_tp.generate.generation.Decoder): the greedy tokens and every step's last logits."""
 
     def call(tokens: torch.Tensor, position: int) -> torch.Tensor:
         return model(tokens, torch.tensor([position], device=prompt.device))

@@ -25,7 +25,7 @@ from tests.tp_checks import assert_close_scaled, assert_grads_are_shards, collec
 from thunder_tp import TensorParallel
 from thunder_tp.execution.executor import fusion_executor, is_communication
 from thunder_tp.execution.fallback import RegionFallbackWarning
-from thunder_tp.generation import Decoder
+from thunder_tp.generate.generation import Decoder
 
 pytestmark = pytest.mark.cuda
 

@@ -23,7 +23,7 @@ from tests.dist import run_ranks
 from tests.generation import MAX_SEQ, NEW_TOKENS, PROMPT, gen_config, greedy, models_with_cache
 from tests.litgpt_models import VOCAB, expected_counts
 from tests.tp_checks import FAST_EXECUTORS, assert_close_scaled, collective_counts, rank_and_size
-from thunder_tp.generation import Decoder
+from thunder_tp.generate.generation import Decoder
 from thunder_tp.runtimes.cuda_graphs import split_at_communication
 from thunder_tp.runtimes.whole_step import compiled_whole, whole_program
 from thunder_tp.thunder_internals.computation import computation_and_inputs

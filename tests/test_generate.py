@@ -212,7 +212,7 @@ def test_batch_larger_than_the_cache_is_a_clear_error():
 def _compiles_for_prompts(lengths: list[int]) -> list[int]:
     """thunder_tp.generate's chunked prefill, then a decode step, for prompts of several lengths: the programs
     compiled after each."""
-    from thunder_tp.generation import TokenPicker, prefill
+    from thunder_tp.generate.generation import TokenPicker, prefill
     from thunder_tp.ops.sampling import Sampling
 
     _, model = models_with_cache(gen_config("gqa"), 1)

@@ -18,7 +18,7 @@ from litgpt import GPT, Config
 
 from tests.dist import REPO_ROOT, free_port, launch_torchrun, run_ranks, start_forked
 from thunder_tp.generate import cli, main
-from thunder_tp.generation import prefill_chunks
+from thunder_tp.generate.generation import prefill_chunks
 from thunder_tp.tools.debug import totals
 
 SENTENCES = ["the llama eats grass and hay", "a tensor is split over the ranks", "every rank holds its heads",
@@ -168,7 +168,7 @@ def test_cli_tp3_samples_the_single_device_tokens(tmp_path):
 def _prompt_of_rank() -> str:
     import torch.distributed as dist
 
-    from thunder_tp.generation import GenerateError, check_same_prompt
+    from thunder_tp.generate.generation import GenerateError, check_same_prompt
 
     check_same_prompt(torch.tensor([5, 7, 9]))  # alike: nothing
     try:

@@ -40,8 +40,7 @@ LAYERS: dict[str, int] = {
     "thunder_tp.plans": 10,  # the public plans (plans.litgpt, plans.hf, plans.auto) built on the families
     "thunder_tp.__init__": 11,  # the public API: the package itself, above everything it gathers
     "thunder_tp.api": 11,  # what the package's names load from
-    "thunder_tp.generate": 12,  # the generation CLI, a user of the public API
-    "thunder_tp.generation": 12,  # what the generation CLI runs
+    "thunder_tp.generate": 12,  # the generation CLI and what it runs (generation.py)
     "thunder_tp.fabric": 12,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
 }
 LAYER_NAMES = {0: "vocabulary", 1: "collectives", 2: "front", 3: "analysis", 4: "rewrite", 5: "execution",

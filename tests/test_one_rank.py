@@ -142,7 +142,7 @@ def test_without_a_process_group_the_ranks_live_on_the_cpu():
 
 
 def test_nothing_to_agree_with_under_one_rank():
-    from thunder_tp.generation import _check_ranks_agree
+    from thunder_tp.generate.generation import _check_ranks_agree
     from thunder_tp.run_mode import ranks_of
 
     with thunder_tp.one_rank(2, 1, device="cpu"):

@@ -5,7 +5,7 @@ TensorParallel (each rank holds its share of the weights and of the cache) and l
 by slice; or, with ``--model_name``, built with random weights (token ids are printed). Compilation happens in a
 warm-up run before any timing. Sampling is on by default (``--temperature 0`` is greedy), seeded once per run and
 alike on every rank. This module parses the command line and imports nothing heavy before it has (``--help`` answers
-at once); ``thunder_tp.generation`` runs it. Errors in the arguments are printed as one line on rank 0
+at once); ``thunder_tp.generate.generation`` runs it. Errors in the arguments are printed as one line on rank 0
 (exit code 2), without a traceback.
 """
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-#: --precision: Lightning's names (thunder_tp.generation maps them to dtypes)
+#: --precision: Lightning's names (thunder_tp.generate.generation maps them to dtypes)
 PRECISIONS = ("32-true", "bf16-true", "16-true", "64-true")
 #: --sampling: thunder_tp.models.litgpt_sampling's samplers
 SAMPLERS = ("shards", "gather")
@@ -64,7 +64,7 @@ def _top_k(text: str) -> int | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Generate and report; returns what ``--json_path`` gets."""
     args = parse_args(argv)
-    from thunder_tp.generation import generate
+    from thunder_tp.generate.generation import generate
 
     return generate(args)
 
@@ -73,7 +73,7 @@ def cli(argv: list[str] | None = None) -> int:
     """``main`` for the command line: a refused request (``GenerateError``) is one line on rank 0's stderr and exit
     code 2 on every rank (after a barrier, so that torchrun does not stop rank 0 before it printed)."""
     args = parse_args(argv)
-    from thunder_tp.generation import GenerateError, finish, generate
+    from thunder_tp.generate.generation import GenerateError, finish, generate
 
     try:
         generate(args)
@@ -84,6 +84,3 @@ def cli(argv: list[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(cli())

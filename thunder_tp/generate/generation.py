@@ -20,14 +20,17 @@ import thunder
 import torch
 import torch.distributed as dist
 
-import thunder_tp
 import thunder_tp.checkpoint as ck
+from thunder_tp import plans
 from thunder_tp.collectives import comm_executor
+from thunder_tp.execution.executor import executors
 from thunder_tp.models.litgpt_sampling import next_tokens
 from thunder_tp.ops.sampling import Sampling
 from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.decode_step import DecodeStep, Strategy
 from thunder_tp.runtimes.divergence import check_same_tensors, checksum
+from thunder_tp.tools.debug import collectives_table
+from thunder_tp.transform import TensorParallel
 
 
 class GenerateError(ValueError):
@@ -191,9 +194,9 @@ def _build(args: argparse.Namespace, config, max_seq_length: int, device: torch.
 def _jit(model, compile: str, tp_size: int):
     if compile == "eager":
         return model
-    transforms = [thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))] if tp_size > 1 else []
-    executors = thunder_tp.executors() if compile == "thunder" else [comm_executor, *thunder.get_default_executors()]
-    return thunder.jit(model, transforms=transforms, executors=executors)
+    transforms = [TensorParallel(plans.litgpt(model))] if tp_size > 1 else []
+    chosen = executors() if compile == "thunder" else [comm_executor, *thunder.get_default_executors()]
+    return thunder.jit(model, transforms=transforms, executors=chosen)
 
 
 def prefill_chunks(length: int) -> list[int]:
@@ -339,7 +342,7 @@ def _report(jm, decoder: Decoder, samples: list[dict[str, Any]], tp_size: int, a
     if args.compile != "eager":
         step = next(iter(decoder.steps.values()), None)
         report["decode_step"] = decoder.strategy or "off"
-        report["decode_step_collectives"] = thunder_tp.collectives_table(
+        report["decode_step_collectives"] = collectives_table(
             step.trace if step is not None else thunder.last_traces(jm)[-1])
         report["compiles"] = thunder.cache_misses(jm)
     return report
