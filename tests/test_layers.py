@@ -18,34 +18,33 @@ BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 # The layers, bottom to top: the pipeline's stages in order, then what is built on them. A module may import its own
 # layer and the ones below it; it belongs to the layer of the longest prefix listed here (every module not listed
-# with its own prefix is the vocabulary, layer 0: layouts, pieces, run_mode, ops, thunder_internals).
+# with its own prefix is the vocabulary, layer 0: layouts, pieces, costs, ops, thunder_internals).
 LAYERS: dict[str, int] = {
-    "thunder_tp": 0,  # the vocabulary: layouts and pieces, run modes, thunder_tp's own symbols, Thunder's internals
-    "thunder_tp.collectives": 1,  # collective symbols, their grads and lowering, redistributions
-    "thunder_tp.styles": 2,  # the front: styles, annotate(), plan matching, DTensor's spellings
+    "thunder_tp": 0,  # the vocabulary: layouts, pieces, the cost model, thunder_tp's own symbols, Thunder's internals
+    "thunder_tp.collectives": 1,  # how the ranks run, collective symbols, their grads and lowering, annotate()
+    "thunder_tp.styles": 2,  # the front: styles, plan matching, DTensor's spellings
     "thunder_tp.families": 2,  # the registry through which model families hook into the stages
     "thunder_tp.propagation": 3,  # the analysis: constraints and propagation
     "thunder_tp.rewriting": 4,  # the rewrite: what a program communicates, ops on local pieces
-    "thunder_tp.tracing": 5,  # the shortcuts through Thunder's tracing: blocks traced once, regions compiled once
+    "thunder_tp.tracing": 4,  # the shortcuts through Thunder's tracing: blocks traced once, regions compiled once
     "thunder_tp.execution": 5,  # the fusion executor and its passes
-    "thunder_tp.runtimes": 6,  # the decode step, the ranks' agreement checks
-    "thunder_tp.plans.search": 6,  # the automatic plan, searched with the analysis and the rewrite's prices
-    "thunder_tp.transform": 7,  # TensorParallel: drives the stages on each trace
-    "thunder_tp.composition": 7,  # the transform's checks of its place among Thunder's DDP / FSDP transforms
-    "thunder_tp.context_parallel": 7,  # ContextParallel: a TensorParallel over the sequence
-    "thunder_tp.tools": 8,  # simulate, one_rank, debug, clipping: around a TensorParallel program
-    "thunder_tp.data_parallel": 8,  # 2-D meshes, parallelize()
-    "thunder_tp.checkpoint": 8,  # DCP save / load of TensorParallel programs
-    "thunder_tp.models": 9,  # the model families, which register themselves into the stages
-    "thunder_tp.plans": 10,  # the public plans (plans.litgpt, plans.hf, plans.auto) built on the families
-    "thunder_tp.__init__": 11,  # the public API: the package itself, above everything it gathers
-    "thunder_tp.api": 11,  # what the package's names load from
-    "thunder_tp.generate": 12,  # the generation CLI and what it runs (generation.py)
-    "thunder_tp.fabric": 12,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
+    "thunder_tp.runtimes": 5,  # the decode step, the ranks' agreement checks
+    "thunder_tp.models": 6,  # the model families, which register themselves into the stages
+    "thunder_tp.plans": 7,  # the plans: plans.litgpt, plans.hf on the families, plans.auto searched (plans/search/)
+    "thunder_tp.transform": 8,  # TensorParallel: drives the stages on each trace
+    "thunder_tp.composition": 8,  # the transform's checks of its place among Thunder's DDP / FSDP transforms
+    "thunder_tp.context_parallel": 9,  # ContextParallel: a TensorParallel over the sequence
+    "thunder_tp.tools": 9,  # simulate, one_rank, debug, clipping: around a TensorParallel program
+    "thunder_tp.data_parallel": 9,  # 2-D meshes, parallelize()
+    "thunder_tp.checkpoint": 9,  # DCP save / load of TensorParallel programs
+    "thunder_tp.__init__": 10,  # the public API: the package itself, above everything it gathers
+    "thunder_tp.api": 10,  # what the package's names load from
+    "thunder_tp.generate": 11,  # the generation CLI and what it runs (generation.py)
+    "thunder_tp.fabric": 11,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
 }
-LAYER_NAMES = {0: "vocabulary", 1: "collectives", 2: "front", 3: "analysis", 4: "rewrite", 5: "execution",
-               6: "runtimes / plan search", 7: "transform", 8: "tools / 2-D / checkpoint", 9: "models", 10: "plans",
-               11: "the package __init__", 12: "generate / fabric"}
+LAYER_NAMES = {0: "vocabulary", 1: "collectives", 2: "front", 3: "analysis", 4: "rewrite / tracing", 5: "execution",
+               6: "models", 7: "plans", 8: "transform", 9: "tools / 2-D / checkpoint", 10: "the package __init__",
+               11: "generate / fabric"}
 
 
 def module_name(path: Path) -> str:
@@ -159,6 +158,7 @@ def test_nothing_imports_upwards():
                                               ("thunder_tp.propagation.engine", "thunder_tp.rewriting.program"),
                                               ("thunder_tp.collectives.symbols", "thunder_tp.tools.simulate"),
                                               ("thunder_tp.execution.executor", "thunder_tp.transform"),
+                                              ("thunder_tp.tracing.repeated_blocks", "thunder_tp.execution.executor"),
                                               ("thunder_tp.models.moe", "thunder_tp.plans.hf"),
                                               ("thunder_tp.plans.litgpt", "thunder_tp.fabric.strategy"),
                                               ("thunder_tp.styles", "thunder_tp"),

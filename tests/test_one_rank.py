@@ -135,15 +135,15 @@ def test_reduce_scatter_gives_this_rank_chunk_and_is_restored():
 
 
 def test_without_a_process_group_the_ranks_live_on_the_cpu():
-    from thunder_tp.run_mode import ranks_of
+    from thunder_tp.collectives.run_mode import ranks_of
 
     assert not torch.distributed.is_initialized()
     assert ranks_of().device == torch.device("cpu")  # ck.load of a meta model on one device (the CLI's TP=1 run)
 
 
 def test_nothing_to_agree_with_under_one_rank():
+    from thunder_tp.collectives.run_mode import ranks_of
     from thunder_tp.generate.generation import _check_ranks_agree
-    from thunder_tp.run_mode import ranks_of
 
     with thunder_tp.one_rank(2, 1, device="cpu"):
         assert not ranks_of().has_peers

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.tp_checks import FAST_EXECUTORS
-from thunder_tp.run_mode import RankAlone, fake_group_on, simulated_ranks, simulated_world
+from thunder_tp.collectives.run_mode import RankAlone, fake_group_on, simulated_ranks, simulated_world
 from thunder_tp.thunder_internals.private import interpretations_kept, reuse_interpretation
 from thunder_tp.tracing import block_keys, repeated_blocks
 from thunder_tp.tracing.region_cache import CompiledRegions

@@ -23,8 +23,8 @@ from tests.tp_checks import (
     rank_and_size,
 )
 from thunder_tp import TensorParallel
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.plans.litgpt import GPTWithLoss, tp_sizes
-from thunder_tp.run_mode import ranks_of
 
 #: head counts kept, widths tiny; 44 MLP features and 256 vocabulary entries split unevenly at TP 3 (and 44 at 8)
 CONFIGS = {

@@ -3,7 +3,7 @@
 
 from thunder_tp.thunder_internals import quiet  # noqa: I001  (first: filters the warning importing Thunder raises)
 from thunder_tp import plans
-from thunder_tp.styles.annotate import annotate
+from thunder_tp.collectives.annotate import annotate
 from thunder_tp.tools.clipping import clip_grad_norm_
 from thunder_tp.tools.debug import collectives_table, dump_traces
 from thunder_tp.execution.executor import executors

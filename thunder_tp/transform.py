@@ -15,6 +15,7 @@ from thunder.core.transform_common import Transform, dce
 
 from thunder_tp.collectives import gather_full
 from thunder_tp.collectives.distributed import local_piece
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.composition import check_composition
 from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
@@ -27,7 +28,6 @@ from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.collectives import copies_named_as_sources
 from thunder_tp.propagation.constraints import constrain_module_boundaries, constrain_styled_ops
 from thunder_tp.rewriting.program import rewrite
-from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.agreement import CompileAgreement
 from thunder_tp.runtimes.divergence import CHECK_INPUTS, InputAgreement, SameWeights
 from thunder_tp.runtimes.same_collectives import SameCollectives

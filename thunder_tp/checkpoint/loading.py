@@ -22,8 +22,8 @@ from thunder_tp.checkpoint.tensors import (
     sharded_tensor_without_deprecation_warnings,
     state_like,
 )
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import REPLICATE
-from thunder_tp.run_mode import ranks_of
 from thunder_tp.styles.matching import tied_parameters
 from thunder_tp.thunder_internals.private import original_module
 

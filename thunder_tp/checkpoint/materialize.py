@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.checkpoint.tensors import HeldTensor, model_tensor
-from thunder_tp.run_mode import ranks_of
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.thunder_internals.private import original_module, set_parameter, set_trace_device
 
 

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.packing import pack, unpack
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import Layout, Pieces, Shard, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, shard_tensor, take_piece, trimmed_piece
-from thunder_tp.run_mode import ranks_of
 
 
 def all_reduce(a: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

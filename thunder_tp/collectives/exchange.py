@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from thunder_tp.collectives.distributed import NamedWork
-from thunder_tp.run_mode import ranks_of
+from thunder_tp.collectives.run_mode import ranks_of
 
 __all__ = ["RankExchange"]
 

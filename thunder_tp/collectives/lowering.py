@@ -23,6 +23,7 @@ from thunder.distributed.prims import DistributedReduceOps
 from thunder.executors.torchex import ex as pytorch_ex
 
 from thunder_tp.collectives.packing import is_plain, pack, unpack
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.collectives.symbols import (
     comm_executor,
     tp_all_to_all,
@@ -49,7 +50,6 @@ from thunder_tp.collectives.symbols import (
 )
 from thunder_tp.layouts import Pieces, Shard, is_even, padded_lengths, rank_pieces
 from thunder_tp.pieces import padded_piece, take_piece, trimmed_piece
-from thunder_tp.run_mode import ranks_of
 
 
 def _synchronous() -> bool:

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp import collectives as C
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.costs import ALPHA_BYTES
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, padded_lengths, rank_pieces
-from thunder_tp.run_mode import ranks_of
 
 #: resharding a parameter is a last resort: its layout is the user's
 PARAMETER_PENALTY = 1000.0

@@ -20,8 +20,8 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_tp.collectives import distributed as D
 from thunder_tp.collectives.packing import pack, unpack
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import Pieces, padded_lengths
-from thunder_tp.run_mode import ranks_of
 
 comm_executor = OperatorExecutor("thunder_tp_comm", version="0.1")
 register_executor(comm_executor)

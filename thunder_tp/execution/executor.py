@@ -32,6 +32,7 @@ from thunder.extend import Executor, FusionExecutor, ImplInfo, get_default_execu
 
 from thunder_tp.collectives import COMM_IDS, comm_executor, is_communication
 from thunder_tp.collectives.lowering import reduce_in_place
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.execution.complex_grads import complex_grads_executor, touches_complex
 from thunder_tp.execution.cpu_attention import cpu_attention_executor
 from thunder_tp.execution.cuda_attention import cuda_attention_executor
@@ -39,7 +40,6 @@ from thunder_tp.execution.fallback import RegionBackend, with_fallback
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
 from thunder_tp.ops.cross_entropy import CROSS_ENTROPY_SYMBOLS
-from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals import (
     inductor,  # noqa: F401  (Inductor's CPU ISA probe: once per machine)
     untraced,  # noqa: F401  (modules built in a jitted forward, traced natively)

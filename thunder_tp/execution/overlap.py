@@ -50,9 +50,9 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder_tp import collectives as C
 from thunder_tp.collectives.labels import label_collectives, label_of
 from thunder_tp.collectives.packing import is_plain
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.execution import overlap_cost as cost
 from thunder_tp.layouts import Layout, TPGroup, largest_piece
-from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.grad_mode import in_grad_mode_of
 
 Mode = Literal["auto", "always", "never"] | cost.Costs

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import thunder_tp.checkpoint as ck
 from thunder_tp import plans
 from thunder_tp.collectives import comm_executor
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.execution.executor import executors
 from thunder_tp.models.litgpt_sampling import next_tokens
 from thunder_tp.ops.sampling import Sampling
-from thunder_tp.run_mode import ranks_of
 from thunder_tp.runtimes.decode_step import DecodeStep, Strategy
 from thunder_tp.runtimes.divergence import check_same_tensors, checksum
 from thunder_tp.tools.debug import collectives_table

@@ -1,5 +1,6 @@
 """Layout propagation: the engine and the rules, one module per op family."""
 
+from thunder_tp.collectives.annotate import tp_annotate
 from thunder_tp.layouts import normalize
 from thunder_tp.propagation import (  # noqa: F401  (importing a family registers its rules)
     attention,
@@ -15,7 +16,6 @@ from thunder_tp.propagation import (  # noqa: F401  (importing a family register
     views,
 )
 from thunder_tp.propagation.engine import Op, Propagation, Step, Strategy, register_rule
-from thunder_tp.styles.annotate import tp_annotate
 
 
 @register_rule(tp_annotate)

@@ -14,10 +14,10 @@ from thunder.core.trace import get_tracectx
 
 from thunder_tp.collectives import rank_value, tp_gather_to_tp, tp_shift
 from thunder_tp.collectives.labels import label_collectives
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import REPLICATE, Layout, Pieces, Shard, Split, TPGroup, rank_pieces
 from thunder_tp.ops.blockwise_attention import blockwise_attention
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import ranks_of
 
 
 @register_rule(ltorch.scaled_dot_product_attention)

@@ -23,9 +23,9 @@ from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_tp.collectives.annotate import annotate, tp_annotate
 from thunder_tp.layouts import Layout
 from thunder_tp.styles import ModuleLayouts, RowwiseParallel, Style
-from thunder_tp.styles.annotate import annotate, tp_annotate
 from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
 from thunder_tp.thunder_internals.grad_mode import in_grad_mode_of
 

@@ -6,9 +6,9 @@ import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp.collectives import rank_value
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import PARTIAL, REPLICATE, Pieces, Shard, TPGroup, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import ranks_of
 
 
 def _vocab_parallel_lookup(tp: TPGroup, padding_idx: int | None, every: Pieces):

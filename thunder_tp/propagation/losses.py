@@ -14,10 +14,10 @@ import thunder.torch as ltorch
 from thunder.core.proxies import TensorProxy
 
 from thunder_tp.collectives import rank_value, tp_gather, tp_padding_filled, tp_reduce_from_tp
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import PARTIAL, REPLICATE, Pieces, Shard, TPGroup, is_even, rank_pieces
 from thunder_tp.ops.cross_entropy import cross_entropy_of_stats, cross_entropy_stats, finite_logsumexp
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import ranks_of
 
 
 def _replicated_cross_entropy(ignore_index: int, reduction: str):

@@ -9,9 +9,9 @@ import thunder.core.prims as prims
 import thunder.torch as ltorch
 
 from thunder_tp.collectives import tp_padding_filled
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import PARTIAL, Partial, Shard, is_even, rank_pieces
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import ranks_of
 
 
 def _reduced_dims(op: Op) -> tuple[set[int], bool]:

@@ -11,10 +11,10 @@ from thunder.core.trace import get_tracectx
 
 from thunder_tp.collectives import rank_value, tp_gather
 from thunder_tp.collectives.labels import label_collectives
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import REPLICATE, Shard, TPGroup, rank_pieces
 from thunder_tp.ops.sampling import Sampling, sample_tokens, sampled_token, sampling_candidates
 from thunder_tp.propagation.engine import Op, Strategy, register_rule
-from thunder_tp.run_mode import ranks_of
 
 __all__ = ["sample_tokens_rule"]
 

@@ -18,11 +18,11 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
+from thunder_tp.collectives.annotate import tp_annotate
 from thunder_tp.collectives.reshard import collective_bytes, collective_cost, collective_kind, nbytes, wire_bytes
 from thunder_tp.costs import ALPHA_BYTES
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, normalize
 from thunder_tp.propagation.engine import Step
-from thunder_tp.styles.annotate import tp_annotate
 from thunder_tp.thunder_internals.prologue import flat_args
 
 #: ops that read their later tensor arguments for metadata only (`mask.to(query)`: query's dtype and device)

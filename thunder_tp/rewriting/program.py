@@ -15,11 +15,11 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, get_tracec
 from thunder_tp import collectives as C
 from thunder_tp.collectives.labels import label_collectives, label_of
 from thunder_tp.collectives.reshard import gather_into_tp_region, redistribute
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import REPLICATE, Layout, Partial, Replicate, Shard, TPGroup, is_even, rank_pieces
 from thunder_tp.pieces import piece_parts
 from thunder_tp.propagation.engine import Step
 from thunder_tp.rewriting.communication import CollectiveSchedule, Need, schedule_collectives
-from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.checkpointing import recompute_in_backward
 from thunder_tp.thunder_internals.grad_mode import grad_reaches, in_grad_mode_of
 

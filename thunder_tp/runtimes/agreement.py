@@ -25,7 +25,7 @@ import torch.distributed as dist
 from thunder.core.trace import TraceCtx
 
 from thunder_tp.collectives.distributed import NamedWork
-from thunder_tp.run_mode import ranks_of
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.thunder_internals.computation import backward_follows
 from thunder_tp.thunder_internals.private import wrap_module_call
 

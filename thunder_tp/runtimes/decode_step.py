@@ -29,7 +29,7 @@ import torch
 from thunder.core.module import ThunderModule
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.run_mode import ranks_of
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.runtimes.cuda_graphs import CapturedCall, capturable, split_at_communication
 from thunder_tp.runtimes.whole_step import compiled_whole
 from thunder_tp.thunder_internals.computation import computation_and_inputs

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from thunder_tp.collectives.run_mode import ranks_of
 from thunder_tp.layouts import REPLICATE, Layout, Shard, rank_pieces
-from thunder_tp.run_mode import ranks_of
 from thunder_tp.thunder_internals.private import applied_transforms, original_module
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]

@@ -31,7 +31,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_tp.collectives.calls import UNLABELLED, collective_calls, collective_kind, group_size
 from thunder_tp.collectives.labels import layers_globbed
-from thunder_tp.run_mode import ranks_of
+from thunder_tp.collectives.run_mode import ranks_of
 
 __all__ = ["UNLABELLED", "CollectivesTable", "collective_calls", "collective_kind", "collectives_table",
            "dump_traces", "format_table", "totals"]

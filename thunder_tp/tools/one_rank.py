@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from thunder_tp.run_mode import fake_group_on
+from thunder_tp.collectives.run_mode import fake_group_on
 from thunder_tp.thunder_internals.distributed import fake_store, reduce_scatter_keeps_own_chunk
 
 __all__ = ["one_rank"]

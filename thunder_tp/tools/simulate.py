@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from thunder_tp.run_mode import simulated_ranks, simulated_world
+from thunder_tp.collectives.run_mode import simulated_ranks, simulated_world
 from thunder_tp.thunder_internals.distributed import fake_store, is_local_tensor, local_tensor_mode, local_tensors
 from thunder_tp.thunder_internals.private import fake_args_built_under
 
