@@ -27,6 +27,15 @@ def simulated_float64():
     torch.set_default_dtype(previous)
 
 
+@pytest.fixture
+def speedups_applied():
+    """Thunder's speed-ups (thunder_internals.patches) for the plain ``thunder.jit`` compiles of a test."""
+    from thunder_tp.thunder_internals import patches
+
+    with patches.applied():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked ``slow`` unless asked for (``-m slow`` or THUNDER_TP_SLOW=1), ``cuda`` ones without a GPU."""
     _skip_slow_unless_asked(config, items)

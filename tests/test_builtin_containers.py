@@ -10,8 +10,9 @@ import thunder.core.interpreter as interpreter
 import torch
 import torch.nn as nn
 
-import thunder_tp  # noqa: F401  (its API: the shortcuts in place)
 from thunder_tp.thunder_internals import builtin_containers
+
+pytestmark = pytest.mark.usefixtures("speedups_applied")  # Thunder's speed-ups in this module's jits
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import thunder
 import torch
 from thunder.core.transform_common import Transform
 
-import thunder_tp  # noqa: F401  (installs the compile's collection threshold)
 from thunder_tp.thunder_internals.collections_during_compile import COMPILE_THRESHOLD
+
+pytestmark = pytest.mark.usefixtures("speedups_applied")  # Thunder's speed-ups in this module's jits
 
 
 class _Seen(Transform):

@@ -8,8 +8,9 @@ import thunder
 import torch
 import torch.nn.functional as F
 
-import thunder_tp  # noqa: F401  (its API: the lookup in place)
 from thunder_tp.thunder_internals import global_names
+
+pytestmark = pytest.mark.usefixtures("speedups_applied")  # Thunder's speed-ups in this module's jits
 
 SCALE = 2.0
 

@@ -8,6 +8,8 @@ from torch._inductor.cpu_vec_isa import VecAVX2, VecISA
 
 from thunder_tp.thunder_internals import inductor as isa_probe
 
+pytestmark = pytest.mark.usefixtures("speedups_applied")  # Thunder's speed-ups in this module's jits
+
 
 @pytest.fixture
 def fresh_inductor_cache(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ import thunder.core.rematerialization as rematerialization
 
 from thunder_tp.thunder_internals import min_cuts
 
+pytestmark = pytest.mark.usefixtures("speedups_applied")  # Thunder's speed-ups in this module's jits
+
 
 def _flow_graph(prefix: str, narrow: float) -> networkx.DiGraph:
     """find_cut's shape: source -> a value in/out pair per value -> sink; the cheapest cut is the `narrow` value."""
@@ -30,7 +32,8 @@ def solves(monkeypatch) -> list:
 
 
 def test_rematerialization_uses_the_cached_cut():
-    assert rematerialization.nx.minimum_cut is min_cuts.minimum_cut
+    assert isinstance(rematerialization.nx, min_cuts._Networkx)
+    assert rematerialization.nx.minimum_cut.__wrapped__ is networkx.minimum_cut  # networkx's outside thunder_tp
     assert rematerialization.nx.DiGraph is networkx.DiGraph
 
 

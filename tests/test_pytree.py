@@ -11,8 +11,9 @@ import torch
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
-import thunder_tp  # noqa: F401  (loads the replacements)
 from thunder_tp.thunder_internals import pytree
+
+pytestmark = pytest.mark.usefixtures("speedups_applied")  # Thunder's speed-ups in this module's jits
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -41,11 +42,13 @@ def _trees() -> list:
 
 
 def test_the_replacements_are_in_place_of_thunders():
-    """Every module that imported Thunder's functions by name calls the replacements."""
+    """Every module that imported Thunder's functions by name calls one dispatcher (to the replacement in thunder_tp's
+    compiles, to Thunder's function outside them: tests/test_patches.py)."""
     import thunder.core.symbol as symbol
 
-    assert thunder_pytree.tree_flatten is pytree.tree_flatten is symbol.tree_flatten
-    assert symbol.tree_flatten_with_dataclass is pytree.tree_flatten_with_dataclass
+    for name, thunders in pytree._thunder_functions.items():
+        installed = getattr(thunder_pytree, name)
+        assert getattr(symbol, name) is installed and installed.__wrapped__ is thunders
 
 
 @pytest.mark.parametrize("name", ["tree_flatten", "tree_flatten_with_dataclass"])

@@ -246,6 +246,7 @@ def test_compiled_regions_do_not_grow_with_depth(monkeypatch):
     assert compiled[0] == compiled[1] > 0, compiled
 
 
+@pytest.mark.usefixtures("speedups_applied")
 def test_the_interpreter_decodes_each_code_object_once():
     """Thunder's interpreter reads a code object's instructions from thunder_tp's cache (dis's own, decoded once),
     and the frame of an exception raised at a line it made a frame for before from another; its tracebacks name

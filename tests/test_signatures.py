@@ -4,6 +4,7 @@
 import inspect
 import re
 
+import pytest
 import thunder
 import thunder.core.prims as prims
 import thunder.torch as ltorch
@@ -11,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from thunder.core.symbol import Symbol
 
-import thunder_tp  # noqa: F401  (its API: the kept signatures in place)
 from thunder_tp.thunder_internals import signatures
+
+pytestmark = pytest.mark.usefixtures("speedups_applied")  # Thunder's speed-ups in this module's jits
 
 
 def _symbols() -> list[Symbol]:

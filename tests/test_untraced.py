@@ -2,12 +2,11 @@
 natively: Thunder's interpreter never iterates dynamo's registry of every module in the process (a rank-local
 "dictionary changed size during iteration" when the garbage collector frees a module during that loop)."""
 
+import pytest
 import thunder
 import torch
 from torch._dynamo import mutation_guard
 from torch._dynamo.utils import ExactWeakKeyDictionary
-
-import thunder_tp  # noqa: F401  (registers the lookaside)
 
 
 class _Untraversable(dict):
@@ -23,6 +22,7 @@ class _Untraversable(dict):
         raise RuntimeError("dynamo's module registry iterated under thunder.jit")
 
 
+@pytest.mark.usefixtures("speedups_applied")  # installs the lookaside
 def test_module_built_in_jitted_forward_is_tagged_without_iterating_the_registry(monkeypatch):
     mutation_guard.install_generation_tagging_init()  # what torch.compile does on first entry
     registry = ExactWeakKeyDictionary()

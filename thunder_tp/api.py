@@ -18,11 +18,3 @@ from thunder_tp.context_parallel import ContextParallel
 from thunder_tp import models  # (model families register their lookasides and rules)
 from thunder_tp.models.litgpt_sampling import set_sampling
 from thunder_tp.ops.sampling import sample
-from thunder_tp.thunder_internals import untraced  # (modules built in a jitted forward)
-from thunder_tp.thunder_internals import instructions  # (Thunder's interpreter decodes each code object once)
-from thunder_tp.thunder_internals import global_names  # (Thunder's interpreter reads a global without interpreting)
-from thunder_tp.thunder_internals import builtin_containers  # (Thunder's interpreter: containers, numbers, methods)
-from thunder_tp.thunder_internals import pytree  # (Thunder flattens a tree once, its type set built once)
-from thunder_tp.thunder_internals import signatures  # (Thunder binds a symbol call to its meta's signature, kept)
-from thunder_tp.thunder_internals import min_cuts  # (Thunder's rematerialization solves each distinct cut once)
-from thunder_tp.thunder_internals import collections_during_compile  # (Thunder's compile collects garbage less often)

@@ -40,6 +40,7 @@ from thunder_tp.styles.matching import (
     styles_from_distparallel_type,
     tied_parameters,
 )
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.grad_mode import detached_as_eager
 from thunder_tp.thunder_internals.overlapping_inputs import separating_overlapping_views
 from thunder_tp.thunder_internals.private import (
@@ -165,6 +166,7 @@ class TensorParallel(Transform):
         self._tensors_at_jit = {n for n, _ in (*module.named_parameters(remove_duplicate=False),
                                                *module.named_buffers(remove_duplicate=False))}
         wrap_module_call(model, separating_overlapping_views)  # Thunder would read one view for the other
+        wrap_module_call(model, patches.applying)  # Thunder's speed-ups for its compiles, whatever its executors
         if has_peers:
             checks = [SameCollectives(self.tp.group)] if self.check_collectives else []
             self._agreement = CompileAgreement(self.tp.group, [*checks, *filter(None, [self._weights])])

@@ -40,10 +40,7 @@ from thunder_tp.execution.fallback import RegionBackend, with_fallback
 from thunder_tp.execution.schedule import schedule
 from thunder_tp.families import load_families
 from thunder_tp.ops.cross_entropy import CROSS_ENTROPY_SYMBOLS
-from thunder_tp.thunder_internals import (
-    inductor,  # noqa: F401  (Inductor's CPU ISA probe: once per machine)
-    untraced,  # noqa: F401  (modules built in a jitted forward, traced natively)
-)
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import torch_function_symbols
 from thunder_tp.tracing import repeated_blocks  # noqa: F401  (blocks traced once, in jits with these executors)
 from thunder_tp.tracing.region_cache import CompiledRegions, canonical_form
@@ -289,9 +286,11 @@ def executors(backend: Backend = None) -> list[Executor]:
     batch, otherwise Thunder's), thunder_tp's fusion executor; Thunder appends its torch and python executors.
 
     Inside ``thunder_tp.simulate`` (LocalTensor, which no fusion backend can compile): without the fusion executor.
-    The model families register themselves first (lookasides for code Thunder cannot trace).
+    The model families register themselves first (lookasides for code Thunder cannot trace), and Thunder's
+    speed-ups are installed for the compiles of jits given these executors (``thunder_internals.patches``).
     """
     load_families()
+    patches.install()
     if ranks_of().one_trace_for_all:
         return [ex for ex in _executors(backend) if not isinstance(ex, FusionExecutor)]
     return list(_executors(backend))

@@ -41,6 +41,8 @@ from thunder.core.interpreter import (
     wrap_const,
 )
 
+from thunder_tp.thunder_internals import patches
+
 __all__ = [
     "binary_op_handler", "binary_subscr_handler", "bool_lookaside", "call_dispatch", "contains_handler",
     "dict_merge_handler", "len_lookaside", "list_extend_handler", "partial_call_lookaside", "wrap_args_from_list",
@@ -205,11 +207,13 @@ def list_extend_handler(inst, /, stack, **kwargs) -> None | INTERPRETER_SIGNALS:
     return result if result is INTERPRETER_SIGNALS.EXCEPTION_RAISED else None
 
 
-if interpreter._default_lookaside_map[bool] is _thunder_lookasides[bool]:
-    interpreter._default_lookaside_map.update({
-        bool: bool_lookaside, len: len_lookaside, functools.partial.__call__: partial_call_lookaside})
-    interpreter._default_opcode_handler_map.update({
-        "BINARY_OP": binary_op_handler, "BINARY_SUBSCR": binary_subscr_handler, "CONTAINS_OP": contains_handler,
-        "DICT_MERGE": dict_merge_handler, "LIST_EXTEND": list_extend_handler})
-    interpreter.wrap_args_from_list, interpreter.wrap_kwargs_from_dict = wrap_args_from_list, wrap_kwargs_from_dict
-    interpreter._call_dispatch = call_dispatch
+for _fn, _fast in ((bool, bool_lookaside), (len, len_lookaside), (functools.partial.__call__, partial_call_lookaside)):
+    patches.declare(interpreter._default_lookaside_map, _fn, patches.dispatching(_fast, _thunder_lookasides[_fn]))
+for _name, _fast in (("BINARY_OP", binary_op_handler), ("BINARY_SUBSCR", binary_subscr_handler),
+                     ("CONTAINS_OP", contains_handler), ("DICT_MERGE", dict_merge_handler),
+                     ("LIST_EXTEND", list_extend_handler)):
+    patches.declare(interpreter._default_opcode_handler_map, _name,
+                    patches.dispatching(_fast, _thunder_handlers[_name]))
+for _name, _fast in (("_call_dispatch", call_dispatch), ("wrap_args_from_list", wrap_args_from_list),
+                     ("wrap_kwargs_from_dict", wrap_kwargs_from_dict)):
+    patches.declare(interpreter, _name, patches.dispatching(_fast, _thunder_functions[_name]))

@@ -11,7 +11,9 @@ more: 3 steps of a 2-layer litgpt model under TP=2 with its block kind checked b
 usual after it.
 Both functions are closures of ``thunder.jit``, called by its ``get_computation_and_inputs`` (a cache lookup, on a
 miss the compile, then the prologue), which ``thunder.jit`` decorates with the module-level
-``_with_cache_info_ctx``: that decorator is the one name to wrap (0.2.6 has no hook around a compile).
+``_with_cache_info_ctx``: that decorator is the one name to wrap (0.2.6 has no hook around a compile), so the jits
+made after ``patches.install()`` get it. The function decorated holds its jit's CompileData as the closure variable
+``weakref_cd``: the threshold is raised for thunder_tp's compiles only (``patches.active_for``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from __future__ import annotations
 import functools
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import thunder
+
+from thunder_tp.thunder_internals import patches
 
 __all__ = ["COMPILE_THRESHOLD"]
 
@@ -28,13 +33,23 @@ __all__ = ["COMPILE_THRESHOLD"]
 COMPILE_THRESHOLD = 50_000
 
 
+def compile_data_ref(fn: Callable) -> Callable[[], Any]:
+    """The weak reference to its jit's CompileData that ``thunder.jit``'s ``get_computation_and_inputs`` closes over
+    (a function without one: a reference to None)."""
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+    return cells["weakref_cd"].cell_contents if "weakref_cd" in cells else lambda: None
+
+
 def _with_fewer_collections(decorate: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
-    """`decorate`, its result run with the young generation's threshold at least COMPILE_THRESHOLD."""
+    """`decorate`, its result run with the young generation's threshold at least COMPILE_THRESHOLD where its jit
+    compiles for thunder_tp."""
     def decorating(fn: Callable) -> Callable:
-        decorated = decorate(fn)
+        decorated, compile_data = decorate(fn), compile_data_ref(fn)
 
         @functools.wraps(decorated)
         def compiling(*args, **kwargs):
+            if not patches.active_for(compile_data()):
+                return decorated(*args, **kwargs)
             previous = gc.get_threshold()
             gc.set_threshold(max(previous[0], COMPILE_THRESHOLD), *previous[1:])
             try:
@@ -47,4 +62,4 @@ def _with_fewer_collections(decorate: Callable[[Callable], Callable]) -> Callabl
     return decorating
 
 
-thunder._with_cache_info_ctx = _with_fewer_collections(thunder._with_cache_info_ctx)
+patches.declare(thunder, "_with_cache_info_ctx", _with_fewer_collections(thunder._with_cache_info_ctx))

@@ -16,6 +16,8 @@ from typing import Any
 import thunder.core.interpreter as interpreter
 from thunder.core.interpreter import WrappedValue, get_interpretercompilectx, populate_single_dict_item_wrapper
 
+from thunder_tp.thunder_internals import patches
+
 __all__ = ["globals_lookup"]
 
 _thunder_globals_lookup = interpreter.globals_lookup
@@ -46,5 +48,4 @@ def globals_lookup(globals_dict: Any, name: Any) -> Any:
     return _thunder_globals_lookup(globals_dict, name)
 
 
-if interpreter.globals_lookup is _thunder_globals_lookup:
-    interpreter.globals_lookup = globals_lookup
+patches.declare(interpreter, "globals_lookup", patches.dispatching(globals_lookup, _thunder_globals_lookup))

@@ -5,7 +5,8 @@ on this project's machine): Inductor compiles a tiny library per ISA (cached on 
 that imports torch. That is 12.6 s per process here (torch 2.10, 2 cores): every rank, every restart and every test
 process paid it before its first step (pytorch/pytorch issue 140970). A successful load now leaves a marker file
 beside the library, and a process that finds the marker answers without the child; a failed probe leaves none and
-runs again next time, as before. PyTorch's pull request 190561 proposes the same marker.
+runs again next time, as before. PyTorch's pull request 190561 proposes the same marker. Installed by
+``patches.install()``, not at import.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from torch._inductor import cpu_vec_isa
 from torch._inductor.cpu_vec_isa import VecISA
+
+from thunder_tp.thunder_internals import patches
 
 __all__ = ["check_build"]
 
@@ -40,5 +43,6 @@ def check_build(self: VecISA, code: str) -> bool:
     return ok
 
 
-if VecISA.check_build is _inductor_check_build:
-    VecISA.check_build = check_build
+#: for every Inductor compile of the process once installed (thunder_tp's regions compile when they first run, after
+#: Thunder's compile), answering as the probe would
+patches.declare(VecISA, "check_build", check_build)

@@ -29,6 +29,8 @@ import types
 
 import thunder.core.interpreter as interpreter
 
+from thunder_tp.thunder_internals import patches
+
 __all__ = ["instructions", "python_frame"]
 
 
@@ -77,15 +79,21 @@ def _get_or_make_python_frame(frame: interpreter.InterpreterFrame) -> types.Fram
     return python_frame(code.co_filename, code.co_firstlineno, lineno, code.co_name, frame.qualname)
 
 
-def _stack_head(context: int = 1) -> list[inspect.FrameInfo]:
-    """The first three entries of ``inspect.stack(context)``, called where this is called."""
-    frame, head = sys._getframe(1), []
+def _stack_head(frame: types.FrameType, context: int = 1) -> list[inspect.FrameInfo]:
+    """The first three entries of ``inspect.getouterframes(frame, context)``."""
+    head = []
     while frame is not None and len(head) < 3:
         info = inspect.getframeinfo(frame, context)
         positions = {"positions": info.positions} if hasattr(info, "positions") else {}
         head.append(inspect.FrameInfo(frame, *info, **positions))
         frame = frame.f_back
     return head
+
+
+def _stack(context: int = 1) -> list[inspect.FrameInfo]:
+    """``inspect.stack(context)``, called where this is called: its first three entries in thunder_tp's compiles."""
+    frame = sys._getframe(1)
+    return _stack_head(frame, context) if patches.active() else inspect.getouterframes(frame, context)
 
 
 def _module_copy(module: types.ModuleType, **replacements) -> types.ModuleType:
@@ -95,8 +103,8 @@ def _module_copy(module: types.ModuleType, **replacements) -> types.ModuleType:
     return copy
 
 
-if interpreter.dis is dis:
-    interpreter.dis = _module_copy(dis, get_instructions=_get_instructions)
-if interpreter.inspect is inspect:
-    interpreter.inspect = _module_copy(inspect, stack=_stack_head)
-interpreter.InterpreterFrame.get_or_make_python_frame = _get_or_make_python_frame
+patches.declare(interpreter, "dis", _module_copy(
+    dis, get_instructions=patches.dispatching(_get_instructions, dis.get_instructions)))
+patches.declare(interpreter, "inspect", _module_copy(inspect, stack=_stack))
+patches.declare(interpreter.InterpreterFrame, "get_or_make_python_frame", patches.dispatching(
+    _get_or_make_python_frame, interpreter.InterpreterFrame.get_or_make_python_frame))

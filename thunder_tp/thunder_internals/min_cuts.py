@@ -16,6 +16,8 @@ from typing import Any
 import networkx
 import thunder.core.rematerialization as rematerialization
 
+from thunder_tp.thunder_internals import patches
+
 __all__ = ["minimum_cut"]
 
 _solved: dict[Hashable, tuple[float, frozenset[int]]] = {}
@@ -45,13 +47,13 @@ def minimum_cut(graph: networkx.DiGraph, source: str, sink: str, **kwargs: Any) 
 
 
 class _Networkx:
-    """networkx as ``rematerialization`` sees it: ``minimum_cut`` solved once per form, the rest networkx's."""
+    """networkx as ``rematerialization`` sees it: ``minimum_cut`` solved once per form in thunder_tp's compiles, the
+    rest networkx's."""
 
-    minimum_cut = staticmethod(minimum_cut)
+    minimum_cut = staticmethod(patches.dispatching(minimum_cut, networkx.minimum_cut))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(networkx, name)
 
 
-if rematerialization.nx is networkx:
-    rematerialization.nx = _Networkx()
+patches.declare(rematerialization, "nx", _Networkx())

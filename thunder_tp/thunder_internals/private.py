@@ -20,6 +20,8 @@ from thunder.core.module import ThunderModule
 from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.symbol import Symbol
 
+from thunder_tp.thunder_internals import patches
+
 
 def set_parameter(tm: ThunderModule, name: str, value: torch.nn.Parameter) -> None:
     """Make `tm` compute with `value` as parameter `name` (0.2.6 has ``set_buffer`` but no ``set_parameter``)."""
@@ -138,7 +140,7 @@ _interpret = thunder.thunder_general_jit
 @contextlib.contextmanager
 def interpretations_kept() -> Iterator[list[Interpretation]]:
     """Collect the interpretations Thunder makes meanwhile (those that registered no ad-hoc operator, which
-    belong to the compile that made them)."""
+    belong to the compile that made them), each made with thunder_tp's speed-ups (``patches.applied``)."""
     kept: list[Interpretation] = []
 
     def keeping(fn, args, kwargs, /, **options):
@@ -148,11 +150,12 @@ def interpretations_kept() -> Iterator[list[Interpretation]]:
             kept.append(Interpretation(results, _call_signature(fn, args, kwargs)))
         return results
 
-    thunder.thunder_general_jit = keeping
-    try:
-        yield kept
-    finally:
-        thunder.thunder_general_jit = _reusing
+    with patches.applied():
+        reusing, thunder.thunder_general_jit = thunder.thunder_general_jit, keeping
+        try:
+            yield kept
+        finally:
+            thunder.thunder_general_jit = reusing
 
 
 def reuse_interpretation(model: ThunderModule, interpretation: Interpretation) -> None:
@@ -160,6 +163,7 @@ def reuse_interpretation(model: ThunderModule, interpretation: Interpretation) -
     call, the module's tensors and Thunder's cache info are as they were (0.2.6 has no hook between the interpreter
     and the transforms: ``acquire_initial_trace`` calls ``thunder.thunder_general_jit`` by its module-level name).
     It is kept on `model`'s compile data, so it goes with that jit and no other jit sees it."""
+    patches.install()
     setattr(thunder.compile_data(model), _NEXT_INTERPRETATION, interpretation)
 
 
@@ -194,7 +198,7 @@ def _tensor_signature(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.dtype, trace_device(t) or t.device, t.requires_grad
 
 
-thunder.thunder_general_jit = _reusing
+patches.declare(thunder, "thunder_general_jit", _reusing)
 
 
 def global_module_hooks() -> tuple[list[dict], list[dict]]:

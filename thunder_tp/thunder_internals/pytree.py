@@ -8,15 +8,14 @@ this project's test suite the two took 290 of 1,360 CPU seconds of Thunder's com
 
 Here the type set is built once, and the leaves of a tree are scanned for dataclass instances of unregistered classes
 in one loop (each type's answer kept) instead of a call per leaf; the tree rebuilt from its leaves, as Thunder's map
-rebuilds it, is flattened. The types refused, the leaves, the spec and the registrations are Thunder's. The
-replacements take the place of Thunder's functions in ``thunder.core.pytree`` and in every loaded module that imported
-them by name.
+rebuilds it, is flattened. The types refused, the leaves, the spec and the registrations are Thunder's. Installed
+(``patches.install``), dispatchers to them take the place of Thunder's functions in ``thunder.core.pytree`` and in
+every loaded module that imported them by name; outside thunder_tp's compiles they call Thunder's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 from typing import Any
 
@@ -25,6 +24,8 @@ import thunder.core.pytree as pytree
 import torch
 from thunder.core import devices, dtypes
 from thunder.core.baseutils import ProxyInterface, is_likely_from_collections_namedtuple
+
+from thunder_tp.thunder_internals import patches
 
 __all__ = ["tree_flatten", "tree_flatten_with_dataclass"]
 
@@ -77,17 +78,5 @@ def tree_flatten_with_dataclass(tree: Any) -> tuple[list, optree.PyTreeSpec]:
     return tree_flatten(spec.unflatten(leaves))
 
 
-def _replace_everywhere(original: Any, replacement: Any) -> None:
-    """`replacement` in place of `original` in every loaded module that holds it as a global."""
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, value in list(namespace.items()):
-            if value is original:
-                namespace[name] = replacement
-
-
-if _thunder_functions["tree_flatten"].__module__ == pytree.__name__:  # Thunder's, not replaced yet
-    for _name, _function in _thunder_functions.items():
-        _replace_everywhere(_function, globals()[_name])
+for _name in _thunder_functions:
+    patches.declare(pytree, _name, patches.dispatching(globals()[_name], _thunder_functions[_name]), everywhere=True)

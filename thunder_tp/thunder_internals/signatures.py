@@ -15,6 +15,8 @@ from typing import Any
 
 from thunder.core.symbol import Symbol
 
+from thunder_tp.thunder_internals import patches
+
 __all__ = ["meta_signature"]
 
 #: metas whose signatures are kept before the cache starts again (symbols made per call would otherwise pile up)
@@ -41,5 +43,4 @@ def normalize(self: Symbol, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
-if Symbol.normalize.__module__ != __name__:
-    Symbol.normalize = normalize
+patches.declare(Symbol, "normalize", patches.dispatching(normalize, _thunder_normalize))

@@ -2,12 +2,14 @@
 ``import thunder_tp`` runs against the installed ones.
 
 ``PATCHES`` registers every module of ``thunder_tp/thunder_internals/`` that replaces something of Thunder's or
-torch's (docs/design.md, 'Patches of Thunder and torch'), with what it replaces; ``NOT_PATCHING`` every other module
-there, with what it does instead (``tests/test_versions.py`` checks that the two cover the folder). Where Thunder or
-torch is another version than ``SUPPORTED``, importing thunder_tp issues one ``UnsupportedThunderVersion`` naming the
-installed and supported versions and the patch modules to port; with ``THUNDER_TP_STRICT_VERSIONS=1`` in the
-environment it raises ImportError with the same text instead. The installed versions are read from the packages'
-metadata, so the check imports neither torch nor Thunder (``import thunder_tp`` stays cheap).
+torch's (docs/design.md, 'Patches of Thunder and torch'), with what it replaces (most declare it to
+``thunder_internals.patches``, which installs it on thunder_tp's first use, never at import); ``NOT_PATCHING``
+every other module there, with what it does instead (``tests/test_versions.py`` checks that the two cover the
+folder). Where Thunder or torch is another version than ``SUPPORTED``, importing thunder_tp issues one
+``UnsupportedThunderVersion`` naming the installed and supported versions and the patch modules to port; with
+``THUNDER_TP_STRICT_VERSIONS=1`` in the environment it raises ImportError with the same text instead. The installed
+versions are read from the packages' metadata, so the check imports neither torch nor Thunder (``import thunder_tp``
+stays cheap).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ PATCHES = {
     "signatures": Patch("lightning-thunder", "Symbol.normalize"),
     "pytree": Patch("lightning-thunder", "thunder.core.pytree's flattening, wherever imported"),
     "min_cuts": Patch("lightning-thunder", "rematerialization's nx"),
+    "untraced": Patch("lightning-thunder", "a general-jit lookaside for dynamo's GenerationTracker.tag"),
     "inductor": Patch("torch", "VecISA.check_build"),
     "distributed": Patch("torch", "reduce_scatter_tensor and the _c10d_functional reduce_scatter kernels"),
     "dtensor": Patch("torch", "DTensor's, FSDP2's and composable replicate's entry points, wherever bound"),
@@ -64,6 +67,7 @@ NOT_PATCHING = {
     "computation": "reads Thunder's cache entries and traces",
     "dynamo": "asks torch._dynamo's private functions",
     "grad_mode": "lookasides (a public registration) and the compile data's grad mode",
+    "patches": "installs the patches the modules of PATCHES declare, each active in thunder_tp's compiles only",
     "overlapping_inputs": "checks a call's inputs before Thunder groups them",
     "prologue": "reads and edits TP's own traces' prologues",
     "quiet": "warning and log filters",
@@ -71,7 +75,6 @@ NOT_PATCHING = {
     "sharded_tensor": "builds torch's ShardedTensor from private paths",
     "torch_pytree": "re-exports torch.utils._pytree",
     "transformers": "reads one private function of transformers",
-    "untraced": "lookasides (a public registration)",
     "versions": "this check",
 }
 

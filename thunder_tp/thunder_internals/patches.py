@@ -1,0 +1,179 @@
+"""Thunder's speed-ups, applied to thunder_tp's compiles only: a registry of the patches of this folder.
+
+Each module here that replaces something of Thunder's declares the replacement (`declare`: the object, the attribute
+or mapping key, the replacement) instead of assigning it at import. `install()` puts every declared one in place,
+once, and is called by thunder_tp's entry points (``thunder_tp.executors()``, `applied()`), never by an import.
+A replacement is a dispatcher (`dispatching`): the speed-up while `active()`, Thunder's original otherwise, so
+that a ``thunder.jit`` that does not use thunder_tp runs Thunder's own code even after thunder_tp compiled.
+`uninstall()` puts Thunder's originals back.
+
+`active()` holds inside `applied()` (thunder_tp's TP module calls, the plan search's interpretation, or a user who
+wants the speed-ups for a plain ``thunder.jit``), and while Thunder compiles a jit whose executors include
+thunder_tp's collectives executor (named `MARKER`; ``thunder_tp.executors()`` lists it): one device, TP, ``simulate``,
+``one_rank``, the Fabric strategy and ``DecodeStep`` compile so. docs/design.md, 'Patches of Thunder and torch',
+lists each patch, why, and what upstream change it waits for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import threading
+from collections.abc import Callable, Iterator, MutableMapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from thunder.core.compile_data import get_compile_data
+
+__all__ = ["MARKER", "MODULES", "active", "active_for", "applied", "applying", "declare", "declared", "dispatching",
+           "install", "installed", "uninstall"]
+
+#: the modules of this folder that declare patches, imported by `install()`
+MODULES = ("untraced", "inductor", "instructions", "global_names", "builtin_containers", "pytree", "signatures",
+           "min_cuts", "collections_during_compile", "private")
+#: the name of the executor whose presence in a jit's executors makes its compiles thunder_tp's
+MARKER = "thunder_tp_comm"
+#: the attribute of a jit's CompileData caching whether its compiles are thunder_tp's
+_MARK = "_thunder_tp_compiles"
+
+#: a mapping's original for a key it did not hold (a lookaside added)
+_ABSENT = object()
+_applied: ContextVar[bool] = ContextVar("thunder_tp_patches_applied", default=False)
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Patch:
+    """`replacement` in place of `owner`'s attribute (or, for a mapping, item) `name`; with `everywhere`, in place
+    of that original in every loaded module holding it as a global too."""
+
+    module: str
+    owner: Any
+    name: Any
+    replacement: Any
+    everywhere: bool = False
+
+
+_declared: list[Patch] = []
+#: the installed patches with the originals they replaced, in installation order
+_installed: list[tuple[Patch, Any]] = []
+
+
+def declare(owner: Any, name: Any, replacement: Any, *, everywhere: bool = False) -> None:
+    """Register `replacement` for `owner`'s `name` (installed by `install()`); called by the declaring module."""
+    module = sys._getframe(1).f_globals["__name__"].rpartition(".")[2]
+    _declared.append(Patch(module, owner, name, replacement, everywhere))
+
+
+def declared() -> list[Patch]:
+    """Every patch the modules of `MODULES` declare (imported here)."""
+    for module in MODULES:
+        importlib.import_module(f"{__package__}.{module}")
+    return list(_declared)
+
+
+def installed() -> bool:
+    """Whether the declared patches are in place."""
+    return bool(_installed)
+
+
+def install() -> None:
+    """Put every declared patch in place, once (each a dispatcher: Thunder's code outside thunder_tp's compiles)."""
+    if _installed:
+        return
+    patches = declared()
+    with _lock:
+        if _installed:
+            return
+        for patch in patches:
+            original = _get(patch.owner, patch.name)
+            _replace(patch, original, patch.replacement)
+            _installed.append((patch, original))
+
+
+def uninstall() -> None:
+    """Put Thunder's originals back in place of every installed patch."""
+    with _lock:
+        while _installed:
+            patch, original = _installed.pop()
+            _replace(patch, patch.replacement, original)
+
+
+def active_for(compile_data: Any) -> bool:
+    """Whether the speed-ups serve a compile of `compile_data` (a jit's CompileData, or None): inside `applied()`,
+    or its executors include thunder_tp's (`MARKER`)."""
+    if _applied.get():
+        return True
+    if compile_data is None:
+        return False
+    marked = vars(compile_data).get(_MARK)
+    if marked is None:
+        marked = any(getattr(ex, "name", None) == MARKER for ex in compile_data.executors_list)
+        setattr(compile_data, _MARK, marked)
+    return marked
+
+
+def active() -> bool:
+    """Whether the speed-ups serve the compile running now."""
+    return active_for(get_compile_data())
+
+
+@contextlib.contextmanager
+def applied() -> Iterator[None]:
+    """The speed-ups for every compile inside (re-entrant; installed first if they are not)."""
+    install()
+    token = _applied.set(True)
+    try:
+        yield
+    finally:
+        _applied.reset(token)
+
+
+def applying(call: Callable) -> Callable:
+    """`call`, run inside `applied()` (for ``private.wrap_module_call``: a jitted module compiles inside its call)."""
+
+    @functools.wraps(call)
+    def call_applied(*args, **kwargs):
+        with applied():
+            return call(*args, **kwargs)
+
+    return call_applied
+
+
+def dispatching(fast: Callable, original: Callable) -> Callable:
+    """A function calling `fast` while `active()`, else `original` (Thunder's)."""
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        return (fast if active() else original)(*args, **kwargs)
+
+    return dispatch
+
+
+def _get(owner: Any, name: Any) -> Any:
+    return owner.get(name, _ABSENT) if isinstance(owner, MutableMapping) else getattr(owner, name)
+
+
+def _set(owner: Any, name: Any, value: Any) -> None:
+    if value is _ABSENT:
+        del owner[name]
+    elif isinstance(owner, MutableMapping):
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def _replace(patch: Patch, old: Any, new: Any) -> None:
+    """`new` in place of `old` at the patch's place (and, `everywhere`, in every loaded module's globals)."""
+    _set(patch.owner, patch.name, new)
+    if not patch.everywhere:
+        return
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict):
+            for name, value in list(namespace.items()):
+                if value is old:
+                    namespace[name] = new
