@@ -16,6 +16,9 @@ tracebacks, so each is made once, on a thread that is joined.
 Each interpretation records its call site as ``inspect.stack()[2]``, which reads the source of every frame of the
 whole stack (a test runner's too): 0.35 s for the first, 31 CPU seconds of the test suite. The interpreter module's
 ``inspect`` becomes a copy whose ``stack`` gives the first three frames only, as ``inspect.stack`` gives them.
+
+Declared to ``patches`` (installed on thunder_tp's first use): the speed-up in thunder_tp's compiles, Thunder's code
+in any other jit.
 """
 
 from __future__ import annotations
