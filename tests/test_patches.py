@@ -15,13 +15,16 @@ import collections
 import contextlib
 import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import thunder
+import thunder.core.interpreter as interpreter
 import torch
+from thunder.core.jit_ext import _general_jit_lookaside_map
 
 import thunder_tp
 from thunder_tp.collectives import comm_executor
@@ -239,6 +242,34 @@ def test_install_and_uninstall_swap_thunders_originals(reinstalled):
     patches.install()
     patches.install()  # once
     assert len(patches._installed) == len(declared)
+
+
+def _inference_mode(x):
+    with torch.inference_mode():
+        y = x * 2
+    return x * y
+
+
+def test_a_lookaside_outside_thunder_tps_compiles_is_thunders_interpretation(reinstalled):
+    """grad_mode's inference_mode lookasides: a plain jit's programs are those Thunder makes without them (it ignores
+    the mode), a thunder_tp compile's record it as no_grad (the grad reaches x through one factor only)."""
+    def compiled() -> tuple[list[str], torch.Tensor]:
+        x = torch.full((2,), 3.0, requires_grad=True)
+        jf = thunder.jit(_inference_mode)
+        jf(x).sum().backward()
+        return [re.sub(r"\(took \d+ milliseconds\)", "", str(t)) for t in thunder.last_traces(jf)], x.grad
+
+    lookasides = [p.name for p in patches.declared() if p.owner is _general_jit_lookaside_map]
+    assert torch.inference_mode.__enter__ in lookasides
+    assert not any(fn in interpreter._default_lookaside_map for fn in lookasides)  # Thunder would interpret them
+    patches.install()
+    installed = compiled()
+    patches.uninstall()
+    thunders = compiled()
+    assert installed[0] == thunders[0] and torch.equal(installed[1], thunders[1])
+    torch.testing.assert_close(thunders[1], torch.full((2,), 12.0))
+    with patches.applied():
+        torch.testing.assert_close(compiled()[1], torch.full((2,), 6.0))
 
 
 def test_the_speed_ups_are_active_in_thunder_tps_compiles_only():

@@ -7,7 +7,8 @@ Thunder tags the new outputs of every symbol called while the compile data's ``i
 - a pass that calls symbols again in place of a recorded one (the TP rewrite, the style constraints, the overlap
   decomposition) records them in the grad mode of the pass: ``in_grad_mode_of`` calls them in the recorded one's;
 - ``torch.inference_mode()`` inside a jitted function is ignored (Thunder 0.2.6 has no lookaside for it): the
-  lookasides below record it as ``no_grad`` (``mode=False``: as it comes);
+  lookasides below record it as ``no_grad`` (``mode=False``: as it comes) in thunder_tp's compiles (declared to
+  ``patches``; any other jit interprets it as Thunder does);
 - ``x.detach()`` gives its input a zero grad where eager gives none (an optimizer then decays a frozen weight):
   ``detached_as_eager`` tags its outputs, so that nothing upstream of it gets a grad from it.
 """
@@ -21,10 +22,11 @@ import thunder.torch as ltorch
 import torch
 from thunder.core.compile_data import get_compile_data
 from thunder.core.interpreter import ProvenanceRecord, PseudoInst, _interpret_call, unwrap, wrap, wrap_const
-from thunder.core.jit_ext import register_general_jit_lookaside
 from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
+
+from thunder_tp.thunder_internals import patches
 
 __all__ = ["detached_as_eager", "grad_reaches", "in_grad_mode_of", "is_no_grad"]
 
@@ -71,7 +73,6 @@ def detached_as_eager(trace: TraceCtx) -> None:
                     o.tags.add(ProxyTag.DETACHED_AUTOGRAD_GRAPH)
 
 
-@register_general_jit_lookaside(torch.inference_mode.__enter__)
 def _inference_mode_enter(context):
     # the context's attributes as the interpreter holds them (it keeps the ones its interpreted __init__ set)
     before = wrap_const(get_compile_data().is_grad_enabled)
@@ -81,7 +82,10 @@ def _inference_mode_enter(context):
     return wrap(None, provenance=ProvenanceRecord(PseudoInst.LOOKASIDE, inputs=[context.provenance]))
 
 
-@register_general_jit_lookaside(torch.inference_mode.__exit__)
 def _inference_mode_exit(context, exc_type, exc_value, traceback):
     ltorch._set_grad_enabled_with_warning(unwrap(_interpret_call(lambda c: getattr(c, _BEFORE), context)))
     return wrap(None, provenance=ProvenanceRecord(PseudoInst.LOOKASIDE, inputs=[context.provenance]))
+
+
+patches.declare_lookaside(torch.inference_mode.__enter__, _inference_mode_enter)
+patches.declare_lookaside(torch.inference_mode.__exit__, _inference_mode_exit)

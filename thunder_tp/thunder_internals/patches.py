@@ -21,19 +21,22 @@ import functools
 import importlib
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from thunder.core.compile_data import get_compile_data
+from thunder.core.interpreter import _interpret_call
+from thunder.core.jit_ext import _general_jit_lookaside_map
 
-__all__ = ["MARKER", "MODULES", "active", "active_for", "applied", "applying", "declare", "declared", "dispatching",
-           "install", "installed", "uninstall"]
+__all__ = ["MARKER", "MODULES", "active", "active_for", "applied", "applying", "declare", "declare_lookaside",
+           "declared", "dispatching", "install", "installed", "uninstall"]
 
 #: the modules of this folder that declare patches, imported by `install()`
-MODULES = ("untraced", "inductor", "instructions", "global_names", "builtin_containers", "pytree", "signatures",
-           "min_cuts", "collections_during_compile", "private")
+MODULES = ("untraced", "grad_mode", "inductor", "instructions", "global_names", "builtin_containers", "pytree",
+           "signatures", "min_cuts", "collections_during_compile", "private")
 #: the name of the executor whose presence in a jit's executors makes its compiles thunder_tp's
 MARKER = "thunder_tp_comm"
 #: the attribute of a jit's CompileData caching whether its compiles are thunder_tp's
@@ -64,8 +67,19 @@ _installed: list[tuple[Patch, Any]] = []
 
 def declare(owner: Any, name: Any, replacement: Any, *, everywhere: bool = False) -> None:
     """Register `replacement` for `owner`'s `name` (installed by `install()`); called by the declaring module."""
-    module = sys._getframe(1).f_globals["__name__"].rpartition(".")[2]
-    _declared.append(Patch(module, owner, name, replacement, everywhere))
+    _declared.append(Patch(_caller_module(), owner, name, replacement, everywhere))
+
+
+def declare_lookaside(fn: Callable, lookaside: Callable) -> None:
+    """Register `lookaside` (given the interpreter's wrapped values) for Thunder's interpreter to run in place of
+    `fn` in thunder_tp's compiles; any other compile interprets `fn`'s code, as Thunder does without a lookaside."""
+    interpreted = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    interpreted.__kwdefaults__ = fn.__kwdefaults__
+
+    def dispatch(*args, **kwargs):
+        return lookaside(*args, **kwargs) if active() else _interpret_call(interpreted, *args, **kwargs)
+
+    _declared.append(Patch(_caller_module(), _general_jit_lookaside_map, fn, dispatch))
 
 
 def declared() -> list[Patch]:
@@ -151,6 +165,11 @@ def dispatching(fast: Callable, original: Callable) -> Callable:
         return (fast if active() else original)(*args, **kwargs)
 
     return dispatch
+
+
+def _caller_module() -> str:
+    """The name, within this folder, of the module that called the caller."""
+    return sys._getframe(2).f_globals["__name__"].rpartition(".")[2]
 
 
 def _get(owner: Any, name: Any) -> Any:

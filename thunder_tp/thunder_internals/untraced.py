@@ -7,13 +7,12 @@ that tag, and its `in` on the registry iterates over every module ever tagged in
 model jitted, and when the garbage collector frees a tagged module during that loop, its weakref callback
 changes the registry's size and tracing fails with "dictionary changed size during iteration" on that rank
 only, while the others wait in their first collective. Tagging natively is what eager code does. The lookaside is
-put in Thunder's map by ``patches.install()``, not at import.
+declared to ``patches`` (installed on thunder_tp's first use): in thunder_tp's compiles only.
 """
 
 from __future__ import annotations
 
 from thunder.core.interpreter import interpreter_needs_wrap
-from thunder.core.jit_ext import _general_jit_lookaside_map
 from torch._dynamo.mutation_guard import GenerationTracker
 
 from thunder_tp.thunder_internals import patches
@@ -25,5 +24,4 @@ def _tag_natively(tracker: type, module) -> None:
     GenerationTracker.tag.__func__(tracker, module)
 
 
-#: a lookaside (no original to fall back on outside thunder_tp's compiles), installed with the patches
-patches.declare(_general_jit_lookaside_map, GenerationTracker.tag.__func__, _tag_natively)
+patches.declare_lookaside(GenerationTracker.tag.__func__, _tag_natively)
