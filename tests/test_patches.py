@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import json
 import re
 import subprocess
@@ -29,6 +30,7 @@ from thunder.core.jit_ext import _general_jit_lookaside_map
 import thunder_tp
 from thunder_tp.collectives import comm_executor
 from thunder_tp.thunder_internals import patches, versions
+from thunder_tp.thunder_internals.collections_during_compile import COMPILE_THRESHOLD
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -286,6 +288,22 @@ def test_the_speed_ups_are_active_in_thunder_tps_compiles_only():
             thunder.jit(f)(torch.ones(2))
         thunder.jit(f)(torch.ones(2))
     assert seen == [False, True, True, True] and not patches.active()
+
+
+def test_the_collection_threshold_is_raised_in_thunder_tps_compiles_only():
+    """collections_during_compile finds a jit's CompileData in the closure of the function ``thunder.jit``
+    decorates (``weakref_cd``): raised for a jit with thunder_tp's executors, not for a plain one."""
+    executors = thunder_tp.executors()  # installed before the jits are made
+    seen = []
+
+    def f(x):
+        seen.append(gc.get_threshold()[0])  # runs while Thunder interprets f
+        return x * 2
+
+    young = gc.get_threshold()[0]
+    thunder.jit(f)(torch.ones(2))
+    thunder.jit(f, executors=executors)(torch.ones(2))
+    assert seen == [young, max(young, COMPILE_THRESHOLD)] and gc.get_threshold()[0] == young
 
 
 def test_the_marker_is_thunder_tps_collectives_executor():
