@@ -31,8 +31,8 @@ from thunder.core.jit_ext import register_general_jit_lookaside
 from thunder_tp.ops.sampling import Sampling, draw_keys, sample, sample_tokens
 from thunder_tp.thunder_internals.private import interpret_call, original_module
 
-__all__ = ["KEYS", "SAMPLERS", "SAMPLING", "batched_next_token", "next_token", "next_tokens", "samples_in_program",
-           "sampling", "set_sampling"]
+__all__ = ["KEYS", "SAMPLERS", "SAMPLING", "batched_next_token", "copy_of", "current_sampler", "next_token",
+           "next_tokens", "sampled_in_program", "samples_in_program", "sampling", "set_sampling"]
 
 #: the keywords of a jitted GPT's call that make it return sampled tokens: each row's (temperature, top_k, top_p),
 #: top_k None as 0
@@ -50,6 +50,11 @@ def set_sampling(sampler: str) -> str:
         raise ValueError(f"thunder_tp.set_sampling: unknown sampler {sampler!r}; expected one of {SAMPLERS}")
     previous, _current["sampler"] = _current["sampler"], sampler
     return previous
+
+
+def current_sampler() -> str:
+    """The sampler generation loops use now (``SAMPLERS``)."""
+    return _current["sampler"]
 
 
 @contextlib.contextmanager
@@ -121,9 +126,13 @@ def batched_next_token(model, input_pos: torch.Tensor, x: torch.Tensor, kwargs: 
 
 def _sampled_forward(model, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The GPT's forward, then the tokens of its last position's logits (the module doc)."""
-    per_row = tuple((temperature, top_k or None, top_p) for temperature, top_k, top_p in kwargs.pop(SAMPLING))
-    keys = kwargs.pop(KEYS)
-    logits = _gpt_forward(model, *args, **kwargs)[:, -1]
+    per_row, keys = kwargs.pop(SAMPLING), kwargs.pop(KEYS)
+    return sampled_in_program(_gpt_forward(model, *args, **kwargs)[:, -1], per_row, keys)
+
+
+def sampled_in_program(logits: torch.Tensor, per_row: tuple[tuple, ...], keys: torch.Tensor | None) -> torch.Tensor:
+    """The (B, 1) tokens of (B, V) ``logits`` in a traced program, given ``SAMPLING``'s and ``KEYS``' values."""
+    per_row = tuple((temperature, top_k or None, top_p) for temperature, top_k, top_p in per_row)
     return _sampled_rows(logits, keys, per_row, _sample_tokens_call)
 
 
@@ -133,7 +142,7 @@ def _sample_tokens_call(logits: torch.Tensor, temperature: float, top_k: int | N
     return sample_tokens(logits, key, temperature, top_k, top_p)
 
 
-def _copy_of(fn: types.FunctionType) -> types.FunctionType:
+def copy_of(fn: types.FunctionType) -> types.FunctionType:
     """A function with ``fn``'s code that is not ``fn``: Thunder's interpreter diverts ``fn`` itself to its
     lookaside, which interprets this copy without being diverted again."""
     copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -150,7 +159,7 @@ except ImportError:  # litgpt is optional: without it there is nothing to divert
 _LITGPT: dict[str, Callable[..., Any]] = {}
 
 if _GPT is not None:
-    _gpt_forward = _copy_of(_GPT.forward)
+    _gpt_forward = copy_of(_GPT.forward)
 
     @register_general_jit_lookaside(_GPT.forward)
     def _gpt_forward_lookaside(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

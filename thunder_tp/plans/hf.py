@@ -18,11 +18,13 @@ import torch
 import torch.nn as nn
 
 from thunder_tp.layouts import REPLICATE, Layout, Shard
+from thunder_tp.models.hf import generation as hf_generation
 from thunder_tp.models.hf import moe as hf_moe
 from thunder_tp.models.hf import register_lookasides
 from thunder_tp.styles import (
     ColwiseParallel,
     FeatureShardedNorm,
+    KVCacheParallel,
     RowwiseParallel,
     SequenceParallel,
     Style,
@@ -70,6 +72,8 @@ def hf(
     them by all_to_all (router and shared expert replicated); otherwise every expert is split like a dense MLP.
     tp_size: the TP size the plan is for, checked now (an error naming the module and the sizes that work) rather
     than when TensorParallel applies it.
+    A static KV cache (`thunder_tp.models.hf.set_kv_cache` called before the plan is made) is split like the K/V
+    heads it caches, and lm_head's output stays vocab-sharded: `thunder_tp.models.hf.generate` samples on shards.
     """
     _check_version()
     register_lookasides(model)
@@ -89,8 +93,10 @@ def hf(
     plan |= _moe_plan(model, reduced) if expert_parallel else _moe_plan(model)
     plan[_name_of(model, model.get_input_embeddings())] = RowwiseParallel(output_layout=reduced)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    cached = hf_generation.has_kv_cache(model)  # decoding: the head's output sampled on vocabulary shards
     if head is not None:
-        plan[_name_of(model, head)] = ColwiseParallel(output_layout=None if loss_parallel else REPLICATE)
+        plan[_name_of(model, head)] = ColwiseParallel(output_layout=None if loss_parallel or cached else REPLICATE)
+    plan |= {name: KVCacheParallel() for name in hf_generation.cache_names(model)}
     heads = FeatureShardedNorm(unit=_head_dim(model), groups=_kv_heads(config))  # split like the heads they norm
     plan |= {name: heads for name in _all_head_norms(model)}
     if sequence_parallel:

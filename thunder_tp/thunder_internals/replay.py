@@ -41,7 +41,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import get_tracectx
 
 __all__ = ["append_replayed", "interpret_module_call", "module_tensors", "opaque", "recorded",
-           "set_module_call_handler", "unwrap", "unwrapped_call"]
+           "set_module_call_handler", "unwrap", "unwrapped_call", "wrap_const"]
 
 #: Module._wrapped_call_impl's code under another function object, interpreted as Thunder interprets a module call
 _module_call_code = types.FunctionType(nn.Module._wrapped_call_impl.__code__, nn.Module._wrapped_call_impl.__globals__,

@@ -1,4 +1,5 @@
-"""The HuggingFace transformers family: HF models traced as TP needs them (attention, sparse MoE blocks)."""
+"""The HuggingFace transformers family: HF models traced as TP needs them (attention, sparse MoE blocks), and HF's
+``generate`` through a TP program (``set_kv_cache``, ``generate``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import torch.nn as nn
 
 from thunder_tp.families import register_family, register_index_attribute
 from thunder_tp.models.hf import attention, moe
+from thunder_tp.models.hf.generation import generate, set_kv_cache
+
+__all__ = ["generate", "register_lookasides", "set_kv_cache"]
 
 # a decoder layer's attention reads `layer_idx` only with a KV cache, an object its call's arguments then hold (a
 # call thunder_tp.tracing.repeated_blocks does not trace once)
