@@ -1,16 +1,6 @@
-"""Decode benchmark: litgpt generation on one device, with thunder_tp TP and with a hand-written TP, side by side.
+"""Decode benchmark: litgpt's greedy generation under the modes of ``RUNS``, side by side (docs/generation.md).
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_generate --dtype float32 --batch 1 \\
-        --json_path generate.json
-
-Greedy generation through litgpt's own loops of ``lib/llama.py``'s litgpt llama (random weights) in the modes of
-``all_modes`` (docs/generation.md, "The decode benchmark"): (a) ``single_thunder`` and (b) ``single_eager`` on rank 0
-alone, (c) ``thunder_tp`` and (c') ``thunder_tp_gather`` (litgpt's sampler on gathered logits), (d) ``manual_tp``
-(gpt-fast-style, ``shard_by_hand``), (e) ``eager_2threads``. Every generation's tokens must equal (b)'s, else the run
-exits 1, but where a row first leaves them at a near-tie of (b)'s logits (``NEAR_TIE_EPS``), which is reported.
-Each round runs one generation of every mode (order reversed every other round) after ``--warmup`` untimed ones;
-medians over the rounds of the time to first token and decode tokens/s (a distributed mode's: its slowest rank's),
-the collectives of one decode step, KV-cache and parameter bytes per rank, compiles. One thread per rank.
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.bench_generate --dtype float32 --batch 1
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.lib.harness import (
     EXECUTORS,
-    Mode,
     alternating_rounds,
     collectives_lines,
     exit_without_teardown,
@@ -53,7 +42,8 @@ from benchmarks.lib.harness import (
     slowest_rank,
     write_json,
 )
-from benchmarks.lib.llama import decode_config, generate_args, new_gpt, set_cache, shard_by_hand
+from benchmarks.lib.llama import decode_config, generate_args, new_gpt, set_cache
+from benchmarks.lib.modes import MODES, How
 
 PROMPT_SEED = 1234
 #: a mode's token may leave the reference's where their reference logits are this many eps of the dtype (times the
@@ -63,8 +53,16 @@ PROMPT_SEED = 1234
 NEAR_TIE_EPS = 32
 
 
-#: the sampler of litgpt's loops by mode (thunder_tp.set_sampling), "shards" where not listed
-SAMPLERS = {"thunder_tp_gather": "gather"}
+@dataclass(frozen=True)
+class Run:
+    """A mode of ``RUNS``: ``build`` makes its module; ``ranks`` 1 runs it on rank 0 alone (``on_ranks``)."""
+
+    name: str
+    description: str
+    ranks: int
+    build: Callable[..., nn.Module]
+    runtime: str = "eager"
+    threads: int = 1
 
 
 class TokenMismatch(Exception):
@@ -74,41 +72,30 @@ class TokenMismatch(Exception):
 # --- the modes --------------------------------------------------------------------------------------------------
 
 
-def all_modes(args: argparse.Namespace, device: torch.device) -> list[Mode]:
-    """Every mode of the module docstring, built for ``args`` on ``device``: ``mode.build(shared)`` makes its module
-    (``shared``: the single-device GPT, on rank 0 only)."""
-    import thunder
+#: the modes: name -> (the registry's mode, the label, litgpt's sampler (thunder_tp.set_sampling), threads)
+RUNS = {"thunder": ("thunder", "(a)", "shards", 1), "eager": ("eager", "(b)", "shards", 1),
+        "tp": ("tp", "(c)", "shards", 1), "tp_gather": ("tp", "(c') logits gathered,", "gather", 1),
+        "manual_tp": ("manual_tp", "(d)", "shards", 1), "eager_2threads": ("eager", "(e) 2 threads,", "shards", 2)}
 
-    import thunder_tp
+
+def all_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
+    """The modes of ``RUNS``: ``mode.build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0
+    only; a distributed mode builds its own)."""
+    how = How(EXECUTORS[args.compile])
+
+    def build(registered: str, shared: nn.Module | None) -> nn.Module:
+        mode = MODES[registered]
+        return mode.wrap(set_cache(new_gpt(args, device), args, device) if mode.distributed else shared, how)
 
     world = dist.get_world_size()
-    executors = EXECUTORS[args.compile]
-
-    def thunder_tp_build(shared: nn.Module | None) -> nn.Module:
-        model = set_cache(new_gpt(args, device), args, device)
-        plan = thunder_tp.plans.litgpt(model)
-        return thunder.jit(model, transforms=[thunder_tp.TensorParallel(plan)], executors=executors())
-
-    def manual_build(shared: nn.Module | None) -> nn.Module:
-        model = new_gpt(args, device)
-        model.collectives = shard_by_hand(model, dist.get_rank(), world)
-        return set_cache(model, args, device)
-
-    def thunder_build(shared: nn.Module | None) -> nn.Module:
-        return thunder.jit(shared, executors=executors())
-
-    return [
-        Mode("single_thunder", "(a) single device, thunder.jit", 1, thunder_build, runtime="thunder"),
-        Mode("single_eager", "(b) single device, eager litgpt", 1, lambda shared: shared),
-        Mode("thunder_tp", f"(c) thunder_tp TP={world}", world, thunder_tp_build, runtime="thunder"),
-        Mode("thunder_tp_gather", f"(c') thunder_tp TP={world}, logits gathered", world, thunder_tp_build,
-             runtime="thunder"),
-        Mode("manual_tp", f"(d) hand-written TP={world}, eager", world, manual_build),
-        Mode("eager_2threads", "(e) eager litgpt, one process, 2 threads", 1, lambda shared: shared, threads=2),
-    ]
+    return [Run(name, f"{label} {MODES[registered].description}" + (f", TP={world}" if MODES[registered].distributed
+                                                                       else ", one device"),
+                 world if MODES[registered].distributed else 1, partial(build, registered),
+                 MODES[registered].runtime, threads)
+            for name, (registered, label, _, threads) in RUNS.items()]
 
 
-def select_modes(modes: list[Mode], names: str, device: torch.device) -> list[Mode]:
+def select_modes(modes: list[Run], names: str, device: torch.device) -> list[Run]:
     """The modes named in ``--modes`` ('all': every one, (e) on CPU only), in their order; a clear error otherwise."""
     if names == "all":
         return [m for m in modes if m.threads == 1 or device.type == "cpu"]
@@ -218,7 +205,7 @@ def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
     return ties
 
 
-def timed_generation(mode: Mode, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
+def timed_generation(mode: Run, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
                      ref: Reference | None, cores: set[int]) -> tuple[float, float, list[dict]]:
     """One generation of ``mode``: its time to the first token and decode tokens/s (the slowest rank's) and its
     near-ties with the reference (checked on rank 0, ``ref`` None elsewhere: a TP mode's ranks sample the same
@@ -228,7 +215,7 @@ def timed_generation(mode: Mode, module: nn.Module, prompts: torch.Tensor, args:
     if mode.ranks != 1:
         dist.barrier()
     around = threads(mode.threads, cores) if mode.threads != 1 else contextlib.nullcontext()
-    with around, sampling(SAMPLERS.get(mode.name, "shards")):
+    with around, sampling(RUNS[mode.name][2]):
         tokens, ttft, decode_s = generation(module, prompts, args.new_tokens)
     ties = check_tokens(mode.name, tokens, ref) if ref is not None else []
     if mode.ranks != 1:
@@ -250,7 +237,7 @@ def decode_collectives(module: nn.Module) -> dict | None:
     return None
 
 
-def prepare(mode: Mode, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
+def prepare(mode: Run, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
             ref: Reference | None, cores: set[int], result: dict) -> nn.Module | None:
     """Build ``mode`` and run its first generation (compiles, checked) into ``result``; the module, or None (the
     error recorded) where it failed."""
@@ -275,7 +262,7 @@ def agreed(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
+def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
     """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating
     rounds; the results by mode name (rank 0's complete)."""
     import thunder
@@ -295,7 +282,7 @@ def run_modes(modes: list[Mode], args: argparse.Namespace, device: torch.device,
             modules[mode.name] = module
     ready = [m for m in modes if m.name in modules]
     for r, mode in alternating_rounds(ready, args.warmup - 1 + args.rounds):  # one generation per mode and round
-        def run(mode: Mode = mode, timed: bool = r >= args.warmup - 1) -> None:
+        def run(mode: Run = mode, timed: bool = r >= args.warmup - 1) -> None:
             ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref, cores)
             if timed:
                 results[mode.name]["ttft_s"].append(ttft)
@@ -342,7 +329,7 @@ def report(args: argparse.Namespace, results: dict, world: int, device: torch.de
           f"intermediate {c.intermediate_size}, vocab {c.padded_vocab_size}: {params / 1e6:.1f} M parameters, "
           f"{args.dtype}; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens (greedy); "
           f"{args.rounds} rounds, medians; {world} ranks, {device}, --compile {args.compile}\n")
-    base = results.get("single_thunder", {})
+    base = results.get("thunder", {})
     print("| mode | ranks × threads | time to first token (s) | × (a) | decode tok/s | × (a) "
           "| collectives / decode step | KV cache / rank | params / rank | compiles | tokens = (b) |")
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|")

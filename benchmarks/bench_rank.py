@@ -1,23 +1,8 @@
-"""One rank of a TP group at true shapes, alone on this device: per-rank step time and memory, and a projection to N.
+"""One rank of a TP group at true shapes, alone on this device: per-rank step time and memory, and a projection to N
+(docs/gpu.md: the modes (a)-(i), the figures, the projection).
 
     python -m benchmarks.bench_rank --model Llama-3-8B --tp 1,2,4,8 --project          # a GPU
     python -m benchmarks.bench_rank --model tiny --tp 4 --quick                          # CI, on the CPU
-
-Every run is rank ``--rank`` (default: the last) of a fake TP group of each size (``thunder_tp.one_rank``): the
-rank's own program, its own shards (built on the meta device, random weights), every collective returning at once.
-Training (forward + backward + AdamW, ``--seq`` tokens of ``--batch`` rows, ``--plan``: by default sequence
-parallel and loss parallel) runs modes (a)-(c) of ``rank_modes.py``, decode (one token with ``--context`` cached
-positions, for each of ``--decode_batches``) modes (d)-(g). Models: ``--model`` Llama-3-8B / Llama-3-70B (litgpt's
-configs) or ``tiny``, each dimension overridable. ``--layers`` are the depths measured: with two (default 0 and 2)
-every per-step figure is extrapolated linearly to the model's depth (``--full_layers``): the 70B rows are its first
-layers, scaled per layer. Per row: the median step time (forward, backward, optimizer), peak memory (each row
-after releasing the previous rows' memory; ``--peak_at_full``: measured at full depth, not extrapolated), parameter
-bytes per rank, the collectives (thunder modes: ``thunder_tp.tools.debug.collective_calls`` of the final traces;
-compiled modes: counted at runtime), the loss finite; per TP size, whether the modes' structures (collectives, bytes,
-parameters) agree, and (a)'s loss against (b)'s (the same weights and batch).
-``--project``: ``projection.py``'s step on an 8-GPU node from these figures (``--link``, ``--link_override``),
-without and with overlap, as tokens/s/GPU (training) and tokens/s (decode), beside the public references.
-Modes that need CUDA are skipped on the CPU with the reason. ``--quick``: no code generation (smoke tests).
 """
 
 from __future__ import annotations
@@ -32,14 +17,24 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from benchmarks.lib.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
-from benchmarks.lib.harness import DTYPES, options, param_bytes, random_batch, step_context, write_json
+from benchmarks.lib.harness import (
+    DTYPES,
+    options,
+    param_bytes,
+    random_batch,
+    step_context,
+    thunder_default_executors,
+    write_json,
+)
 from benchmarks.lib.llama import LlamaConfig
-from benchmarks.lib.rank_modes import DECODE, PLANS, TRAINING, RankMode
+from benchmarks.lib.modes import MODES, How, dtensor, gpt_on_meta, init_local, llama_on_meta, tp_decode
 from benchmarks.lib.rank_report import report
 from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
 
@@ -49,6 +44,79 @@ PRESETS = {
     "Llama-3-70B": dict(n_layer=80, n_embd=8192, n_head=64, n_query_groups=8, intermediate_size=28672, vocab=128256),
     "tiny": dict(n_layer=2, n_embd=64, n_head=8, n_query_groups=4, intermediate_size=128, vocab=256),
 }
+
+
+#: --plan: thunder_tp's training modes of the registry
+PLANS = ("tp", "tp_sp", "tp_lp", "tp_sp_lp")
+
+
+@dataclass(frozen=True)
+class RankMode:
+    """A mode of the tables (docs/gpu.md): ``build`` makes one rank's module, its shards materialized on ``device``
+    with random weights; ``cuda_only`` modes are skipped on the CPU."""
+
+    key: str
+    description: str
+    runtime: str  # "thunder" or "compile"
+    build: Callable[..., nn.Module]
+    cuda_only: str = ""  # why it runs on CUDA only
+
+
+def how(device: torch.device, quick: bool, backend: str | None = None, overlap: str = "auto") -> How:
+    """Materialized on ``device``; ``quick``: no code generation (Thunder's default executors, Dynamo's eager)."""
+    import thunder_tp
+
+    executors = thunder_default_executors if quick else partial(thunder_tp.executors, backend)
+    return How(executors, overlap=overlap, materialize=device, compile_backend="eager" if quick else "inductor")
+
+
+def _thunder_training(backend: str, cfg, device, dtype, quick: bool, plan: str, overlap: str) -> nn.Module:
+    return MODES[plan].wrap(llama_on_meta(cfg, dtype), how(device, quick, backend, overlap))
+
+
+def _dtensor_training(cfg, device, dtype, quick: bool, plan: str, overlap: str) -> nn.Module:
+    """torchtitan's plan ("sp") or the best eager one, loss parallel as ``plan`` says, under torch.compile."""
+    kind = "sp" if "sp" in plan else "best"
+    return dtensor(llama_on_meta(cfg, dtype), how(device, quick), kind, compile=True, loss_parallel="lp" in plan)
+
+
+def _thunder_decode(strategy: str | None, config, context: int, batch: int, device, dtype, quick: bool):
+    """thunder_tp's decode through a DecodeStep of ``strategy`` (quick: bound), or (None) the jitted module's call."""
+    strategy = "bound" if quick and strategy == "compiled" else strategy
+    return tp_decode(config, context, batch, dtype, how(device, quick), strategy)
+
+
+def _compiled_decode(registered: str, config, context: int, batch: int, device, dtype, quick: bool) -> nn.Module:
+    """The GPT under ``registered`` (hand TP, or eager: the whole GPT), its KV cache, under torch.compile (CUDA
+    graphs on a GPU)."""
+    model = gpt_on_meta(config, context, dtype)
+    model.collectives = []
+    model = MODES[registered].wrap(model, how(device, quick))
+    if registered == "eager":
+        init_local(model, device)
+    model.set_kv_cache(batch_size=batch, device=device, dtype=dtype)
+    if quick:
+        return torch.compile(model, backend="eager")
+    return torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else "default")
+
+
+TRAINING = (
+    RankMode("a", "thunder_tp, nvFuser regions", "thunder", partial(_thunder_training, "nvfuser"),
+             cuda_only="nvFuser runs on CUDA only"),
+    RankMode("b", "thunder_tp, Inductor regions", "thunder", partial(_thunder_training, "inductor")),
+    RankMode("c", "DTensor (torchtitan plan), torch.compile", "compile", _dtensor_training),
+)
+DECODE = (
+    RankMode("d", "thunder_tp decode step, compiled whole", "thunder", partial(_thunder_decode, "compiled")),
+    RankMode("e", "thunder_tp decode step, CUDA graph", "thunder", partial(_thunder_decode, "graph"),
+             cuda_only="CUDA graphs need CUDA"),
+    RankMode("f", "hand-written TP (gpt-fast style), torch.compile reduce-overhead", "compile",
+             partial(_compiled_decode, "manual_tp")),
+    RankMode("g", "thunder_tp, the jitted module's call", "thunder", partial(_thunder_decode, None)),
+    RankMode("h", "thunder_tp decode step, bound (Thunder's regions, no prologue)", "thunder",
+             partial(_thunder_decode, "bound")),
+    RankMode("i", "one device, the whole GPT, torch.compile", "compile", partial(_compiled_decode, "eager")),
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=None, help="the rank run (default: the last of each group)")
     p.add_argument("--train_modes", default="a,b,c", help="training modes ('' for none)")
     p.add_argument("--decode_modes", default="d,e,f", help="decode modes ('' for none)")
-    p.add_argument("--plan", choices=list(PLANS), default="tp_sp_lp",
+    p.add_argument("--plan", choices=PLANS, default="tp_sp_lp",
                    help="training: TP, with sequence parallel (sp) and/or loss parallel (lp)")
     p.add_argument("--overlap", choices=["auto", "always", "never"], default="auto",
                    help="training: thunder_tp's collectives decomposed for overlap (TensorParallel(overlap=...))")
@@ -234,7 +302,7 @@ def _selected(modes: tuple[RankMode, ...], keys: str, device: torch.device) -> t
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {list(known)}")
     run = [known[k] for k in wanted if device.type == "cuda" or not known[k].cuda_only]
-    skipped = {k: known[k].skip_reason for k in wanted if known[k] not in run}
+    skipped = {k: known[k].cuda_only for k in wanted if known[k] not in run}
     return run, skipped
 
 

@@ -1,20 +1,7 @@
-"""The trainer: a litgpt GPT (or an HF model) under thunder_tp, flag names as in Thunder's benchmark_litgpt.
+"""The trainer: a litgpt GPT (or an HF model) under a mode of ``lib/modes.py``, flags as Thunder's benchmark_litgpt.
 
-    torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --model_name pythia-14m --n_layers 2 \\
-        --distributed_mode tp --tp_size 2 --max_iters 10 --warmup_iters 2 --dump_thunder_traces true
-
-One mode per run: ``--distributed_mode`` picks an entry of ``lib/litgpt_setup.MODES`` (none, tp, tp_sp, and the 2-D
-tp_ddp / tp_fsdp over ``--dp_size`` data-parallel groups); ``--context_parallel_size`` adds ContextParallel,
-``--hf_model_type`` trains an HF architecture, ``--simulate N`` dry-runs the TP plan on N simulated ranks in one
-process. The model has random weights and its cross-entropy inside the jitted program; batches are seeded random
-tokens; an iteration is forward + backward + SGD. Rank 0 reports the mean iteration time after ``--warmup_iters``,
-tokens/s, bytes per rank, peak memory, saved-for-backward bytes and the collectives per iteration (``--json_path``).
-
-Several modes side by side: ``--compare MODES`` trains the benchmark Llama (``lib/llama.py``) under each mode of
-``lib/compare_modes.py`` (single device, thunder_tp, DTensor, HF's own TP, litgpt's and HF's Llama of the same dims),
-each gated against one device, timed in alternating rounds, medians reported (``lib/side_by_side.py``)::
-
-    torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --compare single_thunder,thunder_tp_tp,dtensor_tp
+    torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --model_name pythia-14m --distributed_mode tp
+    torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --compare thunder,tp,dtensor_tp   # side by side
 """
 
 from __future__ import annotations
@@ -56,7 +43,6 @@ from benchmarks.lib.harness import (
 )
 from benchmarks.lib.litgpt_options import parse_args
 from benchmarks.lib.litgpt_setup import (
-    MODES,
     Groups,
     accumulation_steps,
     build,
@@ -65,6 +51,7 @@ from benchmarks.lib.litgpt_setup import (
     make_model,
     model_info,
     resolve_groups,
+    wrap,
 )
 from benchmarks.lib.side_by_side import compare, compare_process
 
@@ -290,8 +277,6 @@ def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
 def simulate_dry_run(args: argparse.Namespace) -> int:
     """One forward + backward of the TP=N program on N simulated ranks; prints each rank's parameter bytes and
     collectives."""
-    import thunder
-
     import thunder_tp
 
     n = args.simulate
@@ -303,8 +288,8 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
     model = make_model(args, config, torch.device("cpu"))
     idx, targets = make_batch(args, info.vocab_size, 0, 0, torch.device("cpu"))
     with thunder_tp.simulate(world_size=n):
-        transforms = MODES[args.distributed_mode].transforms(model, args, Groups(0, n, n, 0, None, 1, 0, None))
-        jm = thunder.jit(model, transforms=transforms, executors=thunder_tp.executors())  # torch executor here
+        args.compile = "thunder"  # thunder_tp.executors(): Thunder's torch executor inside a simulation
+        jm = wrap(model, args, Groups(0, n, n, 0, None, 1, 0, None))
         t0 = time.perf_counter()
         loss = jm(idx, targets)
         loss.backward()

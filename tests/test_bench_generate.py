@@ -37,27 +37,27 @@ def _check(res: dict, modes: list[str], batch: int, itemsize: int) -> None:
     full_kv = 2 * batch * 2 * (8 + 3) * 16 * itemsize  # k and v: (batch, 2 K/V groups, context, head size)
     assert results["manual_tp"]["kv_cache_bytes"] == full_kv // 2, results
     candidates = batch * 2 * 8 * 2  # one float64 (value, index) pair a row from each of the 2 ranks
-    for name, gathered in (("thunder_tp", candidates), ("thunder_tp_gather", logits)):
+    for name, gathered in (("tp", candidates), ("tp_gather", logits)):
         if name in results:
             tp = results[name]["decode_collectives"]
             want = {"all_reduce": {"count": 3, "bytes": 3 * act}, "all_gather": {"count": 1, "bytes": gathered}}
             assert tp == want, (name, tp)
             assert results[name]["kv_cache_bytes"] == full_kv // 2, results
-            assert results[name]["param_bytes"] < results["single_eager"]["param_bytes"], results
+            assert results[name]["param_bytes"] < results["eager"]["param_bytes"], results
 
 
 # the command line; test_batched_bf16 runs the benchmark on the warm ranks (~2 minutes on 2 cores)
 @pytest.mark.slow
 def test_torchrun(tmp_path):
     """Batch 1 (litgpt's generate loop), fp32, from the command line: every mode."""
-    modes = ["single_thunder", "single_eager", "thunder_tp", "thunder_tp_gather", "manual_tp", "eager_2threads"]
+    modes = ["thunder", "eager", "tp", "tp_gather", "manual_tp", "eager_2threads"]
     json_path = tmp_path / "results.json"
     stdout, stderr = torchrun(["-m", "benchmarks.bench_generate", *TINY, "--modes", ",".join(modes), "--json_path",
                                str(json_path)],
                               timeout=TIMEOUT_S, cwd=str(tmp_path))
     output = stdout + stderr
     _check(json.loads(json_path.read_text()), modes, 1, 4)
-    assert "| (c) thunder_tp TP=2 | 2 × 1 |" in output and "manual_tp, collectives per rank" in output, output[-4000:]
+    assert "| (c) tp TP=2 | 2 × 1 |" in output and "manual_tp, collectives per rank" in output, output[-4000:]
 
 
 def _run(argv: list[str]) -> tuple[int, dict]:
@@ -74,11 +74,11 @@ def _run(argv: list[str]) -> tuple[int, dict]:
 
 def test_batched_bf16():
     """Batch 2 (litgpt's batched loop), bf16, on the warm gloo ranks of tests/dist.py; the Thunder builds are
-    thunder_tp's, sampling on shards and with the logits gathered (test_torchrun, slow, runs every mode from the
+    tp's, sampling on shards and with the logits gathered (test_torchrun, slow, runs every mode from the
     command line)."""
     from tests.dist import run_ranks
 
-    modes = ["single_eager", "thunder_tp", "thunder_tp_gather", "manual_tp"]
+    modes = ["eager", "tp", "tp_gather", "manual_tp"]
     (code, res), (code1, _) = run_ranks(_run, 2, ["--batch", "2", "--dtype", "bfloat16", "--modes", ",".join(modes)])
     assert code == code1 == 0
     _check(res, modes, 2, 2)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import benchmark_litgpt as bench
-from benchmarks.lib import harness
+from benchmarks.lib import harness, modes
 from benchmarks.lib import litgpt_setup as setup
 from tests.dist import REPO_ROOT, start_forked, torchrun
 
@@ -347,7 +347,7 @@ def test_save_resume_at_another_tp_size_and_pretrained_file(tmp_path):
 def test_options():
     args = bench.parse_args(["--distributed_mode", "tp", "--dump_thunder_traces", "true", "--loss_parallel", "False"])
     assert args.dump_thunder_traces is True and args.loss_parallel is False and args.compile == "thunder"
-    assert set(setup.MODES) >= {"none", "tp", "tp_sp"}
+    assert set(setup.TRAINER_MODES) >= {"none", "tp", "tp_sp"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--dump_thunder_traces", "maybe"])
     with pytest.raises(SystemExit):  # eager has no TP
@@ -438,7 +438,8 @@ def test_tp_overlap_and_float8_all_gather_reach_tensor_parallel():
         args = bench.parse_args(["--distributed_mode", "tp_sp", *TINY, *argv])
         with torch.device("meta"):
             model = setup.make_model(args, setup.make_config(args), torch.device("meta"))
-        tp, = setup.MODES["tp_sp"].transforms(model, args, setup.Groups(0, 2, 2, 0, None, 1, 0, None))
+        how = setup.how_of(args, setup.Groups(0, 2, 2, 0, None, 1, 0, None))
+        tp = modes.tp_transform(model, how, sequence_parallel=True)
         assert isinstance(tp, thunder_tp.TensorParallel) and (tp.overlap, tp.float8_all_gather) == (overlap, gather)
 
 

@@ -12,7 +12,9 @@ from functools import partial
 import pytest
 import torch
 
-from benchmarks.lib import compare_modes, compare_report, gate, harness, llama, side_by_side, transport
+from benchmarks.lib import compare_report, harness, llama, side_by_side, transport
+from benchmarks.lib.harness import thunder_default_executors
+from benchmarks.lib.modes import How
 from tests.dist import REPO_ROOT, run_ranks, torchrun
 
 DIMS = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab": 64, "ffn_hidden": 64}
@@ -20,15 +22,15 @@ BATCH, SEQ = 2, 8
 TINY = ["--llama_config", json.dumps(DIMS), "--micro_batch_size", str(BATCH), "--block_size", str(SEQ),
         "--max_iters", "3", "--warmup_iters", "1", "--fresh_inductor_cache", "false", "--learning_rate", "0.01"]
 EVERY_MODE = {
-    "single_eager", "single_thunder", "single_thunder_defaults", "single_thunder_inductor",
-    "thunder_tp_tp", "thunder_tp_auto", "thunder_tp_sp", "thunder_tp_tp_lp",
+    "eager", "thunder", "thunder_defaults", "thunder_inductor",
+    "tp", "tp_auto", "tp_sp", "tp_lp",
     "dtensor_tp_lp", "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
-    "litgpt_single_thunder", "litgpt_thunder_tp_tp", "litgpt_thunder_tp_sp",
-    "hf_single_thunder", "hf_tp", "hf_thunder_tp", "hf_thunder_tp_lp",
+    "litgpt:thunder", "litgpt:tp", "litgpt:tp_sp",
+    "hf:thunder", "hf_tp", "hf:tp", "hf:tp_lp",
 }
-HF_MODES = {"hf_single_thunder", "hf_tp", "hf_thunder_tp", "hf_thunder_tp_lp"}
+HF_MODES = {"hf:thunder", "hf_tp", "hf:tp", "hf:tp_lp"}
 #: modes that compile with Inductor by default (the slow-marked test)
-INDUCTOR_MODES = ("thunder_tp_tp", "dtensor_tp_compile", "single_thunder_inductor")
+INDUCTOR_MODES = ("tp", "dtensor_tp_compile", "thunder_inductor")
 #: a bound for a run on a loaded machine (minutes on 2 shared cores); a hung rank fails earlier, after the
 #: process-group --timeout
 TIMEOUT_S = 1500
@@ -76,16 +78,16 @@ def _may_use_real_time_priority() -> bool:
 def test_compare_runs_thunder_tp_against_dtensor(tmp_path):
     """The default side-by-side run: thunder_tp's TP and loss-parallel modes and DTensor's on Thunder's default
     executors (no Inductor compile), each gated against one device and timed; the broken-down step of one mode."""
-    modes = ["single_eager", "thunder_tp_tp", "thunder_tp_tp_lp", "dtensor_tp", "dtensor_tp_lp"]
+    modes = ["eager", "tp", "tp_lp", "dtensor_tp", "dtensor_tp_lp"]
     report, stdout = _compare(tmp_path, ",".join(modes), "--compile", "thunder_default", "--breakdown", "1")
     assert set(report["modes"]) == set(modes), sorted(report["modes"])
     _check_modes(report["modes"])
-    for name in ("thunder_tp_tp", "dtensor_tp"):  # Megatron's minimum, the logits gathered
+    for name in ("tp", "dtensor_tp"):  # Megatron's minimum, the logits gathered
         r = report["modes"][name]
         forward, backward = (r.get(f"comm_{p}_trace") or r[f"comm_{p}"] for p in ("forward", "backward"))
         assert forward["counts"] == {"all_reduce": 3, "all_gather": 1}, (name, forward)
         assert backward["counts"] == {"all_reduce": 3}, (name, backward)
-    assert "| thunder_tp_tp |" in stdout and "| dtensor_tp_lp |" in stdout
+    assert "| tp |" in stdout and "| dtensor_tp_lp |" in stdout
 
 
 # every mode, the transport runs: ~9 minutes on 2 cores
@@ -95,18 +97,18 @@ def test_compare_runs_every_mode(tmp_path):
     no Inductor compile at all; the report; gloo's threads at SCHED_FIFO where the machine allows it."""
     fifo = _may_use_real_time_priority()
     report, stdout = _compare(tmp_path, "all", "--compile", "thunder_default",
-                              "--skip", "dtensor_tp_compile,single_thunder_inductor",
+                              "--skip", "dtensor_tp_compile,thunder_inductor",
                               "--breakdown", "2", "--without_transport", "true",
                               *(["--transport_threads", "fifo"] if fifo else []))
     assert ("(its threads at SCHED_FIFO 1)" in stdout) == fifo
     modes = report["modes"]
-    assert set(modes) == EVERY_MODE - {"dtensor_tp_compile", "single_thunder_inductor"}, sorted(modes)
+    assert set(modes) == EVERY_MODE - {"dtensor_tp_compile", "thunder_inductor"}, sorted(modes)
     _check_modes(modes)
     # the same model gives the same first-step loss in every Llama mode
     llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith(("litgpt", "hf")) and "loss_step1" in r}
     assert max(llama) - min(llama) <= 1e-4 * max(llama), llama
     # Megatron's minimum: 2 all_reduce per block + the embedding's (forward) / lm_head's (backward), the logits gathered
-    for name in ("thunder_tp_tp", "dtensor_tp"):
+    for name in ("tp", "dtensor_tp"):
         r = modes[name]
         forward, backward = (r.get(f"comm_{p}_trace") or r[f"comm_{p}"] for p in ("forward", "backward"))
         assert forward["counts"] == {"all_reduce": 3, "all_gather": 1}, (name, forward)
@@ -115,7 +117,7 @@ def test_compare_runs_every_mode(tmp_path):
     for name, r in modes.items():
         if "param_bytes" in r and not name.startswith(("litgpt", "hf")):
             assert r["param_bytes"] == _llama_param_bytes(r["ranks"]), (name, r["param_bytes"])
-    assert "| thunder_tp_tp |" in stdout and "| dtensor_sp |" in stdout
+    assert "| tp |" in stdout and "| dtensor_sp |" in stdout
     _check_breakdowns(modes, stdout)
     # what communication adds: every multi-rank mode measured with and without its transport, one row each
     measured = {n for n, r in modes.items() if "transport" in r}
@@ -158,7 +160,7 @@ def test_compare_with_inductor(tmp_path):
     report, _ = _compare(tmp_path, ",".join(INDUCTOR_MODES))
     assert set(report["modes"]) == set(INDUCTOR_MODES)
     _check_modes(report["modes"])
-    assert report["modes"]["thunder_tp_tp"]["description"] == "thunder_tp TP"
+    assert report["modes"]["tp"]["description"] == "thunder_tp TP"
 
 
 # --- the gradient gate ----------------------------------------------------------------------------------------
@@ -170,15 +172,16 @@ def test_gradient_gate_fails_on_one_wrong_entry():
     reference = {"model.w1.weight": torch.randn(8, 4, dtype=torch.float64),
                  "model.norm.weight": torch.randn(4, dtype=torch.float64)}
     grads = {name: g.float() for name, g in reference.items()}
-    assert gate.check_gradients("thunder_tp_tp", grads, reference, rtol=1e-4) < 1e-6  # fp32 rounding passes
+    assert side_by_side.check_gradients("tp", grads, reference, rtol=1e-4) < 1e-6  # fp32 rounding passes
     wrong = grads["model.w1.weight"].clone()
     wrong[5, 2] += 1e-3 * reference["model.w1.weight"].abs().max().item()
-    with pytest.raises(gate.GradientMismatch, match=r"thunder_tp_tp: gradient of 'model.w1.weight'"):
-        gate.check_gradients("thunder_tp_tp", {**grads, "model.w1.weight": wrong}, reference, rtol=1e-4)
-    with pytest.raises(gate.GradientMismatch, match="model.norm.weight"):  # a parameter missing
-        gate.check_gradients("dtensor_tp", {"model.w1.weight": grads["model.w1.weight"]}, reference, rtol=1e-4)
-    with pytest.raises(gate.GradientMismatch, match="shape"):  # a shard not gathered
-        gate.check_gradients("dtensor_tp", {**grads, "model.w1.weight": grads["model.w1.weight"][:4]}, reference, 1e-4)
+    with pytest.raises(side_by_side.GradientMismatch, match=r"tp: gradient of 'model.w1.weight'"):
+        side_by_side.check_gradients("tp", {**grads, "model.w1.weight": wrong}, reference, rtol=1e-4)
+    with pytest.raises(side_by_side.GradientMismatch, match="model.norm.weight"):  # a parameter missing
+        side_by_side.check_gradients("dtensor_tp", {"model.w1.weight": grads["model.w1.weight"]}, reference, rtol=1e-4)
+    with pytest.raises(side_by_side.GradientMismatch, match="shape"):  # a shard not gathered
+        side_by_side.check_gradients("dtensor_tp", {**grads, "model.w1.weight": grads["model.w1.weight"][:4]},
+                                     reference, 1e-4)
 
 
 WRONG = "model.layers.0.attention.wq.weight"  # column-parallel in every TP mode: each rank holds half of its rows
@@ -191,23 +194,23 @@ def _gate_with_one_wrong_shard(mode_names: list[str]) -> dict:
 
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
-    model = compare_modes.make_model("llama", cfg, 0)
+    model = side_by_side.make_model("llama", cfg, 0)
     reference = side_by_side.reference_run("llama", cfg, model.state_dict(), idx, targets, lr=1e-2)["grads"]
-    modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
+    modes = {e.name: e for e in side_by_side.entries(",".join(mode_names), "", How(thunder_default_executors))}
     out = {}
     for name in mode_names:
-        jm = modes[name].build(compare_modes.make_model("llama", cfg, 0))
+        jm = modes[name].build(side_by_side.make_model("llama", cfg, 0))
         harness.train_step(jm, torch.optim.SGD(jm.parameters(), lr=1e-2), idx, targets)
-        error = gate.check_gradients(name, gate.full_grads(jm), reference, rtol=1e-4)
+        error = side_by_side.check_gradients(name, side_by_side.full_grads(jm), reference, rtol=1e-4)
         grad = dict(jm.named_parameters())[WRONG].grad
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         assert local.shape[0] == reference[WRONG].shape[0] // 2, local.shape  # a shard
         if torch.distributed.get_rank() == 1:
             local[0, 0] += 1e-3 * reference[WRONG].abs().max()
         try:
-            gate.check_gradients(name, gate.full_grads(jm), reference, rtol=1e-4)
+            side_by_side.check_gradients(name, side_by_side.full_grads(jm), reference, rtol=1e-4)
             message = None
-        except gate.GradientMismatch as e:
+        except side_by_side.GradientMismatch as e:
             message = str(e)
         out[name] = {"error": error, "message": message}
     return out
@@ -215,7 +218,7 @@ def _gate_with_one_wrong_shard(mode_names: list[str]) -> dict:
 
 def test_gradient_gate_fails_on_one_wrong_shard():
     """thunder_tp and DTensor TP on 2 ranks: correct gradients pass the gate, one rank's wrong shard fails it."""
-    for rank in run_ranks(_gate_with_one_wrong_shard, 2, ["thunder_tp_tp", "dtensor_tp"]):
+    for rank in run_ranks(_gate_with_one_wrong_shard, 2, ["tp", "dtensor_tp"]):
         for name, r in rank.items():
             assert r["error"] <= 1e-5, (name, r)
             assert r["message"] is not None and r["message"].startswith(f"{name}: gradient of {WRONG!r}"), (name, r)
@@ -229,12 +232,12 @@ def _steps_without_transport(mode_names: list[str]) -> dict:
 
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
-    modes = {m.name: m for m in compare_modes.all_modes("thunder_default")}
+    modes = {e.name: e for e in side_by_side.entries(",".join(mode_names), "", How(thunder_default_executors))}
     def local(p):
         return (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
     all_reduce, out = torch.distributed.all_reduce, {}
     for name in mode_names:
-        jm = modes[name].build(compare_modes.make_model("llama", cfg, 0))
+        jm = modes[name].build(side_by_side.make_model("llama", cfg, 0))
         opt = torch.optim.SGD(jm.parameters(), lr=1e-2)
         step = partial(harness.train_step, jm, opt, idx, targets)
         step()  # compiled before anything is counted
@@ -256,7 +259,7 @@ def test_steps_without_transport_move_nothing():
     """thunder_tp's and DTensor's loss-parallel and sequence-parallel steps: inside ``without_transport`` no collective
     reaches torch.distributed (outside, every step has some); leaving puts parameters (which the step moved) and
     collectives back."""
-    modes = ["thunder_tp_tp_lp", "thunder_tp_sp", "dtensor_tp_lp", "dtensor_sp"]
+    modes = ["tp_lp", "tp_sp", "dtensor_tp_lp", "dtensor_sp"]
     for rank in run_ranks(_steps_without_transport, 2, modes):
         for name, r in rank.items():
             assert r["counts"][0] > 0 and r["counts"][1] == 0, (name, r)
@@ -270,7 +273,7 @@ def test_targets_pair_the_modes_round_by_round():
     tp = {"median_s": 1.0, "round_medians_s": [0.8, 1.6, 0.8]}  # round 2: the host twice as slow for every mode
     dtensor = {"median_s": 1.0, "round_medians_s": [1.0, 2.0, 1.0]}
     single = {"median_s": 1.6, "round_medians_s": [1.44, 2.88, 1.44]}
-    targets = report.targets_summary({"thunder_tp_tp": tp, "dtensor_tp": dtensor, "single_thunder": single}, 2)
+    targets = report.targets_summary({"tp": tp, "dtensor_tp": dtensor, "thunder": single}, 2)
     assert targets["tp_vs_dtensor"]["ratio_paired_by_round"] == pytest.approx(0.8)
     assert targets["parallel_efficiency"]["value_paired_by_round"] == pytest.approx(0.9)
     assert targets["parallel_efficiency"]["value"] == pytest.approx(0.8)
@@ -346,8 +349,8 @@ def test_compare_hf_against_its_own_tp(tmp_path):
                               "--without_transport", "true")
     assert set(report["modes"]) == HF_MODES
     _check_modes(report["modes"])
-    for name in HF_MODES - {"hf_single_thunder"}:
+    for name in HF_MODES - {"hf:thunder"}:
         assert report["modes"][name]["transport"]["rounds"] == 2, name
-    forward = report["modes"]["hf_thunder_tp"]["comm_forward_trace"]["counts"]
+    forward = report["modes"]["hf:tp"]["comm_forward_trace"]["counts"]
     assert forward == {"all_reduce": 3, "all_gather": 1}, forward  # Megatron's minimum for one block
-    assert "| hf_thunder_tp |" in stdout and "hf_thunder_tp_vs_hf_tp" in stdout
+    assert "| hf:tp |" in stdout and "hf_thunder_tp_vs_hf_tp" in stdout

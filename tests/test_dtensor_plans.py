@@ -237,7 +237,7 @@ def test_module_layouts_that_do_not_fit_the_call_are_an_error_on_every_rank(boun
     assert len(errors) == 2 and all(re.search(match, e) for e in errors), errors
 
 
-# --- DTensor plans run: the benchmark Llama (compare_modes.dtensor_plan) and a litgpt llama ------------------------
+# --- DTensor plans run: the benchmark Llama (modes.dtensor_plan) and a litgpt llama ------------------------
 
 
 def _collectives_of(trace) -> list[tuple[str, int]]:
@@ -267,7 +267,7 @@ def _run_both(make_model, make_inputs, dtensor_plan, thunder_tp_plan, tolerance:
 
 
 def _benchmark_llama(kind: str, loss_parallel: bool) -> dict:
-    from benchmarks.lib import compare_modes, llama
+    from benchmarks.lib import llama, modes
 
     cfg = llama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab=64, ffn_hidden=64, max_seq=SEQ)
 
@@ -279,7 +279,7 @@ def _benchmark_llama(kind: str, loss_parallel: bool) -> dict:
         return torch.randint(0, cfg.vocab, (2, SEQ)), torch.randint(0, cfg.vocab, (2, SEQ))
 
     # compare.py parallelizes the Llama (WithLoss's `model`) with this plan; thunder_tp jits it with its loss
-    plan = {"model": compare_modes.dtensor_plan(kind, loss_parallel)}
+    plan = {"model": modes.dtensor_plan(kind, loss_parallel)}
     return _run_both(make_model, make_inputs, plan, llama.thunder_tp_plan(kind == "sp", loss_parallel))
 
 
@@ -291,7 +291,7 @@ def _benchmark_llama(kind: str, loss_parallel: bool) -> dict:
 ])
 @pytest.mark.slow  # torchtitan's plan verbatim with SP and LP: test_torchtitan's tp_sp_lp on torchtitan's own Llama
 def test_benchmark_llama_dtensor_plan_as_thunder_tp_plan(kind, loss_parallel):
-    """compare_modes.dtensor_plan (torchtitan's plan for `sp`), DTensor's styles only, gives one device's loss and grads
+    """modes.dtensor_plan (torchtitan's plan for `sp`), DTensor's styles only, gives one device's loss and grads
     and the collectives and parameter splits of thunder_tp's own plan for the Llama (llama.thunder_tp_plan)."""
     runs = run_ranks(_benchmark_llama, 2, kind, loss_parallel)[0]
     assert runs["dtensor"] == runs["thunder_tp"], runs

@@ -98,7 +98,7 @@ left=$((${GPU_CHECK_S:-480} - (SECONDS - T0)))
 if [[ $PARTS == *,bench,* ]] && ((left > 90)); then
     say "benchmark (${left} s left)"
     timeout "$left" python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29533 -m benchmarks.benchmark_litgpt \
-        --compare "${GPU_MODES:-single_eager,single_thunder,single_thunder_inductor,single_thunder_defaults}" \
+        --compare "${GPU_MODES:-eager,thunder,thunder_inductor,thunder_defaults}" \
         --llama_config '{"dim": 2048, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 5632, "vocab": 32000}' \
         --n_layers 4 --micro_batch_size 8 --block_size 256 --max_iters 12 --warmup_iters 2 --rounds 2 \
         --learning_rate 0.01 --json_path "$OUT_DIR/compare_gpu.json" \

@@ -37,11 +37,10 @@ def comm_bytes(r: dict) -> int | None:
 
 def baseline_for(name: str) -> str:
     """The 1-rank run a mode's speed-up is measured against: same model family and runtime."""
-    if name.startswith(("litgpt", "hf")):
-        return f"{name.split('_')[0]}_single_thunder"
-    if name.startswith(("thunder_tp", "single_thunder")):
-        return "single_thunder"
-    return "single_eager"
+    family = name.rpartition(":")[0] or ("hf" if name == "hf_tp" else "")
+    if family:
+        return f"{family}:thunder"
+    return "thunder" if name.startswith(("tp", "thunder")) else "eager"
 
 
 def speedup(results: dict, name: str, step_s: float) -> float | None:
@@ -149,23 +148,23 @@ def targets_summary(results: dict, world: int) -> dict:
     """The run against its targets (step time against DTensor's and the single device's, first iteration against
     plain thunder.jit), measured."""
     out: dict = {}
-    tp, dt, single = (results.get(n, {}) for n in ("thunder_tp_tp", "dtensor_tp", "single_thunder"))
+    tp, dt, single = (results.get(n, {}) for n in ("tp", "dtensor_tp", "thunder"))
     if "median_s" in tp and "median_s" in dt:
         out["tp_vs_dtensor"] = _ratio(tp, dt, 0.85)
     if "median_s" in tp and "median_s" in single:
         out["parallel_efficiency"] = _efficiency(tp, single, world, 0.9)
-    lp, dt_lp = (results.get(n, {}) for n in ("thunder_tp_tp_lp", "dtensor_tp_lp"))
+    lp, dt_lp = (results.get(n, {}) for n in ("tp_lp", "dtensor_tp_lp"))
     if "median_s" in lp and "median_s" in dt_lp:
         out["tp_vs_dtensor_loss_parallel"] = _ratio(lp, dt_lp, 0.85)
     if "median_s" in lp and "median_s" in single:
         out["parallel_efficiency_loss_parallel"] = _efficiency(lp, single, world, 0.9)
-    for name in ("hf_thunder_tp", "hf_thunder_tp_lp"):
+    for name in ("hf:tp", "hf:tp_lp"):
         if "median_s" in results.get(name, {}) and "median_s" in results.get("hf_tp", {}):
             out[f"{name}_vs_hf_tp"] = _ratio(results[name], results["hf_tp"], 0.7)
     if "first_iter_s" in tp and "first_iter_s" in single:
         out["first_iter_vs_thunder_jit"] = {"ratio": tp["first_iter_s"] / single["first_iter_s"], "target": 1.3}
     if "comm_forward_trace" in tp:
-        out["thunder_tp_tp_collectives"] = {"forward": tp["comm_forward_trace"]["counts"],
+        out["tp_collectives"] = {"forward": tp["comm_forward_trace"]["counts"],
                                             "backward": tp["comm_backward_trace"]["counts"]}
     return out
 

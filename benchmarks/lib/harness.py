@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -140,25 +139,9 @@ EXECUTORS: dict[str, Callable[[], list]] = {"thunder": thunder_tp_executors,
                                             "thunder_default": thunder_default_executors}
 
 
-# --- modes compared side by side, in alternating rounds ------------------------------------------------------
+# --- runs compared side by side, in alternating rounds ------------------------------------------------------
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One way to run what a benchmark compares. ``build`` makes its module (the benchmark decides the arguments);
-    ``ranks`` 1 runs it on rank 0 alone while the others wait (``on_ranks``), any other value on every rank;
-    ``runtime``: "eager", "thunder" or "compile"; ``threads``: the torch threads of a one-rank mode; ``model``:
-    which of the benchmark's models it runs, where there are several."""
-
-    name: str
-    description: str
-    ranks: int
-    build: Callable[..., Any]
-    runtime: str = "eager"
-    threads: int = 1
-    model: str = ""
 
 
 def alternating_rounds(runs: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:

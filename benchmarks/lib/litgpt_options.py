@@ -7,7 +7,7 @@ import argparse
 
 from benchmarks.lib import float8
 from benchmarks.lib.harness import EXECUTORS, options
-from benchmarks.lib.litgpt_setup import FP8_MODES, MODES
+from benchmarks.lib.litgpt_setup import FP8_MODES, TRAINER_MODES
 
 
 def str2bool(value: str | bool) -> bool:
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS) + ["eager"],
                    help="thunder: thunder_tp.executors() (fusion executor); thunder_default: Thunder's default "
                         "executors + thunder_tp's comm executor; eager: plain PyTorch (distributed_mode none only)")
-    p.add_argument("--distributed_mode", default="none", choices=list(MODES))
+    p.add_argument("--distributed_mode", default="none", choices=TRAINER_MODES)
     p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
     p.add_argument("--context_parallel_size", type=int, default=1,
                    help="CP group size: the sequence split over it (thunder_tp.ContextParallel, before the mode's TP); "
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_compare_options(p)
     args = p.parse_args(argv)
     if args.compare and args.compile == "eager":
-        p.error("--compare runs every mode it names (single_eager is the eager one): use --compile thunder or "
+        p.error("--compare runs every mode it names (eager is the eager one): use --compile thunder or "
                 "thunder_default")
     if args.simulate and args.distributed_mode not in ("tp", "tp_sp"):
         p.error(f"--simulate simulates a TP plan: use --distributed_mode tp or tp_sp, not {args.distributed_mode!r}")
@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def add_compare_options(p: argparse.ArgumentParser) -> None:
     """The side-by-side run's own flags (``lib/side_by_side.py``); it reads --n_layers, --block_size,
     --micro_batch_size, --max_iters, --warmup_iters, --learning_rate, --compile and --dump_thunder_traces too."""
-    g = p.add_argument_group("side by side (--compare): modes of lib/compare_modes.py on the benchmark Llama")
+    g = p.add_argument_group("side by side (--compare): [litgpt:|hf:]mode of lib/modes.py")
     g.add_argument("--compare", default="", help="comma-separated modes (or 'all') trained side by side, each gated "
                                                  "against one device, timed in alternating rounds")
     g.add_argument("--skip", default="", help="comma-separated modes to leave out of --compare")

@@ -1,15 +1,8 @@
-"""The litgpt benchmark's setup: process groups, distributed modes (``MODES``), the model and the batches.
-
-A distributed mode is an entry of ``MODES`` (mode -> ``DistributedMode(transforms=..., data_parallel=...)``): a
-function that builds the ``transforms=`` list for ``thunder.jit`` from the model, the options and the process groups
-(one mode per run, picked by ``--distributed_mode``; the modes a benchmark compares side by side are
-``harness.Mode``).
-"""
+"""The trainer's setup: process groups, the model, its mode (``modes.MODES``) and the batches."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -21,9 +14,12 @@ import torch.nn as nn
 from benchmarks.lib.float8 import convert_to_float8
 from benchmarks.lib.harness import DTYPES, EXECUTORS, log, random_batch, seeded_model
 from benchmarks.lib.llama import LlamaConfig, hf_sizes
+from benchmarks.lib.modes import MODES, How
 
 #: Thunder's benchmark_litgpt fp8 modes (TransformerEngine), refused with an explanation
 FP8_MODES = ("fp8-delayed-te", "fp8-default-te", "fp8-delayed-te-wo_layernorm", "fp8-default-te-wo_layernorm")
+#: --distributed_mode's choices, entries of ``modes.MODES`` ("none": one device per rank)
+TRAINER_MODES = ("none", "tp", "tp_sp", "tp_ddp", "tp_fsdp")
 
 # --------------------------------------------------------------------------------------------------------------
 # distributed setup
@@ -78,83 +74,6 @@ def _own_group(rank: int, world: int, groups: list[list[int]]):
         if rank in ranks:
             own = group
     return own
-
-
-# --------------------------------------------------------------------------------------------------------------
-# distributed modes: mode -> the transforms for thunder.jit
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DistributedMode:
-    """``transforms(model, args, groups)`` builds the ``transforms=`` list; ``data_parallel``: the mode syncs grads
-    over the DP groups (without it, a TP size smaller than the world size is refused: the replicas would train
-    independently)."""
-
-    transforms: Callable[[nn.Module, argparse.Namespace, Groups], list]
-    data_parallel: bool = False
-
-
-def _none(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
-    return []
-
-
-def _tp(model: nn.Module, args: argparse.Namespace, groups: Groups, *, sequence_parallel: bool = False) -> list:
-    import thunder_tp
-
-    if args.plan == "auto":
-        plan = _auto_plan(model, args, groups, sequence_parallel)
-    else:
-        plans = thunder_tp.plans.hf if args.hf_model_type else thunder_tp.plans.litgpt
-        plan = plans(model, sequence_parallel=sequence_parallel, loss_parallel=args.loss_parallel)
-    return [thunder_tp.TensorParallel(plan, process_group=groups.tp_group, overlap=args.tp_overlap,
-                                      float8_all_gather=args.use_torchao_fp8_allgather)]
-
-
-def _auto_plan(model: nn.Module, args: argparse.Namespace, groups: Groups, sequence_parallel: bool):
-    """--plan auto: plans.auto searched on a batch of meta tensors; rank 0 prints it."""
-    import thunder_tp
-
-    if sequence_parallel or args.loss_parallel:
-        raise SystemExit("--plan auto chooses every layout itself: leave out --loss_parallel and use "
-                         "--distributed_mode tp")
-    batch = torch.zeros(args.micro_batch_size, args.block_size, dtype=torch.int64, device="meta")
-    plan = thunder_tp.plans.auto(model, batch, batch, tp_size=groups.tp_size)
-    if groups.rank == 0:
-        print(plan, flush=True)
-    return plan
-
-
-MODES: dict[str, DistributedMode] = {
-    "none": DistributedMode(_none),
-    "tp": DistributedMode(_tp),
-    "tp_sp": DistributedMode(partial(_tp, sequence_parallel=True)),
-}
-
-
-# 2-D: TP over the tp groups, then Thunder's DDP / FSDP over the dp groups (TP first; thunder_tp/data_parallel/mesh.py)
-
-
-def _dp_group(groups: Groups):
-    return groups.dp_group if groups.dp_group is not None else dist.group.WORLD
-
-
-def _tp_ddp(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
-    from thunder.distributed.transforms.ddp_v2 import DDPTransform
-
-    ddp = DDPTransform(process_group=_dp_group(groups), bucket_size_in_mb=25.0, broadcast_from=None)
-    return [*_tp(model, args, groups), ddp]
-
-
-def _tp_fsdp(model: nn.Module, args: argparse.Namespace, groups: Groups) -> list:
-    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
-
-    device = next(model.parameters()).device
-    return [*_tp(model, args, groups), FSDPTransform(device=device, process_group=_dp_group(groups))]
-
-
-MODES["tp_ddp"] = DistributedMode(_tp_ddp, data_parallel=True)
-MODES["tp_fsdp"] = DistributedMode(_tp_fsdp, data_parallel=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -272,26 +191,35 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
     model = make_model(args, config, device)
     if args.compile == "eager":
         return config, model, model
-    import thunder
-
-    transforms = [*context_parallel(args, groups), *MODES[args.distributed_mode].transforms(model, args, groups)]
-    return config, model, thunder.jit(model, transforms=transforms, executors=EXECUTORS[args.compile]())
+    return config, model, wrap(model, args, groups)
 
 
-def context_parallel(args: argparse.Namespace, groups: Groups) -> list:
-    """``[ContextParallel]`` over the CP group under --context_parallel_size > 1 (first: the mode's TP then splits
-    the CP-local program), else none."""
-    if groups.cp_size == 1:
-        return []
+def wrap(model: nn.Module, args: argparse.Namespace, groups: Groups) -> nn.Module:
+    """The model under --distributed_mode's mode, ContextParallel over the CP group first (then the mode's TP splits
+    the CP-local program)."""
+    return MODES[mode_name(args)].wrap(model, how_of(args, groups))
+
+
+def how_of(args: argparse.Namespace, groups: Groups) -> How:
+    """What the mode's wrapping takes, from the flags and this rank's groups."""
     import thunder_tp
 
-    return [thunder_tp.ContextParallel(groups.cp_group, load_balance=args.cp_load_balance, rotate=args.cp_rotate)]
+    first = () if groups.cp_size == 1 else (
+        thunder_tp.ContextParallel(groups.cp_group, load_balance=args.cp_load_balance, rotate=args.cp_rotate),)
+    return How(EXECUTORS[args.compile], groups.tp_group, groups.dp_group, args.tp_overlap, args.loss_parallel,
+               args.use_torchao_fp8_allgather, args.plan, (args.micro_batch_size, args.block_size), groups.tp_size,
+               verbose=groups.rank == 0, first=first)
+
+
+def mode_name(args: argparse.Namespace) -> str:
+    """The registry's name of --distributed_mode (none: thunder.jit alone)."""
+    return "thunder" if args.distributed_mode == "none" else args.distributed_mode
 
 
 def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:
     """This rank's TP, CP and DP groups from --distributed_mode, --tp_size, --context_parallel_size and --dp_size (an
     error naming the fix if they don't fit)."""
-    mode, cp_size = MODES[args.distributed_mode], args.context_parallel_size
+    mode, cp_size = MODES[mode_name(args)], args.context_parallel_size
     if world % cp_size:
         raise SystemExit(f"--context_parallel_size {cp_size} must divide the world size {world}")
     if args.distributed_mode == "none":

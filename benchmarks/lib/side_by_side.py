@@ -1,11 +1,5 @@
-"""``benchmark_litgpt --compare MODES``: several modes (``compare_modes.py``) trained side by side in one run.
-
-Every mode trains the same model from the same weights on the same batch with the same step. Before any timing,
-each mode's first-step gradients (gathered to full tensors) are gated against one device's eager run (``gate.py``)
-and its first two losses compared; then the modes' timed steps run in ``--rounds`` alternating rounds (a step
-starts at a barrier and lasts until its slowest rank is done), medians reported. Diagnostics: ``--breakdown N``
-(``breakdown.py``), ``--without_transport 1`` (``transport.py``), ``--transport_threads fifo``.
-"""
+"""``benchmark_litgpt --compare``: modes of ``modes.py`` trained side by side, each gated against one device first
+(every gradient, the first two losses), then timed in alternating rounds."""
 
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,12 +23,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib.breakdown import step_breakdown
-from benchmarks.lib.compare_modes import all_modes, make_model, select_modes
 from benchmarks.lib.compare_report import report, summary_line
 from benchmarks.lib.eager_counts import comm_mode, hooked_saved_bytes, summarize_records
-from benchmarks.lib.gate import GradientMismatch, check_gradients, full_grads
 from benchmarks.lib.harness import (
-    Mode,
+    EXECUTORS,
     add_round,
     alternating_rounds,
     on_ranks,
@@ -42,6 +35,7 @@ from benchmarks.lib.harness import (
     pin_to_core,
     random_batch,
     saved_for_backward,
+    seeded_model,
     slowest_rank,
     step_context,
     steps_per_round,
@@ -50,8 +44,113 @@ from benchmarks.lib.harness import (
     time_steps,
     train_step,
 )
-from benchmarks.lib.llama import LlamaConfig
+from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, hf_config, litgpt_config
+from benchmarks.lib.modes import MODES, How, Mode
 from benchmarks.lib.transport import communication_cost, prioritize_transport_threads, steps_without_transport
+
+#: --compare all: every mode on the benchmark Llama, and litgpt's and HF's Llama of the same dims (``family:mode``)
+ALL = ("eager,thunder,thunder_defaults,thunder_inductor,tp,tp_auto,tp_sp,tp_lp,dtensor_tp_lp,dtensor_tp_default,"
+       "dtensor_tp,dtensor_sp,dtensor_tp_compile,litgpt:thunder,litgpt:tp,litgpt:tp_sp,hf:thunder,hf_tp,hf:tp,hf:tp_lp")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A mode of the registry on one of the compared models: ``[family:]mode``, the benchmark Llama without one."""
+
+    name: str
+    mode: Mode
+    family: str
+    how: How
+
+    @property
+    def ranks(self) -> int:
+        """1: rank 0 alone; 0: every rank."""
+        return 0 if self.mode.distributed else 1
+
+    @property
+    def runtime(self) -> str:
+        return self.mode.runtime
+
+    @property
+    def description(self) -> str:
+        return f"{self.family} Llama, {self.mode.description}" if self.family != "llama" else self.mode.description
+
+    def build(self, model: nn.Module) -> nn.Module:
+        return self.mode.wrap(model, self.how)
+
+
+def entries(names: str, skip: str, how: How) -> list[Entry]:
+    """The entries of ``names`` (comma-separated, or 'all') but not in ``skip``; unknown modes are an error."""
+    out = []
+    for name in (ALL if names == "all" else names).split(","):
+        family, _, mode = name.rpartition(":")
+        if name not in skip.split(",") and name:
+            if mode not in MODES:
+                raise SystemExit(f"unknown mode {mode!r} in --compare; choose from {list(MODES)}")
+            out.append(Entry(name, MODES[mode], family or MODES[mode].family or "llama", how))
+    return out
+
+
+def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
+    """The compared model of ``family`` with its loss: the Llama, or litgpt's or HF's Llama of the same dims."""
+    if family == "hf":
+        from transformers import LlamaForCausalLM
+
+        from thunder_tp.plans.hf import CausalLMLoss
+
+        return seeded_model(lambda: CausalLMLoss(LlamaForCausalLM(hf_config(cfg))), seed)
+    if family == "litgpt":
+        from thunder_tp.plans.litgpt import GPTWithLoss
+
+        return seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)
+    return seeded_model(lambda: WithLoss(Llama(cfg)), seed)
+
+
+class GradientMismatch(AssertionError):
+    """A mode's gradient differs from the single-device run's: the mode computes something else."""
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient, by parameter name of the original model (collective in a distributed mode:
+    DTensor gradients are gathered with ``full_tensor``, thunder_tp's shards through its transforms' reverse of the
+    state dict, as ``ThunderModule.original_state_dict`` does)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in module.named_parameters():
+        if p.grad is None:
+            raise GradientMismatch(f"parameter {name!r} got no gradient")
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name.removeprefix("_orig_mod.")] = grad.detach()  # torch.compile's wrapper
+    from thunder.core.module import ThunderModule
+
+    if isinstance(module, ThunderModule):  # its transforms gather what they sharded
+        import thunder
+
+        for transform in reversed(thunder.list_transforms(module)):
+            grads = transform.reverse_transform_state_dict_for_submodule(module, "", grads)
+    return grads
+
+
+def check_gradients(mode_name: str, grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                    rtol: float) -> float:
+    """The largest gradient error relative to its reference's largest entry; GradientMismatch above ``rtol``."""
+    if set(grads) != set(reference):
+        raise GradientMismatch(f"{mode_name}: parameters {sorted(set(grads) ^ set(reference))} are not in both "
+                               "this mode and the single-device model")
+    worst = 0.0
+    for name, ref in reference.items():
+        if grads[name].shape != ref.shape:
+            raise GradientMismatch(f"{mode_name}: gradient of {name!r} has shape {tuple(grads[name].shape)}, the "
+                                   f"single-device run's {tuple(ref.shape)} (a shard not gathered?)")
+        grad = grads[name].to(ref.device, torch.float64)
+        error, largest = (grad - ref).abs().max().item(), ref.abs().max().item()
+        bound = rtol * largest
+        worst = max(worst, error / largest if largest else error)
+        if not error <= bound:
+            raise GradientMismatch(f"{mode_name}: gradient of {name!r} differs from the single-device run by "
+                                   f"{error:.3e} (allowed {bound:.3e} = {rtol:g} x its largest entry); not timed")
+    return worst
 
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
@@ -74,7 +173,7 @@ def reference_run(kind: str, cfg: LlamaConfig, state: dict, idx, targets, lr: fl
     return {"losses": [loss1, train_step(model, opt, idx, targets).item()], "grads": grads}
 
 
-def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
+def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
     """Build, check every gradient and the first two losses, warm up; this rank's result and (jm, opt, params)."""
     distributed = mode.ranks != 1
     result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
@@ -87,10 +186,10 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     loss1 = train_step(jm, opt, idx, targets)
     sync()
     result["first_iter_s"] = time.perf_counter() - t0
-    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.model]["grads"], args.grad_rtol)
+    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.family]["grads"], args.grad_rtol)
     loss2 = train_step(jm, opt, idx, targets)
     result["loss_step1"], result["loss_step2"] = loss1.item(), loss2.item()
-    ref1, ref2 = reference[mode.model]["losses"]
+    ref1, ref2 = reference[mode.family]["losses"]
     ok = math.isclose(loss1.item(), ref1, rel_tol=args.rtol) and math.isclose(loss2.item(), ref2,
                                                                               rel_tol=10 * args.rtol)
     result |= {"reference_losses": [ref1, ref2], "param_bytes": param_bytes(jm)}
@@ -109,7 +208,7 @@ def prepare_mode(mode: Mode, model: nn.Module, idx, targets, args, reference: di
     return result, (jm, opt, list(jm.parameters()))
 
 
-def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
+def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps, the diagnostics asked for (breakdown, communication's cost, traces), peak
     memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
@@ -129,7 +228,7 @@ def finish_mode(mode: Mode, state, idx, targets, args, result: dict) -> None:
     measure_memory_and_comm(mode, jm, params, idx, targets, result)
 
 
-def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) -> None:
+def measure_memory_and_comm(mode: Entry, jm, params, idx, targets, result: dict) -> None:
     """Saved-for-backward bytes and collectives of one more forward/backward; after timing, since a dispatch mode
     (CommDebugMode) makes Dynamo give up on compiled code (Inductor regions and torch.compile run eagerly after)."""
     jm.zero_grad(set_to_none=True)
@@ -163,17 +262,17 @@ def measure_memory_and_comm(mode: Mode, jm, params, idx, targets, result: dict) 
     jm.zero_grad(set_to_none=True)
 
 
-def prepare_all(modes: list[Mode], cfg: LlamaConfig, idx, targets, args, results: dict) -> dict:
+def prepare_all(modes: list[Entry], cfg: LlamaConfig, idx, targets, args, results: dict) -> dict:
     """Build, gate and warm up every mode; each ready mode's (jm, opt, params)."""
-    kinds = sorted({m.model for m in modes})
+    kinds = sorted({m.family for m in modes})
     initial = {k: make_model(k, cfg, 0).state_dict() for k in kinds}
     # every rank runs the reference itself: each checks the full gradients it gathered
     reference = {k: reference_run(k, cfg, initial[k], idx, targets, args.learning_rate) for k in kinds}
     states: dict = {}
 
-    def prepare(mode: Mode) -> None:
-        model = make_model(mode.model, cfg, 0)
-        model.load_state_dict(initial[mode.model])
+    def prepare(mode: Entry) -> None:
+        model = make_model(mode.family, cfg, 0)
+        model.load_state_dict(initial[mode.family])
         try:
             results[mode.name], state = prepare_mode(mode, model, idx, targets, args, reference)
             if state is not None:
@@ -194,7 +293,7 @@ def prepare_all(modes: list[Mode], cfg: LlamaConfig, idx, targets, args, results
     return states
 
 
-def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: dict) -> list[Mode]:
+def time_rounds(modes: list[Entry], states: dict, idx, targets, args, results: dict) -> list[Entry]:
     """The timed steps of every ready mode in alternating rounds; the modes timed."""
     ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
     dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
@@ -214,7 +313,7 @@ def time_rounds(modes: list[Mode], states: dict, idx, targets, args, results: di
     return timed_modes
 
 
-def measures_transport(mode: Mode) -> bool:
+def measures_transport(mode: Entry) -> bool:
     """True for the modes ``--without_transport`` measures: multi-rank, eager or thunder (a compiled graph holds its
     collectives, out of ``transport.py``'s reach)."""
     return mode.ranks != 1 and mode.runtime != "compile"
@@ -227,7 +326,8 @@ def compare(args: argparse.Namespace, rank: int, world: int, device: torch.devic
         torch.set_default_device(device)
     cfg = llama_config(args)
     idx, targets = random_batch(args.micro_batch_size, args.block_size, cfg.vocab, 1234, device)
-    modes = select_modes(all_modes(args.compile), args.compare, args.skip)
+    how = How(EXECUTORS[args.compile], batch=(args.micro_batch_size, args.block_size))
+    modes = entries(args.compare, args.skip, how)
     results: dict = {}
     fifo = args.transport_threads == "fifo"
     if fifo:

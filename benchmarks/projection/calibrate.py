@@ -26,7 +26,6 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import argparse
 import statistics
 
-import thunder
 import torch
 import torch.distributed as dist
 
@@ -51,12 +50,9 @@ from benchmarks.lib.llama import (
     generate_args,
     new_gpt,
     set_cache,
-    thunder_tp_plan,
 )
-from benchmarks.lib.rank_modes import DECODE, llama_on_meta, random_weights
+from benchmarks.lib.modes import MODES, How, llama_on_meta, tp_decode
 from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
-
-PLANS = {"tp": (False, False), "tp_lp": (False, True), "tp_sp": (True, False)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{f}", type=int, default=getattr(cfg, f), help="training Llama (compare.py's defaults)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--plan", choices=list(PLANS), default="tp_lp")
+    p.add_argument("--plan", choices=["tp", "tp_lp", "tp_sp"], default="tp_lp")
     p.add_argument("--decode_args", default="", help="bench_generate.py's flags for the decode model (quoted)")
     p.add_argument("--workloads", default="training,decode")
     p.add_argument("--executors", choices=list(EXECUTORS), default="thunder")
@@ -86,31 +82,21 @@ def training_config(args: argparse.Namespace) -> LlamaConfig:
 
 
 def training_module(args: argparse.Namespace, alone: bool) -> torch.nn.Module:
-    """compare.py's thunder_tp mode of ``--plan``: on the meta device with random weights (alone) or seeded."""
-    import thunder_tp
-
-    cfg = training_config(args)
-    transforms = [thunder_tp.TensorParallel(thunder_tp_plan(*PLANS[args.plan]))]
-    if alone:
-        model = llama_on_meta(cfg, torch.float32)
-        transforms.append(random_weights(torch.device("cpu")))
-    else:
-        model = seeded_model(lambda: WithLoss(Llama(cfg)), 0)
-    return thunder.jit(model, transforms=transforms, executors=EXECUTORS[args.executors]())
+    """The registry's mode of ``--plan`` on the Llama: built on the meta device with random weights (alone), or
+    seeded."""
+    cfg, device = training_config(args), torch.device("cpu")
+    model = llama_on_meta(cfg, torch.float32) if alone else seeded_model(lambda: WithLoss(Llama(cfg)), 0)
+    return MODES[args.plan].wrap(model, How(EXECUTORS[args.executors], materialize=device if alone else None))
 
 
 def decode_module(gen: argparse.Namespace, alone: bool) -> torch.nn.Module:
-    """bench_generate.py's thunder_tp mode (c): meta-built with random weights (alone) or seeded."""
-    import thunder_tp
-
+    """bench_generate.py's tp mode: meta-built with random weights, through a DecodeStep (alone), or seeded."""
     device = torch.device("cpu")
-    if alone:
-        thunder_decode = next(m for m in DECODE if m.key == "d")
-        return thunder_decode.build(decode_config(gen), _position(gen), gen.batch, device,
-                                    torch.float32, gen.compile == "thunder_default")
-    model = set_cache(new_gpt(gen, device), gen, device)
-    return thunder.jit(model, transforms=[thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))],
-                       executors=EXECUTORS[gen.compile]())
+    if not alone:
+        return MODES["tp"].wrap(set_cache(new_gpt(gen, device), gen, device), How(EXECUTORS[gen.compile]))
+    strategy = "bound" if gen.compile == "thunder_default" else "compiled"
+    how = How(EXECUTORS[gen.compile], materialize=device)
+    return tp_decode(decode_config(gen), _position(gen), gen.batch, torch.float32, how, strategy)
 
 
 def _position(gen: argparse.Namespace) -> int:

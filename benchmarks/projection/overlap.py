@@ -27,7 +27,7 @@ import thunder_tp
 from benchmarks.lib.alpha_beta import LINKS, Link, PassProjection, flops, project_pass
 from benchmarks.lib.harness import options, write_json
 from benchmarks.lib.llama import LlamaConfig, thunder_tp_plan
-from benchmarks.lib.rank_modes import llama_on_meta
+from benchmarks.lib.modes import llama_on_meta
 from thunder_tp.execution.overlap_cost import Costs, device_costs
 from thunder_tp.thunder_internals.private import set_parameter
 
