@@ -83,7 +83,7 @@ STARTUP_ATTEMPTS = 3
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 #: What the fork server imports before forking the first worker (no threads started by any of them): torch, Thunder,
 #: thunder_tp and litgpt, which the tests' workers import (through the tests' shared modules) about 20 s per rank.
-PRELOADED_MODULES = ["torch", "torch.distributed", "thunder", "thunder_tp.api", "litgpt", "tests.tp_checks",
+PRELOADED_MODULES = ["torch", "torch.distributed", "thunder", "thunder_tp", "litgpt", "tests.tp_checks",
                      "tests.litgpt_models"]
 if sys.platform.startswith("linux"):
     # Everything runs on loopback; don't depend on the hostname resolving.

@@ -38,7 +38,6 @@ LAYERS: dict[str, int] = {
     "thunder_tp.data_parallel": 9,  # 2-D meshes, parallelize()
     "thunder_tp.checkpoint": 9,  # DCP save / load of TensorParallel programs
     "thunder_tp.__init__": 10,  # the public API: the package itself, above everything it gathers
-    "thunder_tp.api": 10,  # what the package's names load from
     "thunder_tp.generate": 11,  # the generation CLI and what it runs (generation.py)
     "thunder_tp.fabric": 11,  # Lightning Fabric's ThunderTPStrategy, a user of the public API
 }

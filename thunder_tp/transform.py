@@ -22,7 +22,7 @@ from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
 from thunder_tp.execution.overlap_cost import Costs
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
 from thunder_tp.families import prepare_for_tracing
-from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, local_shape
+from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, local_shape, uneven
 from thunder_tp.plans.search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
 from thunder_tp.propagation.collectives import copies_named_as_sources
@@ -288,8 +288,13 @@ class TensorParallel(Transform):
         input_shapes = {a.name: tuple(a.shape) for a in flat_args(computation)}
         # a simulation holds parameters at each rank's true size and pads them where the program reads them: their
         # shapes differ among the simulated ranks, which one check cannot say
-        localize_prologue(prologue, computation, sharded, self.tp.size, self.tp.rank,
-                          unchecked=parameters if one_trace else frozenset())
+        size, rank = self.tp.size, self.tp.rank
+        uneven_pieces = frozenset(p for p in parameters if p in sharded and uneven(sharded[p], input_shapes[p], size))
+
+        def piece_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+            return local_shape(shape, sharded[name], size, rank) if name in sharded else None
+
+        localize_prologue(prologue, computation, piece_shape, unchecked=uneven_pieces if one_trace else frozenset())
         local = rewrite(logical, steps, propagation.layouts, self.tp, input_shapes, parameters, named)
         # the chains feeding matmuls are tagged first: a decomposition reads them through its chunks' views
         inputs = {name: (shape, layouts[name]) for name, shape in input_shapes.items()}

@@ -3,11 +3,12 @@ and body, which proxies are parameters and buffers, and the local shapes of the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy, pyval
 from thunder.core.trace import TraceCtx
 
-from thunder_tp.layouts import Layout, local_shape, uneven
 from thunder_tp.thunder_internals.private import set_proxy_shape
 
 _UNPACK_TENSOR = ("unpack_parameter", "unpack_buffer")
@@ -47,26 +48,29 @@ def unpacked_tensor_names(prologue: TraceCtx) -> dict[str, str]:
     }
 
 
-def localize_prologue(prologue: TraceCtx, computation: TraceCtx, sharded: dict[str, Layout], size: int,
-                      rank: int, unchecked: frozenset[str] = frozenset()) -> None:
+#: (input name, traced shape) -> the shape of this rank's piece of that input, or None where it is not sharded
+LocalShape = Callable[[str, tuple[int, ...]], "tuple[int, ...] | None"]
+
+
+def localize_prologue(prologue: TraceCtx, computation: TraceCtx, local_shape: LocalShape,
+                      unchecked: frozenset[str] = frozenset()) -> None:
     """Sharded inputs arrive as local pieces: give their proxies this rank's local shapes and check those (but for
-    `unchecked` ones whose pieces differ in length among the simulated ranks of one program)."""
+    `unchecked` ones, whose pieces differ in length among the simulated ranks of one program)."""
     proxies = {id(p): p for p in (*prologue.output[0], *flat_args(computation)) if isinstance(p, TensorProxy)}
     for proxy in proxies.values():
-        if proxy.name in sharded:
-            set_proxy_shape(proxy, local_shape(proxy.shape, sharded[proxy.name], size, rank))
+        if (local := local_shape(proxy.name, tuple(proxy.shape))) is not None:
+            set_proxy_shape(proxy, local)
     kept = []
     for b in prologue.bound_symbols:
         if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA:
             b = _with_traced_shape(b)
-        if b.sym.id == prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA and b.args[0].name in sharded:
             t, shape, *rest = b.args
-            if t.name in unchecked and uneven(sharded[t.name], shape, size):
-                continue
-            b = b.from_bsym(args=(t, local_shape(shape, sharded[t.name], size, rank), *rest))
+            if (local := local_shape(t.name, shape)) is not None:
+                if t.name in unchecked:
+                    continue
+                b = b.from_bsym(args=(t, local, *rest))
         kept.append(b)
     prologue.bound_symbols = kept
-
 
 
 def _with_traced_shape(check):
