@@ -13,7 +13,9 @@ Both functions are closures of ``thunder.jit``, called by its ``get_computation_
 miss the compile, then the prologue), which ``thunder.jit`` decorates with the module-level
 ``_with_cache_info_ctx``: that decorator is the one name to wrap (0.2.6 has no hook around a compile), so the jits
 made after ``patches.install()`` get it. The function decorated holds its jit's CompileData as the closure variable
-``weakref_cd``: the threshold is raised for thunder_tp's compiles only (``patches.active_for``).
+``weakref_cd``: the threshold is raised for thunder_tp's compiles only (``patches.active_for``), and the speed-ups
+apply to the whole call (``patches.applied``: the cache lookup flattens the inputs before Thunder sets the compile
+data, on every call).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def _with_fewer_collections(decorate: Callable[[Callable], Callable]) -> Callabl
             previous = gc.get_threshold()
             gc.set_threshold(max(previous[0], COMPILE_THRESHOLD), *previous[1:])
             try:
-                return decorated(*args, **kwargs)
+                with patches.applied():  # the cache lookup too: it flattens the inputs before the compile data
+                    return decorated(*args, **kwargs)
             finally:
                 gc.set_threshold(*previous)
 
