@@ -9,7 +9,6 @@ from dataclasses import asdict
 
 import torch
 
-from benchmarks.lib.breakdown import BREAKDOWN_HEADER, breakdown_rows
 from benchmarks.lib.harness import write_json
 
 
@@ -95,27 +94,6 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def transport_table(results: dict) -> str:
-    """One row per mode measured with and without its transport (``transport.py``): its step and the step without
-    communication (medians), what communication adds (the median over rounds of the round medians' difference), the
-    step less that, and the parallel efficiency both ways against the mode's 1-rank baseline."""
-    lines = ["| mode | step median (ms) | without communication (ms) | communication adds, paired by round (ms) "
-             "| step less that (ms) | parallel eff. | parallel eff. without communication |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, r in results.items():
-        if "transport" not in r:
-            continue
-        step, exposed = r["median_s"], r["transport"]["exposed_s"]
-
-        def efficiency(step_s: float, name: str = name) -> str:
-            return _fmt(parallel_efficiency(results, name, step_s), ".3f")
-
-        lines.append(f"| {name} | {step * 1e3:.0f} | {r['transport']['without_transport_s'] * 1e3:.0f} "
-                     f"| {exposed * 1e3:.1f} | {(step - exposed) * 1e3:.0f} | {efficiency(step)} "
-                     f"| {efficiency(step - exposed)} |")
-    return "\n".join(lines)
-
-
 def summary_line(r: dict) -> str:
     """One mode's result in a line (the progress log)."""
     if "median_s" not in r:
@@ -176,24 +154,10 @@ def report(args, cfg, world: int, results: dict) -> None:
     print(f"Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
           f"vocab={cfg.vocab}, batch={args.micro_batch_size} seq={args.block_size}; {world} ranks x "
           f"{torch.get_num_threads()} thread, "
-          f"{'NCCL' if torch.cuda.is_available() else 'gloo'}"
-          f"{' (its threads at SCHED_FIFO 1)' if args.transport_threads == 'fifo' else ''}; "
+          f"{'NCCL' if torch.cuda.is_available() else 'gloo'}; "
           f"median of {args.max_iters - args.warmup_iters} steps after {args.warmup_iters} warm-up")
     print()
     print(table)
-    broken_down = {name: r["breakdown"] for name, r in results.items() if "breakdown" in r}
-    if broken_down:
-        print()
-        print(f"Where a step goes (ms per step over {args.breakdown} more steps: step wall and CPU medians, calls "
-              "means; collectives lined up over the ranks; benchmarks/lib/breakdown.py):")
-        print(BREAKDOWN_HEADER)
-        for name, b in broken_down.items():
-            print("\n".join(breakdown_rows(name, b)))
-    if any("transport" in r for r in results.values()):
-        print()
-        print("What communication adds to a step (each multi-rank mode's steps of every round run again with "
-              "collectives that move no data, right before or after them; slowest rank; benchmarks/lib/transport.py):")
-        print(transport_table(results))
     summary = targets_summary(results, world)
     print()
     print(json.dumps(summary, indent=1))

@@ -19,7 +19,6 @@ import resource
 import socket
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -72,16 +71,6 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def set_other_threads_scheduling(policy: int, priority: int = 0) -> int:
-    """Give every thread of this process but the calling one the scheduling ``policy`` (``os.SCHED_*``) at
-    ``priority``; the number of threads. Real-time policies need CAP_SYS_NICE (PermissionError otherwise)."""
-    me = threading.get_native_id()
-    others = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
-    for tid in others:
-        os.sched_setscheduler(tid, policy, os.sched_param(priority))
-    return len(others)
 
 
 def pin_to_core() -> set[int]:
@@ -159,15 +148,12 @@ def steps_per_round(steps: int, rounds: int) -> list[int]:
     return [steps // rounds + (r < steps % rounds) for r in range(rounds)]
 
 
-def add_round(result: dict, times: list[float], transport: bool = True, faults: list[float] | None = None) -> None:
-    """One round of a mode's timed steps into ``result``: the times, their median and (given) the minor page
-    faults; with ``transport`` False into ``result["without_transport"]`` (steps whose collectives move nothing)."""
-    record = result if transport else result.setdefault(
-        "without_transport", {"times_s": [], "round_medians_s": [], "minor_faults": []})
-    record["times_s"] += times
-    record["round_medians_s"].append(statistics.median(times))
+def add_round(result: dict, times: list[float], faults: list[float] | None = None) -> None:
+    """One round of a mode's timed steps into ``result``: the times, their median and (given) the minor page faults."""
+    result["times_s"] += times
+    result["round_medians_s"].append(statistics.median(times))
     if faults is not None:
-        record["minor_faults"] += faults
+        result["minor_faults"] += faults
 
 
 def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:

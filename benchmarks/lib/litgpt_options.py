@@ -145,14 +145,6 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fresh_inductor_cache", type=str2bool, default=True,
                    help="compile into an empty Inductor cache (honest first-iteration times)")
     g.add_argument("--pin_cores", type=str2bool, default=True, help="CPU runs: pin local rank r to core r")
-    g.add_argument("--transport_threads", choices=("default", "fifo"), default="default",
-                   help="fifo: every rank's threads but its main one (gloo's) at real-time priority SCHED_FIFO 1, "
-                        "every mode alike (needs CAP_SYS_NICE; CPU only)")
-    g.add_argument("--breakdown", type=int, default=0,
-                   help="steps of each thunder mode timed region by region and collective by collective")
-    g.add_argument("--without_transport", type=str2bool, default=False,
-                   help="each multi-rank mode's steps of every round run again with collectives that move no data: "
-                        "what communication adds to a step (lib/transport.py)")
 
 
 def context_parallel_error(args: argparse.Namespace) -> str | None:

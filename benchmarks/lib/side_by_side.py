@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.lib.breakdown import step_breakdown
 from benchmarks.lib.compare_report import report, summary_line
 from benchmarks.lib.eager_counts import comm_mode, hooked_saved_bytes, summarize_records
 from benchmarks.lib.harness import (
@@ -46,7 +45,6 @@ from benchmarks.lib.harness import (
 )
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, hf_config, litgpt_config
 from benchmarks.lib.modes import MODES, How, Mode
-from benchmarks.lib.transport import communication_cost, prioritize_transport_threads, steps_without_transport
 
 #: --compare all: every mode on the benchmark Llama, and litgpt's and HF's Llama of the same dims (``family:mode``)
 ALL = ("eager,thunder,thunder_defaults,thunder_inductor,tp,tp_auto,tp_sp,tp_lp,dtensor_tp_lp,dtensor_tp_default,"
@@ -209,17 +207,12 @@ def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: d
 
 
 def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
-    """Statistics of the timed steps, the diagnostics asked for (breakdown, communication's cost, traces), peak
-    memory, saved-for-backward bytes and collectives of more steps."""
+    """Statistics of the timed steps, traces, peak memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
     step = partial(train_step, jm, opt, idx, targets)
     result.update(time_stats(result["times_s"]))
     result["minor_faults_per_step"] = statistics.median(result["minor_faults"])
     result["tokens_per_s"] = idx.numel() / result["median_s"]
-    if args.breakdown and mode.runtime == "thunder":
-        result["breakdown"] = step_breakdown(jm, step, args.breakdown, distributed=mode.ranks != 1)
-    if "without_transport" in result:
-        result["transport"] = communication_cost(result, result.pop("without_transport"))
     if args.dump_thunder_traces and mode.runtime == "thunder":
         import thunder_tp
 
@@ -298,25 +291,15 @@ def time_rounds(modes: list[Entry], states: dict, idx, targets, args, results: d
     ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
     dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
     timed_modes = [m for m, ok in zip(modes, ready.tolist(), strict=True) if ok]
-    runs = [(m, transport) for m in timed_modes for transport in (True, False)
-            if transport or (args.without_transport and measures_transport(m))]
     per_round = steps_per_round(args.max_iters - args.warmup_iters, args.rounds)
-    for r, (mode, transport) in alternating_rounds(runs, len(per_round)):  # every mode a few steps per round
-        def run(mode=mode, transport=transport, steps=per_round[r]):
-            jm, opt, params = states[mode.name]
-            with contextlib.nullcontext() if transport else steps_without_transport(params):
-                times, faults = time_steps(partial(train_step, jm, opt, idx, targets), steps,
-                                           distributed=mode.ranks != 1)
-            add_round(results[mode.name], times, transport, faults)
+    for r, mode in alternating_rounds(timed_modes, len(per_round)):  # every mode a few steps per round
+        def run(mode=mode, steps=per_round[r]):
+            jm, opt, _ = states[mode.name]
+            times, faults = time_steps(partial(train_step, jm, opt, idx, targets), steps, distributed=mode.ranks != 1)
+            add_round(results[mode.name], times, faults)
 
         on_ranks(mode.ranks, run)
     return timed_modes
-
-
-def measures_transport(mode: Entry) -> bool:
-    """True for the modes ``--without_transport`` measures: multi-rank, eager or thunder (a compiled graph holds its
-    collectives, out of ``transport.py``'s reach)."""
-    return mode.ranks != 1 and mode.runtime != "compile"
 
 
 def compare(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
@@ -329,15 +312,7 @@ def compare(args: argparse.Namespace, rank: int, world: int, device: torch.devic
     how = How(EXECUTORS[args.compile], batch=(args.micro_batch_size, args.block_size))
     modes = entries(args.compare, args.skip, how)
     results: dict = {}
-    fifo = args.transport_threads == "fifo"
-    if fifo:
-        prioritize_transport_threads(device)  # fails before the modes are built where it cannot be done
     states = prepare_all(modes, cfg, idx, targets, args, results)
-    if fifo:  # again: the process groups that building the modes made have threads of their own
-        count = prioritize_transport_threads(device)
-        if rank == 0:
-            print(f"[compare] --transport_threads fifo: {count} threads besides the main one at SCHED_FIFO 1 (rank 0)",
-                  file=sys.stderr, flush=True)
     for mode in time_rounds(modes, states, idx, targets, args, results):
         state = states.pop(mode.name, None)  # on a one-rank mode's other ranks: none
         on_ranks(mode.ranks, partial(finish_mode, mode, state, idx, targets, args, results[mode.name]))
