@@ -87,7 +87,7 @@ def _generations(cases: list[tuple[int, str]]) -> dict:
 
 
 def _check(ranks: int, cases: list[tuple[int, str]]) -> None:
-    for result in run_ranks(_generations, ranks, cases, timeout=900):
+    for result in run_ranks(_generations, ranks, cases, timeout=300 * len(cases)):
         for (batch, mode), got in result.items():
             assert got["tp"].shape == (batch, NEW_TOKENS), (mode, got["tp"].shape)
             assert torch.equal(got["tp"], got["one_device"]), (batch, mode, got["tp"], got["one_device"])

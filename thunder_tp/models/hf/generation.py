@@ -143,15 +143,15 @@ def _written(cache: KVCacheBuffers, key_states: torch.Tensor, value_states: torc
 
 # --- inside the program ------------------------------------------------------------------------------------------
 
-_forwards: dict[type, Any] = {}
+_registered: dict[type, Any] = {}
 
 
 def register_lookaside(model: nn.Module) -> None:
     """Make thunder.jit trace ``type(model).forward`` called with a ``ProgramCache`` as the module doc says."""
     cls = type(model)
-    if cls in _forwards:
+    if cls in _registered:
         return
-    forward = _forwards[cls] = litgpt_sampling.copy_of(cls.forward)
+    forward = _registered[cls] = litgpt_sampling.copy_of(cls.forward)
 
     @register_general_jit_lookaside(cls.forward)
     def _forward_lookaside(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -168,7 +168,7 @@ def register_lookaside(model: nn.Module) -> None:
 def _last_position(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The forward's last (B, V) logits, or with ``SAMPLING``'s rows its (B, 1) tokens."""
     per_row, keys = kwargs.pop(litgpt_sampling.SAMPLING, None), kwargs.pop(litgpt_sampling.KEYS, None)
-    logits = _forwards[type(model)](model, *args, **kwargs).logits[:, -1]
+    logits = _registered[type(model)](model, *args, **kwargs).logits[:, -1]
     return logits if per_row is None else litgpt_sampling.sampled_in_program(logits, per_row, keys)
 
 
