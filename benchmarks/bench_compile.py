@@ -37,7 +37,6 @@ def child(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from benchmarks.lib.harness import init_distributed, pin_to_core, random_batch, slowest_rank
-
     pin_to_core()
     torch.set_num_threads(1)
     rank, world, device = init_distributed()
@@ -45,13 +44,11 @@ def child(args: argparse.Namespace) -> None:
     jm, model = _jitted(args, device)
     optimizer = torch.optim.AdamW(jm.parameters(), lr=1e-4)
     idx, targets = random_batch(args.batch, args.seq, model.config.vocab_size, seed=0, device=device)
-
     def step() -> None:
         logits = jm(idx)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
     step()
     first_s, cpu_s = time.perf_counter() - start, _cpu_seconds() - cpu_start
     steps = []
@@ -71,7 +68,6 @@ def _jitted(args: argparse.Namespace, device):
     from litgpt import GPT, Config
 
     import thunder_tp
-
     torch.manual_seed(0)
     model = GPT(Config.from_name(args.model_name, n_layer=args.child_layers)).to(device)
     transforms = [thunder_tp.TensorParallel(thunder_tp.plans.litgpt(model))] if args.child == "tp" else []
@@ -83,7 +79,6 @@ def _figures(model, first_s: float, cpu_s: float, step_s: float) -> dict:
     from torch._dynamo.utils import counters
 
     from thunder_tp.tracing.repeated_blocks import stats_of
-
     stats = stats_of(model)
     return {"compile_s": first_s - step_s, "compile_cpu_s": cpu_s, "step_s": step_s,
             "regions": counters["stats"]["unique_graphs"], "blocks_interpreted": stats.interpreted,
@@ -113,7 +108,6 @@ def run(mode: str, layers: int, cache: Path, args: argparse.Namespace) -> dict:
 
 def _free_port() -> int:
     import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

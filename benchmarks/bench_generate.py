@@ -69,9 +69,6 @@ class TokenMismatch(Exception):
     """A mode generated other tokens than single-device eager litgpt."""
 
 
-# --- the modes --------------------------------------------------------------------------------------------------
-
-
 #: the modes: name -> (the registry's mode, the label, litgpt's sampler (thunder_tp.set_sampling), threads)
 RUNS = {"thunder": ("thunder", "(a)", "shards", 1), "eager": ("eager", "(b)", "shards", 1),
         "tp": ("tp", "(c)", "shards", 1), "tp_gather": ("tp", "(c') logits gathered,", "gather", 1),
@@ -82,11 +79,9 @@ def all_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
     """The modes of ``RUNS``: ``mode.build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0
     only; a distributed mode builds its own)."""
     how = How(EXECUTORS[args.compile])
-
     def build(registered: str, shared: nn.Module | None) -> nn.Module:
         mode = MODES[registered]
         return mode.wrap(set_cache(new_gpt(args, device), args, device) if mode.distributed else shared, how)
-
     world = dist.get_world_size()
     return [Run(name, f"{label} {MODES[registered].description}" + (f", TP={world}" if MODES[registered].distributed
                                                                        else ", one device"),
@@ -122,14 +117,10 @@ def threads(count: int, cores: set[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before_cores)
 
 
-# --- generating and timing --------------------------------------------------------------------------------------
-
-
 def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[torch.Tensor]:
     """litgpt's greedy loop over ``prompts`` (batch, length): each new token of every row, a (batch,) tensor, as
     soon as it is sampled (litgpt has called ``.item()`` on it: the device has finished it)."""
     from litgpt.generate.base import batched_generate_fn, generate_fn
-
     max_returned = prompts.size(1) + new_tokens
     if prompts.size(0) == 1:
         yield from generate_fn(model, prompts[0], max_returned, temperature=0.0, include_prompt=False,
@@ -164,19 +155,16 @@ class Reference:
 def reference(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Reference:
     """The reference of ``model`` (eager): batch 1's tokens from ``litgpt.generate.base.generate``."""
     from litgpt.generate.base import generate
-
     if prompts.size(0) > 1:
         tokens = generation(model, prompts, new_tokens)[0]
     else:
         tokens = generate(model, prompts[0], prompts.size(1) + new_tokens, temperature=0.0, include_prompt=False)
         tokens = tokens.view(1, -1)
-
     @functools.cache
     def logits() -> torch.Tensor:
         with torch.inference_mode():  # one forward over prompt and tokens, without the KV cache
             out = model(torch.cat([prompts, tokens[:, :-1]], dim=1))
         return out[:, prompts.size(1) - 1:].float()
-
     return Reference(tokens, logits, torch.finfo(next(model.parameters()).dtype).eps)
 
 
@@ -211,7 +199,6 @@ def timed_generation(mode: Run, module: nn.Module, prompts: torch.Tensor, args: 
     near-ties with the reference (checked on rank 0, ``ref`` None elsewhere: a TP mode's ranks sample the same
     gathered logits)."""
     from thunder_tp.models.litgpt_sampling import sampling
-
     if mode.ranks != 1:
         dist.barrier()
     around = threads(mode.threads, cores) if mode.threads != 1 else contextlib.nullcontext()
@@ -229,7 +216,6 @@ def decode_collectives(module: nn.Module) -> dict | None:
 
     from thunder_tp import collectives_table
     from thunder_tp.tools.debug import totals
-
     if hasattr(module, "collectives"):  # manual_tp: counted by its hooks
         return totals({"kind": kind, "count": 1, "total_bytes": nbytes} for kind, nbytes in module.collectives)
     if isinstance(module, thunder.ThunderModule):
@@ -266,7 +252,6 @@ def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, 
     """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating
     rounds; the results by mode name (rank 0's complete)."""
     import thunder
-
     rank = dist.get_rank()
     prompts = random_batch(args.batch, args.prompt_len, args.vocab, PROMPT_SEED, device)[0]
     shared = on_ranks(1, lambda: set_cache(new_gpt(args, device), args, device))
@@ -287,7 +272,6 @@ def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, 
             if timed:
                 results[mode.name]["ttft_s"].append(ttft)
                 results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
-
         on_ranks(mode.ranks, run)
     for name, module in modules.items():  # over every generation of the run
         if isinstance(module, thunder.ThunderModule):
@@ -297,9 +281,6 @@ def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, 
             result["ttft_median_s"] = statistics.median(result["ttft_s"])
             result["decode_tokens_per_s_median"] = statistics.median(result["decode_tokens_per_s"])
     return results
-
-
-# --- report -----------------------------------------------------------------------------------------------------
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -348,9 +329,6 @@ def report(args: argparse.Namespace, results: dict, world: int, device: torch.de
             per_step = {"decode step": {"count": sum(v["count"] for v in by_kind.values()),
                                         "bytes": sum(v["bytes"] for v in by_kind.values()), "by_kind": by_kind}}
             print(*collectives_lines(per_step, f"{name}, collectives per rank"), sep="\n")
-
-
-# --- main -------------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

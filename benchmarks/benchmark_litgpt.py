@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from benchmarks.lib import float8
 from benchmarks.lib.harness import (
     collectives_lines,
     collectives_per_iteration,
@@ -46,6 +45,7 @@ from benchmarks.lib.litgpt_setup import (
     Groups,
     accumulation_steps,
     build,
+    count_float8_linears,
     make_batch,
     make_config,
     make_model,
@@ -57,9 +57,7 @@ from benchmarks.lib.side_by_side import compare, compare_process
 
 T = TypeVar("T")
 
-# --------------------------------------------------------------------------------------------------------------
 # the benchmark
-# --------------------------------------------------------------------------------------------------------------
 
 
 def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module,
@@ -85,7 +83,6 @@ def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn
         log(groups.rank, f"iter {it}: loss {loss_value:.4f}, iter time: {dt * 1000:.2f} ms{tag}")
     if args.save_checkpoint:
         import thunder_tp.checkpoint as ck
-
         ck.save(args.save_checkpoint, jm, optimizer)
         log(groups.rank, f"checkpoint saved to {args.save_checkpoint}")
     return losses, slowest_rank(times, device), step_bytes
@@ -101,7 +98,6 @@ def with_step_memory(step: Callable[[], T]) -> tuple[T, int | None]:
 def load_checkpoints(args: argparse.Namespace, jm: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """--checkpoint (pretrained weights, a file) then --resume (model and optimizer, a DCP directory)."""
     import thunder_tp.checkpoint as ck
-
     if args.checkpoint:
         ck.load(args.checkpoint, jm)
     if args.resume:
@@ -132,7 +128,6 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
               f"rank 0); block_size {args.block_size}, micro_batch_size {args.micro_batch_size}; world {world}, tp "
               f"{groups.tp_size}, cp {groups.cp_size}, dp {groups.dp_size}; mode {args.distributed_mode}, compile "
               f"{args.compile}, loss_parallel {args.loss_parallel}, device {device}")
-
     losses, times, step_bytes = train(args, groups, device, jm, info.vocab_size)
     if not all(math.isfinite(x) for x in losses):
         log(rank, f"ERROR: non-finite loss: {losses}")
@@ -162,7 +157,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         "use_torchao_fp8_linear": args.use_torchao_fp8_linear,
         "use_torchao_fp8_allgather": args.use_torchao_fp8_allgather,
         "torchao_fp8_recipe": args.torchao_fp8_recipe if args.use_torchao_fp8_linear else None,
-        "float8_linears": float8.count_float8_linears(model) if args.use_torchao_fp8_linear else 0,
+        "float8_linears": count_float8_linears(model) if args.use_torchao_fp8_linear else 0,
         "tp_overlap": args.tp_overlap,
         "device": str(device),
         "max_iters": args.max_iters,
@@ -181,14 +176,12 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     }
     if args.compile != "eager":
         import thunder
-
         results["saved_for_backward"] = saved_for_backward(thunder.last_traces(jm)[-1])
         results["collectives"] = collectives_per_iteration(jm)
     for key in ("peak_memory_bytes", "peak_step_memory_bytes"):  # every rank's (they differ, e.g. rank 0 prints)
         peaks = [None] * world
         dist.all_gather_object(peaks, results[key])
         results[f"{key}_per_rank"] = peaks
-
     if args.dump_thunder_traces and args.compile != "eager":
         dump(args, jm, rank)
     if args.json_path and rank == 0:
@@ -262,23 +255,19 @@ def float8_lines(r: dict) -> list[str]:
 def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
     """Every rank's final traces into --trace_dir; one line (rank 0) says where."""
     import thunder_tp
-
     paths = thunder_tp.dump_traces(jm, args.trace_dir)
     dist.barrier()
     log(rank, f"traces of every rank written to {Path(args.trace_dir).resolve()} "
               f"({', '.join(p.name for p in paths)} for rank 0)")
 
 
-# --------------------------------------------------------------------------------------------------------------
 # --simulate N: the TP plan on N ranks simulated in this process (LocalTensor), without N processes
-# --------------------------------------------------------------------------------------------------------------
 
 
 def simulate_dry_run(args: argparse.Namespace) -> int:
     """One forward + backward of the TP=N program on N simulated ranks; prints each rank's parameter bytes and
     collectives."""
     import thunder_tp
-
     n = args.simulate
     if args.tp_size not in (None, n):
         raise SystemExit(f"--simulate {n} simulates a TP group of {n} ranks; drop --tp_size or set it to {n}")

@@ -62,7 +62,7 @@ def _training_row(mode: str, loss: float) -> dict:
 
 def test_report_fails_where_the_backends_losses_differ():
     """(a) and (b) run the same weights and batch: their losses must agree within bf16's rounding."""
-    from benchmarks.lib import rank_report as report
+    from benchmarks import bench_rank as report
     lines, failed = report._structure_lines([_training_row("a", 11.75), _training_row("b", 11.8125)], "bfloat16")
     assert not failed and "loss 11.7500 vs 11.8125" in lines[0], lines
     lines, failed = report._structure_lines([_training_row("a", 11.75), _training_row("b", 12.5)], "bfloat16")

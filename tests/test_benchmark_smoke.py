@@ -418,9 +418,9 @@ def test_float8_flags_refused_with_the_fix(argv, fix, capsys):
 
 
 def test_float8_flags_without_torchao_name_the_extra(monkeypatch, capsys):
-    from benchmarks.lib import float8
+    from benchmarks.lib import litgpt_options
 
-    monkeypatch.setattr(float8, "torchao_installed", lambda: False)
+    monkeypatch.setattr(litgpt_options, "torchao_installed", lambda: False)
     for flag in ("--use_torchao_fp8_linear", "--use_torchao_fp8_allgather"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--distributed_mode", "tp_sp", flag, "true"])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.lib import compare_report, harness, llama, side_by_side
+from benchmarks.lib import harness, llama, side_by_side
 from benchmarks.lib.harness import thunder_default_executors
 from benchmarks.lib.modes import How
 from tests.dist import run_ranks, torchrun
@@ -180,7 +180,7 @@ def test_gradient_gate_fails_on_one_wrong_shard():
 def test_targets_pair_the_modes_round_by_round():
     """A slow round (the host busy) slows every mode of it: the paired ratio is the ratio within rounds, whatever the
     drift between them; the ratio of medians over all steps mixes rounds."""
-    report = compare_report
+    report = side_by_side
     tp = {"median_s": 1.0, "round_medians_s": [0.8, 1.6, 0.8]}  # round 2: the host twice as slow for every mode
     dtensor = {"median_s": 1.0, "round_medians_s": [1.0, 2.0, 1.0]}
     single = {"median_s": 1.6, "round_medians_s": [1.44, 2.88, 1.44]}

@@ -52,7 +52,7 @@ class Link:
     bus_bytes_per_s: dict[str, float]
     sources: dict[str, str] = field(default_factory=dict)
     #: kind -> ((idle seconds, latency seconds), ...) ascending: a transport whose latency grows with how long it sat
-    #: idle before the call (gloo: its threads sleep; measured by gloo_link.py). Empty: ``latency_s`` always.
+    #: idle before the call (gloo: its threads sleep; measured by projection/calibrate.py). Empty: ``latency_s`` always.
     latency_after_idle: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def seconds(self, kind: str, nbytes: float, group_size: int, idle_s: float | None = None) -> float:
@@ -132,9 +132,6 @@ def link_of(figures: costs.LinkFigures) -> Link:
 LINKS: dict[str, Link] = {name: link_of(costs.LINKS[name]) for name in ("h100_nvlink", "h100_nvlink_graph")}
 
 
-# --- FLOPs of a trace's symbols, to share a pass's measured compute among them ---------------------------------
-
-
 def _shape(p) -> tuple[int, ...]:
     return tuple(int(d) for d in p.shape)
 
@@ -167,9 +164,6 @@ def flops(bsym: BoundSymbol, matmul: Callable[[BoundSymbol], float] = _matmul_fl
     return sum(flops(s, matmul) for s in bsym.subsymbols)
 
 
-# --- one pass on the link --------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PassProjection:
     compute_s: float
@@ -197,7 +191,6 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
     allows; ``compute_s``: the pass's measured compute (under the fake group: no communication), shared among its
     symbols by ``weigh`` (matmul and attention FLOPs)."""
     from thunder_tp.tools.debug import collective_calls
-
     if trace is None:
         return PassProjection(compute_s, 0.0, compute_s, compute_s, [])
     if isinstance(trace, RecordedPass):
@@ -242,9 +235,6 @@ def _compute_shares(trace: TraceCtx, calls: dict, compute_s: float,
     if total == 0:
         weights, total = dict.fromkeys(weights, 1.0), float(len(weights) or 1)
     return {k: compute_s * w / total for k, w in weights.items()}
-
-
-# --- a whole step ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import gc
 import json
+import math
 import os
 import resource
 import socket
@@ -42,9 +43,6 @@ def options(doc: str, dtype: str | None = None) -> argparse.ArgumentParser:
     if dtype is not None:
         p.add_argument("--dtype", choices=sorted(DTYPES), default=dtype)
     return p
-
-
-# --- process group and device -------------------------------------------------------------------------------
 
 
 def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.device]:
@@ -110,7 +108,6 @@ def log(rank: int, *msg: Any) -> None:
 def thunder_tp_executors() -> list:
     """thunder_tp's executors (its fusion executor: nvFuser on CUDA when installed and able to run, else Inductor)."""
     import thunder_tp
-
     return thunder_tp.executors()
 
 
@@ -119,7 +116,6 @@ def thunder_default_executors() -> list:
     import thunder
 
     from thunder_tp.collectives import comm_executor
-
     return [comm_executor, *thunder.get_default_executors()]
 
 
@@ -127,8 +123,6 @@ def thunder_default_executors() -> list:
 EXECUTORS: dict[str, Callable[[], list]] = {"thunder": thunder_tp_executors,
                                             "thunder_default": thunder_default_executors}
 
-
-# --- runs compared side by side, in alternating rounds ------------------------------------------------------
 
 T = TypeVar("T")
 
@@ -164,9 +158,6 @@ def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:
     out = fn() if dist.get_rank() == 0 else None
     dist.barrier()
     return out
-
-
-# --- models and batches ---------------------------------------------------------------------------------------
 
 
 def seeded_model(make: Callable[[], nn.Module], seed: int, device: torch.device | None = None,
@@ -210,9 +201,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Te
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
     optimizer.step()
     return loss
-
-
-# --- timing ---------------------------------------------------------------------------------------------------
 
 
 def sync(device: torch.device | None = None) -> None:
@@ -260,18 +248,13 @@ def time_stats(times: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "q1_s": q[0], "q3_s": q[2]}
 
 
-# --- bytes ----------------------------------------------------------------------------------------------------
-
-
 def tensor_bytes(t) -> int:
     """Bytes of a tensor (a DTensor's local shard) or of a Thunder TensorProxy (its full logical shape)."""
     if isinstance(t, torch.Tensor):
         from torch.distributed.tensor import DTensor
-
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
     from thunder_tp.collectives.reshard import nbytes
-
     return nbytes(t)
 
 
@@ -295,7 +278,6 @@ def saved_for_backward(forward_trace) -> dict | None:
     from thunder.core.pytree import tree_flatten
 
     from thunder_tp.tools.debug import saved_for_backward as saved_tensors
-
     tensors = saved_tensors(forward_trace)
     if tensors is None:
         return None
@@ -314,7 +296,6 @@ def collectives_per_iteration(jm: nn.Module) -> dict:
 
     import thunder_tp
     from thunder_tp.tools.debug import totals
-
     backward = thunder.last_backward_traces(jm)
     tables = {"forward": thunder_tp.collectives_table(thunder.last_traces(jm)[-1]),
               "backward": thunder_tp.collectives_table(backward[-1] if backward else None)}
@@ -355,7 +336,6 @@ def rss_rise(fn: Callable[[], T]) -> tuple[T, int | None]:
     gc.collect()
     try:
         import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         before = rss_bytes("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
@@ -390,12 +370,106 @@ def fmt_bytes(n: float | None) -> str:
     raise AssertionError
 
 
-# --- report ---------------------------------------------------------------------------------------------------
-
-
 def write_json(path: str | os.PathLike, results: dict) -> Path:
     """Write ``results`` as indented JSON (parent directories created); the path written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return path
+
+
+def _medians(samples: list[dict]) -> dict:
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def _peak_bytes(step: Callable[[], object], device: torch.device) -> int | None:
+    """Peak memory of a step: CUDA's max allocated (everything live, parameters and optimizer state included);
+    on the CPU the resident set's growth during the step (harness.peak_step_bytes)."""
+    if device.type != "cuda":
+        return peak_step_bytes(step)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    return torch.cuda.max_memory_allocated(device)
+
+
+def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimizer, steps: int, warmup: int,
+                   device: torch.device, before_step: Callable[[], None] = lambda: None) -> dict:
+    """Warm-up and timed steps of forward (with the loss) + backward + ``optimizer``: medians in seconds of each
+    part, the losses finite, peak memory; ``before_step`` runs before each step, untimed (e.g. a barrier)."""
+    idx, targets = batch
+    def step() -> dict:
+        optimizer.zero_grad(set_to_none=True)
+        before_step()
+        sync(device)
+        t0 = time.perf_counter()
+        with step_context(model):
+            loss = model(idx, targets)
+            sync(device)
+            t1 = time.perf_counter()
+            loss.backward()
+        sync(device)
+        t2 = time.perf_counter()
+        optimizer.step()
+        sync(device)
+        t3 = time.perf_counter()
+        return {"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2, "step_s": t3 - t0,
+                "loss": float(loss.detach().float())}
+    warmups = [step() for _ in range(warmup)]
+    samples = [step() for _ in range(steps)]
+    result = _medians(samples)
+    result["first_step_s"] = (warmups or samples)[0]["step_s"]  # the compiling step (the jit's time not in it)
+    result["loss_finite"] = all(math.isfinite(s["loss"]) for s in samples)
+    result["peak_bytes"] = _peak_bytes(step, device)
+    result["samples"] = samples
+    return result
+
+
+def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup: int, device: torch.device,
+                 before_step: Callable[[], None] = lambda: None) -> dict:
+    """One-token KV-cache forwards at ``position``: the synchronized step, the host's part of it (call to return,
+    before synchronizing) and the step of back-to-back calls (medians, seconds)."""
+    token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    where = torch.tensor([position], device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # not the build's (materialization inits at full size)
+    first_step_s = None
+    with torch.no_grad():
+        for _ in range(warmup):
+            t0 = time.perf_counter()
+            logits = model(token, where)
+            sync(device)
+            first_step_s = first_step_s or time.perf_counter() - t0  # the first: the compiling step
+        samples = []
+        for _ in range(steps):
+            before_step()
+            sync(device)
+            t0 = time.perf_counter()
+            logits = model(token, where)
+            t1 = time.perf_counter()
+            sync(device)
+            samples.append({"host_s": t1 - t0, "step_s": time.perf_counter() - t0})
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = model(token, where)
+        sync(device)
+        back_to_back = (time.perf_counter() - t0) / steps
+    result = _medians(samples)
+    result.update(back_to_back_s=back_to_back, first_step_s=first_step_s,
+                  loss_finite=bool(torch.isfinite(logits).all()), samples=samples,
+                  peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    return result
+
+
+def thunder_structure(jm: nn.Module) -> dict:
+    """The final traces (the last with collectives, so a CUDA-graph trace reads the trace before it) and their
+    collectives as ``[kind, group size, bytes]`` per pass."""
+    import thunder
+
+    from thunder_tp.tools.debug import collective_calls
+    def last_with_collectives(traces):
+        return next((t for t in reversed(traces) if collective_calls(t)), traces[-1] if traces else None)
+    traces = {"forward": last_with_collectives(thunder.last_traces(jm)),
+              "backward": last_with_collectives(thunder.last_backward_traces(jm))}
+    calls = {name: [[c["kind"], c["group_size"], c["bytes"]] for c in collective_calls(t)] if t is not None else []
+             for name, t in traces.items()}
+    return {"traces": traces, "collectives": calls}

@@ -4,8 +4,8 @@ the combinations refused with their fix (``parse_args``)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
-from benchmarks.lib import float8
 from benchmarks.lib.harness import EXECUTORS, options
 from benchmarks.lib.litgpt_setup import FP8_MODES, TRAINER_MODES
 
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.low_precision_mode != "none":
         p.error(f"--low_precision_mode {args.low_precision_mode}: fp8 through TransformerEngine is not supported by "
                 "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
-    float8_error = float8.option_error(args)
+    float8_error = option_error(args)
     if float8_error:
         p.error(float8_error)
     if args.hf_model_type and args.checkpoint_activations:
@@ -159,10 +159,43 @@ def context_parallel_error(args: argparse.Namespace) -> str | None:
     if args.compile == "eager":
         return "--compile eager runs plain PyTorch, which has no context parallelism: use --compile thunder"
     from thunder_tp.context_parallel import sequence_layout
-
     try:
         sequence_layout(args.block_size, 1, cp_size, args.cp_load_balance)
     except ValueError as error:
         return (f"--block_size {args.block_size} with --context_parallel_size {cp_size}: {error} (here: "
                 f"--block_size{', or --cp_load_balance false' if args.cp_load_balance else ''})")
+    return None
+
+
+#: the recipe whose input scaling torchao's Float8ColwiseParallel gathers in float8 (its only one)
+GATHERED_RECIPE = "tensorwise"
+
+
+def torchao_installed() -> bool:
+    """Whether torchao (the optional extra thunder_tp[float8]) can be imported."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def option_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the float8 flags together, naming the fix; None where nothing is."""
+    if not (args.use_torchao_fp8_linear or args.use_torchao_fp8_allgather):
+        return None
+    if not torchao_installed():
+        return "the float8 flags convert the model with torchao, which is not installed: pip install thunder_tp[float8]"
+    if not args.use_torchao_fp8_linear:
+        return ("--use_torchao_fp8_allgather gathers the input of float8 linears in float8: add "
+                "--use_torchao_fp8_linear true")
+    from torchao.float8.config import Float8LinearRecipeName
+    recipes = [r.value for r in Float8LinearRecipeName]
+    if args.torchao_fp8_recipe not in recipes:
+        return f"--torchao_fp8_recipe {args.torchao_fp8_recipe!r} is not one of torchao's recipes: {recipes}"
+    if args.use_torchao_fp8_allgather and args.torchao_fp8_recipe != GATHERED_RECIPE:
+        return (f"--use_torchao_fp8_allgather with --torchao_fp8_recipe {args.torchao_fp8_recipe}: torchao's "
+                f"Float8ColwiseParallel gathers in float8 only with {GATHERED_RECIPE} scaling (one scale for the "
+                f"whole input); use --torchao_fp8_recipe {GATHERED_RECIPE}, or drop --use_torchao_fp8_allgather "
+                "(the input is then gathered in high precision)")
+    if args.use_torchao_fp8_allgather and args.distributed_mode != "tp_sp":
+        return (f"--use_torchao_fp8_allgather casts the input of sequence parallelism's all_gather to float8; "
+                f"--distributed_mode {args.distributed_mode} gathers no activation: use --distributed_mode tp_sp, "
+                "or drop the flag")
     return None

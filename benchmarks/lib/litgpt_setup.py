@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -11,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.lib.float8 import convert_to_float8
 from benchmarks.lib.harness import DTYPES, EXECUTORS, log, random_batch, seeded_model
 from benchmarks.lib.llama import LlamaConfig, hf_sizes
 from benchmarks.lib.modes import MODES, How
@@ -21,9 +21,7 @@ FP8_MODES = ("fp8-delayed-te", "fp8-default-te", "fp8-delayed-te-wo_layernorm", 
 #: --distributed_mode's choices, entries of ``modes.MODES`` ("none": one device per rank)
 TRAINER_MODES = ("none", "tp", "tp_sp", "tp_ddp", "tp_fsdp")
 
-# --------------------------------------------------------------------------------------------------------------
 # distributed setup
-# --------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -76,9 +74,7 @@ def _own_group(rank: int, world: int, groups: list[list[int]]):
     return own
 
 
-# --------------------------------------------------------------------------------------------------------------
 # model and data
-# --------------------------------------------------------------------------------------------------------------
 
 
 #: --hf_model_type's sizes unless --hf_config overrides them: the benchmark Llama's
@@ -110,7 +106,6 @@ def make_config(args: argparse.Namespace):
     import json
 
     from litgpt import Config
-
     overrides: dict[str, Any] = json.loads(args.litgpt_config or "{}") | {"block_size": args.block_size}
     if args.n_layers is not None:
         overrides["n_layer"] = args.n_layers
@@ -121,7 +116,6 @@ def _hf_config(args: argparse.Namespace):
     import json
 
     from transformers import AutoConfig
-
     sizes = HF_SIZES | json.loads(args.hf_config or "{}") | {"max_position_embeddings": args.block_size}
     if args.n_layers is not None:
         sizes["num_hidden_layers"] = args.n_layers
@@ -154,7 +148,6 @@ def checkpoint_blocks(model: nn.Module) -> None:
     """Run every litgpt Block under torch.utils.checkpoint; Thunder recomputes its activations in the backward."""
     from litgpt.model import Block
     from torch.utils.checkpoint import checkpoint
-
     for module in model.modules():
         if isinstance(module, Block):
             module.forward = partial(checkpoint, module.forward, use_reentrant=False)
@@ -167,7 +160,6 @@ def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Mod
         model = seeded_model(lambda: _hf_with_loss(config), args.seed, device, DTYPES[args.dtype])
     else:
         from thunder_tp.plans.litgpt import GPTWithLoss
-
         model = seeded_model(lambda: GPTWithLoss(config), args.seed, device, DTYPES[args.dtype])
     if args.use_torchao_fp8_linear:
         model = convert_to_float8(model, args.torchao_fp8_recipe, device)
@@ -181,7 +173,6 @@ def _hf_with_loss(config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from thunder_tp.plans.hf import CausalLMLoss
-
     return CausalLMLoss(AutoModelForCausalLM.from_config(config))
 
 
@@ -203,7 +194,6 @@ def wrap(model: nn.Module, args: argparse.Namespace, groups: Groups) -> nn.Modul
 def how_of(args: argparse.Namespace, groups: Groups) -> How:
     """What the mode's wrapping takes, from the flags and this rank's groups."""
     import thunder_tp
-
     first = () if groups.cp_size == 1 else (
         thunder_tp.ContextParallel(groups.cp_group, load_balance=args.cp_load_balance, rotate=args.cp_rotate),)
     return How(EXECUTORS[args.compile], groups.tp_group, groups.dp_group, args.tp_overlap, args.loss_parallel,
@@ -248,3 +238,32 @@ def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:
     if not parallel and world > 1:
         log(rank, f"note: --distributed_mode none with {world} ranks: every rank trains its own full copy")
     return make_groups(tp_size, cp_size) if parallel else Groups(rank, world, 1, 0, None, 1, 0, None)
+
+
+#: what a float8 gemm (torch._scaled_mm) needs of a CUDA device: Ada or Hopper on
+FLOAT8_CAPABILITY = (8, 9)
+
+
+def keeps_in_high_precision(module: nn.Module, name: str) -> bool:
+    """The linears left unconverted, as torchtitan leaves them: the head, and those whose dims are not multiples of
+    16 (what torch._scaled_mm takes)."""
+    return name.rsplit(".", 1)[-1] == "lm_head" or module.in_features % 16 != 0 or module.out_features % 16 != 0
+
+
+def convert_to_float8(model: nn.Module, recipe: str, device: torch.device) -> nn.Module:
+    """``model`` with its linears (but those ``keeps_in_high_precision`` names) torchao's Float8Linear of ``recipe``:
+    torch._scaled_mm on a CUDA device that has it, emulated in high precision on the CPU."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability < FLOAT8_CAPABILITY:
+        raise SystemExit(f"--use_torchao_fp8_linear on CUDA needs compute capability {FLOAT8_CAPABILITY} or higher "
+                         f"for float8 gemms (torch._scaled_mm); this GPU has {capability}")
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=capability is None)
+    return convert_to_float8_training(model, config=config,
+                                      module_filter_fn=lambda m, name: not keeps_in_high_precision(m, name))
+
+
+def count_float8_linears(model: nn.Module) -> int:
+    """How many of the model's linears are torchao's Float8Linear."""
+    from torchao.float8.float8_linear import Float8Linear
+    return sum(isinstance(m, Float8Linear) for m in model.modules())

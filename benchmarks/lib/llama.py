@@ -144,14 +144,12 @@ def hf_sizes(cfg: LlamaConfig) -> dict:
 def hf_config(cfg: LlamaConfig):
     """An HF LlamaConfig with the same dims as ``cfg``."""
     from transformers import LlamaConfig as HFLlamaConfig
-
     return HFLlamaConfig(**hf_sizes(cfg), max_position_embeddings=cfg.max_seq)
 
 
 def litgpt_config(cfg: LlamaConfig):
     """A litgpt Config with the same dims as ``cfg``."""
     from litgpt import Config
-
     return Config(
         block_size=cfg.max_seq, vocab_size=cfg.vocab, padded_vocab_size=cfg.vocab, n_layer=cfg.n_layers,
         n_head=cfg.n_heads, n_query_groups=cfg.n_kv_heads, n_embd=cfg.dim, head_size=cfg.head_dim,
@@ -160,14 +158,10 @@ def litgpt_config(cfg: LlamaConfig):
     )
 
 
-# --- thunder_tp's plan ------------------------------------------------------------------------------
-
-
 def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dict:
     """thunder_tp's plan for ``Llama`` (keys relative to ``WithLoss``); loss_parallel leaves the logits
     vocab-sharded, so the cross-entropy in the same trace runs on them without gathering them."""
     from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard
-
     reduced = Shard(1) if sequence_parallel else Replicate()
     blk = "model.layers.*."
     plan = {
@@ -185,9 +179,6 @@ def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dic
     return plan
 
 
-# --- decode: the litgpt twin -----------------------------------------------------------------------
-
-
 MODEL_SEED = 1337
 
 
@@ -203,7 +194,6 @@ def decode_config(args: argparse.Namespace):
 def new_gpt(args: argparse.Namespace, device: torch.device) -> nn.Module:
     """The litgpt GPT with seeded random weights (the same on every rank) in ``--dtype``, without a KV cache."""
     from litgpt import GPT
-
     return seeded_model(lambda: GPT(decode_config(args)), MODEL_SEED, device, DTYPES[args.dtype]).eval()
 
 
@@ -211,9 +201,6 @@ def set_cache(model: nn.Module, args: argparse.Namespace, device: torch.device) 
     """``model`` with a KV cache for ``--batch`` sequences, in ``--dtype`` (litgpt's default is torch's, float32)."""
     model.set_kv_cache(batch_size=args.batch, device=device, dtype=DTYPES[args.dtype])
     return model
-
-
-# --- tensor parallelism by hand ----------------------------------------------------------------------------
 
 
 def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
@@ -232,18 +219,15 @@ def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, in
         if getattr(c, name) % world:
             raise ValueError(f"manual_tp: {name} {getattr(c, name)} is not divisible by the {world} ranks")
     calls: list[tuple[str, int]] = []
-
     def all_reduce(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out)
         calls.append(("all_reduce", tensor_bytes(out)))
         return out
-
     def all_gather(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(parts, out.contiguous())
         calls.append(("all_gather", world * tensor_bytes(out)))
         return torch.cat(parts, dim=-1)
-
     local = copy.copy(c)  # what each attention reads: its local heads
     local.n_head, local.n_query_groups = c.n_head // world, c.n_query_groups // world
     kv = c.n_query_groups * c.head_size

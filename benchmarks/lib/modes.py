@@ -53,7 +53,6 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
     """thunder_tp's hand plan for the benchmark Llama, an HF CausalLM or a litgpt GPT (the model's own)."""
     import thunder_tp
     from thunder_tp.plans.hf import CausalLMLoss
-
     if isinstance(model, WithLoss):
         return thunder_tp_plan(sequence_parallel, loss_parallel)
     plans = thunder_tp.plans.hf if isinstance(model, CausalLMLoss) else thunder_tp.plans.litgpt
@@ -69,7 +68,6 @@ def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
         RowwiseParallel,
         SequenceParallel,
     )
-
     act = Shard(1) if kind == "sp" else Replicate()
     blk = "layers.*."
     plan = {
@@ -101,7 +99,6 @@ def without_layer_keys(plan: dict, model: nn.Module) -> dict:
 def init_local(module: nn.Module, device: torch.device) -> None:
     """A meta-device module on ``device`` with random local weights, buffers recomputed by ``reset_parameters``."""
     from torch.distributed.tensor import DTensor
-
     module.to_empty(device=device)
     with torch.no_grad():
         for p in module.parameters():
@@ -116,7 +113,6 @@ def jit(model: nn.Module, how: How, transforms: list | None = None) -> nn.Module
     """thunder.jit with ``how``'s executors; a meta-device model's shards materialized by each module's own init."""
     import thunder
     from thunder.transforms import MaterializationTransform
-
     transforms = [*how.first, *(transforms or [])]
     if how.materialize is not None:
         init = MaterializationTransform.init_from_original_module_init()
@@ -127,7 +123,6 @@ def jit(model: nn.Module, how: How, transforms: list | None = None) -> nn.Module
 def _plan(model: nn.Module, how: How, sequence_parallel: bool) -> dict:
     """The hand plan, or the one plans.auto searches on a meta batch (``how.plan``)."""
     import thunder_tp
-
     if how.plan == "hand":
         return without_layer_keys(tp_plan(model, sequence_parallel, how.loss_parallel), model)
     if sequence_parallel or how.loss_parallel:
@@ -142,7 +137,6 @@ def _plan(model: nn.Module, how: How, sequence_parallel: bool) -> dict:
 def tp_transform(model: nn.Module, how: How, sequence_parallel: bool = False):
     """TensorParallel of the model's plan with ``how``'s group, overlap and float8 gathering."""
     import thunder_tp
-
     return thunder_tp.TensorParallel(_plan(model, how, sequence_parallel), process_group=how.tp_group,
                                      overlap=how.overlap, float8_all_gather=how.float8_all_gather)
 
@@ -158,14 +152,12 @@ def _dp_group(how: How):
 
 def _tp_ddp(model: nn.Module, how: How) -> nn.Module:
     from thunder.distributed.transforms.ddp_v2 import DDPTransform
-
     ddp = DDPTransform(process_group=_dp_group(how), bucket_size_in_mb=25.0, broadcast_from=None)
     return jit(model, how, [tp_transform(model, how), ddp])
 
 
 def _tp_fsdp(model: nn.Module, how: How) -> nn.Module:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
-
     fsdp = FSDPTransform(device=next(model.parameters()).device, process_group=_dp_group(how))
     return jit(model, how, [tp_transform(model, how), fsdp])
 
@@ -176,7 +168,6 @@ def dtensor(model: nn.Module, how: How, kind: str, compile: bool = False, loss_p
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
     from torch.distributed.tensor.parallel import parallelize_module
-
     device = how.materialize or next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     parallelize_module(model.model, mesh, without_layer_keys(dtensor_plan(kind, loss_parallel), model))
@@ -193,7 +184,6 @@ def _hf_tp(model: nn.Module, how: How) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from thunder_tp.plans.hf import CausalLMLoss
-
     with tempfile.TemporaryDirectory(prefix="hf_tp_") as directory:
         model.model.save_pretrained(directory)
         return CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", torch_dtype=torch.float32))
@@ -216,7 +206,6 @@ def _executors(executors: Callable[[], list]) -> Callable[[nn.Module, How], nn.M
 
 def _inductor() -> list:
     import thunder_tp
-
     return thunder_tp.executors("inductor")
 
 
@@ -262,7 +251,6 @@ def llama_on_meta(cfg: LlamaConfig, dtype: torch.dtype) -> nn.Module:
 def gpt_on_meta(config, context: int, dtype: torch.dtype) -> nn.Module:
     """litgpt's GPT on the meta device, for ``context`` cached positions plus the decoded one."""
     from litgpt import GPT
-
     with torch.device("meta"):
         model = GPT(config).to(dtype)
     model.max_seq_length = context + 1
@@ -274,7 +262,6 @@ class SteppedDecode:
 
     def __init__(self, jitted: nn.Module, strategy: str):
         import thunder_tp
-
         self.jitted = jitted
         self.step = thunder_tp.DecodeStep(jitted, strategy)
 
@@ -286,7 +273,6 @@ def tp_decode(config, context: int, batch: int, dtype: torch.dtype, how: How, st
     """One rank's GPT (built on the meta device, its KV cache too) under the tp mode, materialized on
     ``how.materialize``; called through a DecodeStep of ``strategy``, or (None) its own call."""
     from litgpt.model import build_mask_cache
-
     model = gpt_on_meta(config, context, dtype)
     model.set_kv_cache(batch_size=batch, device=torch.device("meta"), dtype=dtype)
     model.mask_cache = build_mask_cache(context + 1, how.materialize)  # a plain attribute, not a buffer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import shutil
@@ -14,7 +15,8 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -22,8 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.lib.compare_report import report, summary_line
-from benchmarks.lib.eager_counts import comm_mode, hooked_saved_bytes, summarize_records
 from benchmarks.lib.harness import (
     EXECUTORS,
     add_round,
@@ -39,9 +39,11 @@ from benchmarks.lib.harness import (
     step_context,
     steps_per_round,
     sync,
+    tensor_bytes,
     time_stats,
     time_steps,
     train_step,
+    write_json,
 )
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, hf_config, litgpt_config
 from benchmarks.lib.modes import MODES, How, Mode
@@ -95,11 +97,9 @@ def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
         from transformers import LlamaForCausalLM
 
         from thunder_tp.plans.hf import CausalLMLoss
-
         return seeded_model(lambda: CausalLMLoss(LlamaForCausalLM(hf_config(cfg))), seed)
     if family == "litgpt":
         from thunder_tp.plans.litgpt import GPTWithLoss
-
         return seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)
     return seeded_model(lambda: WithLoss(Llama(cfg)), seed)
 
@@ -113,7 +113,6 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     DTensor gradients are gathered with ``full_tensor``, thunder_tp's shards through its transforms' reverse of the
     state dict, as ``ThunderModule.original_state_dict`` does)."""
     from torch.distributed.tensor import DTensor
-
     grads = {}
     for name, p in module.named_parameters():
         if p.grad is None:
@@ -121,10 +120,8 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name.removeprefix("_orig_mod.")] = grad.detach()  # torch.compile's wrapper
     from thunder.core.module import ThunderModule
-
     if isinstance(module, ThunderModule):  # its transforms gather what they sharded
         import thunder
-
         for transform in reversed(thunder.list_transforms(module)):
             grads = transform.reverse_transform_state_dict_for_submodule(module, "", grads)
     return grads
@@ -154,7 +151,6 @@ def check_gradients(mode_name: str, grads: dict[str, torch.Tensor], reference: d
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
     """The compared Llama's dims: ``--llama_config`` over the defaults, ``--n_layers`` and ``--block_size``."""
     import json
-
     fields = json.loads(args.llama_config or "{}") | {"max_seq": args.block_size}
     if args.n_layers is not None:
         fields["n_layers"] = args.n_layers
@@ -215,7 +211,6 @@ def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.dump_thunder_traces and mode.runtime == "thunder":
         import thunder_tp
-
         thunder_tp.dump_traces(jm, os.path.join(args.trace_dir, mode.name))
     result["peak_step_bytes"] = peak_step_bytes(step)
     measure_memory_and_comm(mode, jm, params, idx, targets, result)
@@ -234,7 +229,6 @@ def measure_memory_and_comm(mode: Entry, jm, params, idx, targets, result: dict)
         import thunder
 
         from thunder_tp.tools.debug import collective_calls
-
         fwd_t, bwd_t = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
         result["saved_bytes"] = (saved_for_backward(fwd_t) or {}).get("activation_bytes")
         for name, trace in (("forward", fwd_t), ("backward", bwd_t)):
@@ -262,7 +256,6 @@ def prepare_all(modes: list[Entry], cfg: LlamaConfig, idx, targets, args, result
     # every rank runs the reference itself: each checks the full gradients it gathered
     reference = {k: reference_run(k, cfg, initial[k], idx, targets, args.learning_rate) for k in kinds}
     states: dict = {}
-
     def prepare(mode: Entry) -> None:
         model = make_model(mode.family, cfg, 0)
         model.load_state_dict(initial[mode.family])
@@ -277,7 +270,6 @@ def prepare_all(modes: list[Entry], cfg: LlamaConfig, idx, targets, args, result
                 raise
             results[mode.name] = {"description": mode.description, "skipped": f"torch.compile failed: {msg}"}
             print(f"[compare] {mode.name} skipped: {msg}", file=sys.stderr, flush=True)
-
     for mode in modes:
         if dist.get_rank() == 0:
             print(f"[compare] {mode.name}: {mode.description}", file=sys.stderr, flush=True)
@@ -297,7 +289,6 @@ def time_rounds(modes: list[Entry], states: dict, idx, targets, args, results: d
             jm, opt, _ = states[mode.name]
             times, faults = time_steps(partial(train_step, jm, opt, idx, targets), steps, distributed=mode.ranks != 1)
             add_round(results[mode.name], times, faults)
-
         on_ranks(mode.ranks, run)
     return timed_modes
 
@@ -340,3 +331,238 @@ def compare_process(args: argparse.Namespace):
     finally:
         if cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+_C10D_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "all_gather": "all_gather",
+               "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all", "all_to_all": "all_to_all",
+               "all_reduce": "all_reduce", "broadcast": "broadcast"}
+
+
+def _kind(name: str) -> str:
+    """Collective kind of an op schema name such as 'c10d::allreduce_' or '_c10d_functional::all_gather_into_tensor'."""
+    short = name.split("::")[-1].lstrip("_")
+    for key, kind in _C10D_KINDS.items():
+        if short.startswith(key):
+            return kind
+    return short
+
+
+def _payload(name: str, args, out) -> int:
+    """Bytes of the full tensor of a collective: all_reduce's tensor, all_gather's output, reduce_scatter's input."""
+    tensors = [t for t in torch.utils._pytree.tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    kind, short = _kind(name), name.split("::")[-1]
+    if "c10d_functional" in name:
+        if kind == "all_gather":
+            return sum(tensor_bytes(t) for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return tensor_bytes(tensors[0]) if tensors else 0
+    if short in ("_allgather_base_", "_reduce_scatter_base_"):  # (output, input, ...)
+        return tensor_bytes(tensors[0] if kind == "all_gather" else tensors[1])
+    if short == "allgather_":  # (output lists, input list)
+        return sum(tensor_bytes(t) for t in tensors[:-1])
+    return sum(tensor_bytes(t) for t in tensors)
+
+
+def comm_mode():
+    """A CommDebugMode that also records (kind, bytes) of each collective it sees (DTensor's funcol ops and
+    c10d ops, which thunder's torch.distributed calls go through)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+    class CommBytesMode(CommDebugMode):
+        def __init__(self):
+            super().__init__()
+            self.records: list[tuple[str, int]] = []
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            packet = func._overloadpacket
+            if out is not NotImplemented and (packet in self.comm_registry or packet in c10d_collective_ops):
+                name = func._schema.name
+                self.records.append((_kind(name), _payload(name, (args, kwargs), out)))
+            return out
+    return CommBytesMode()
+
+
+def summarize_records(records: list[tuple[str, int]]) -> dict:
+    """Counts per kind, the number of calls and the bytes of (kind, bytes) records."""
+    counts: dict[str, int] = {}
+    nbytes = 0
+    for kind, b in records:
+        counts[kind] = counts.get(kind, 0) + 1
+        nbytes += b
+    return {"counts": counts, "total": sum(counts.values()), "bytes": nbytes}
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors inside ``t`` (DTensor's local shard, AsyncCollectiveTensor's result, ...)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [x for a in attrs for x in plain_tensors(getattr(t, a))]
+    return [t]
+
+
+def hooked_saved_bytes(fn: Callable[[], torch.Tensor], params) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct storages autograd saves for backward while running ``fn``, parameters excluded."""
+    param_ptrs = {x.untyped_storage().data_ptr() for p in params for x in plain_tensors(p)}
+    seen: dict[int, int] = {}
+    def pack(t):
+        for x in plain_tensors(t):
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in param_ptrs:
+                seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn()
+    return sum(seen.values()), loss
+
+
+def _mb(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def _comm_cell(r: dict) -> str:
+    f, b = r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
+    if f is None or b is None:
+        return "-"
+    def short(c):
+        abbrev = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+        return " ".join(f"{n}{abbrev.get(k, k)}" for k, n in sorted(c["counts"].items())) or "0"
+    return f"{short(f)} / {short(b)}"
+
+
+def comm_bytes(r: dict) -> int | None:
+    """Bytes a mode's collectives move per step (forward + backward), from its traces or else counted at runtime."""
+    f, b = r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
+    return None if f is None or b is None else f["bytes"] + b["bytes"]
+
+
+def baseline_for(name: str) -> str:
+    """The 1-rank run a mode's speed-up is measured against: same model family and runtime."""
+    family = name.rpartition(":")[0] or ("hf" if name == "hf_tp" else "")
+    if family:
+        return f"{family}:thunder"
+    return "thunder" if name.startswith(("tp", "thunder")) else "eager"
+
+
+def speedup(results: dict, name: str, step_s: float) -> float | None:
+    """A step of ``step_s`` seconds of mode ``name`` against its 1-rank baseline's median; None without one."""
+    base = results.get(baseline_for(name), {}).get("median_s")
+    return base / step_s if base else None
+
+
+def parallel_efficiency(results: dict, name: str, step_s: float) -> float | None:
+    """``speedup`` per rank of mode ``name``."""
+    faster = speedup(results, name, step_s)
+    return faster / results[name]["ranks"] if faster else None
+
+
+def _saved_cell(r: dict) -> str:
+    if r.get("runtime") == "thunder" and r.get("saved_bytes_hooks") is not None:
+        return f"{_mb(r.get('saved_bytes'))} ({_mb(r['saved_bytes_hooks'])})"
+    return _mb(r.get("saved_bytes"))
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown_table(results: dict) -> str:
+    """One row per mode: step times, speed-ups, memory, fusion regions and collectives, or why it was not timed."""
+    ref = (results.get("dtensor_tp") or results.get("hf_tp") or {}).get("median_s")
+    lines = [
+        "| mode | ranks | step median (ms) | min–max (ms) | tokens/s | × DTensor TP (or HF's) | speed-up vs 1 rank "
+        "| parallel eff. | first iter (s) | params/rank (MB) | saved for bwd (MB) | peak step mem (MB) "
+        "| page faults/step | fusion regions fwd / bwd | collectives fwd / bwd | comm/step (MB) | loss ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for name, r in results.items():
+        first = _fmt(r.get("first_iter_s"), ".1f")
+        if "median_s" not in r:
+            reason = r.get("error") or r.get("skipped") or "not run"
+            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – "
+                         f"| – | {reason} |")
+            continue
+        faster = speedup(results, name, r["median_s"])
+        cells = [
+            name, str(r["ranks"]), f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
+            f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(faster, ".2f"),
+            _fmt(parallel_efficiency(results, name, r["median_s"]), ".2f"), first, _mb(r.get("param_bytes")),
+            _saved_cell(r),
+            _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
+            " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
+            _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_line(r: dict) -> str:
+    """One mode's result in a line (the progress log)."""
+    if "median_s" not in r:
+        return r.get("error") or r.get("skipped") or "not run"
+    return (f"median {r['median_s'] * 1e3:.0f} ms (min {r['min_s'] * 1e3:.0f}, max {r['max_s'] * 1e3:.0f}), "
+            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cell(r)}, "
+            f"{r.get('minor_faults_per_step', 0):.0f} page faults/step")
+
+
+def paired_ratio(a: dict, b: dict) -> float | None:
+    """Median over the rounds of a's step time over b's in the same round (both medians of their round's steps):
+    the modes of a round run minutes apart at most, so the host's drift between rounds cancels."""
+    pairs = [x / y for x, y in zip(a.get("round_medians_s", []), b.get("round_medians_s", []), strict=True)]
+    return statistics.median(pairs) if pairs else None
+
+
+def _ratio(a: dict, b: dict, target: float) -> dict:
+    """``a``'s step time over ``b``'s: of the medians over all steps, and paired by round."""
+    return {"ratio": a["median_s"] / b["median_s"], "ratio_paired_by_round": paired_ratio(a, b), "target": target}
+
+
+def _efficiency(tp: dict, single: dict, world: int, target: float) -> dict:
+    """The single device's step time over ``world`` times the TP mode's: of the medians, and paired by round."""
+    paired = paired_ratio(single, tp)
+    return {"value": single["median_s"] / (world * tp["median_s"]),
+            "value_paired_by_round": None if paired is None else paired / world, "target": target}
+
+
+def targets_summary(results: dict, world: int) -> dict:
+    """The run against its targets (step time against DTensor's and the single device's, first iteration against
+    plain thunder.jit), measured."""
+    out: dict = {}
+    tp, dt, single = (results.get(n, {}) for n in ("tp", "dtensor_tp", "thunder"))
+    if "median_s" in tp and "median_s" in dt:
+        out["tp_vs_dtensor"] = _ratio(tp, dt, 0.85)
+    if "median_s" in tp and "median_s" in single:
+        out["parallel_efficiency"] = _efficiency(tp, single, world, 0.9)
+    lp, dt_lp = (results.get(n, {}) for n in ("tp_lp", "dtensor_tp_lp"))
+    if "median_s" in lp and "median_s" in dt_lp:
+        out["tp_vs_dtensor_loss_parallel"] = _ratio(lp, dt_lp, 0.85)
+    if "median_s" in lp and "median_s" in single:
+        out["parallel_efficiency_loss_parallel"] = _efficiency(lp, single, world, 0.9)
+    for name in ("hf:tp", "hf:tp_lp"):
+        if "median_s" in results.get(name, {}) and "median_s" in results.get("hf_tp", {}):
+            out[f"{name}_vs_hf_tp"] = _ratio(results[name], results["hf_tp"], 0.7)
+    if "first_iter_s" in tp and "first_iter_s" in single:
+        out["first_iter_vs_thunder_jit"] = {"ratio": tp["first_iter_s"] / single["first_iter_s"], "target": 1.3}
+    if "comm_forward_trace" in tp:
+        out["tp_collectives"] = {"forward": tp["comm_forward_trace"]["counts"],
+                                            "backward": tp["comm_backward_trace"]["counts"]}
+    return out
+
+
+def report(args, cfg, world: int, results: dict) -> None:
+    """Print the run's header, the table and the targets; write the JSON."""
+    table = markdown_table(results)
+    print()
+    print(f"Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
+          f"vocab={cfg.vocab}, batch={args.micro_batch_size} seq={args.block_size}; {world} ranks x "
+          f"{torch.get_num_threads()} thread, "
+          f"{'NCCL' if torch.cuda.is_available() else 'gloo'}; "
+          f"median of {args.max_iters - args.warmup_iters} steps after {args.warmup_iters} warm-up")
+    print()
+    print(table)
+    summary = targets_summary(results, world)
+    print()
+    print(json.dumps(summary, indent=1))
+    if args.json_path:
+        write_json(args.json_path, {"command": " ".join(sys.argv), "config": asdict(cfg), "world_size": world,
+                                    "batch": args.micro_batch_size, "seq": args.block_size, "steps": args.max_iters,
+                                    "warmup": args.warmup_iters, "modes": results, "targets": summary, "table": table})

@@ -1,19 +1,8 @@
-"""The projection checked where it can run: predicted from gloo's alpha-beta and the compute of a rank alone, against
-the real 2-rank gloo step on this machine.
+"""The projection checked where it can run: predicted from gloo's alpha-beta (each kind's small collective after the
+link sat idle, docs/gpu.md) and a rank's compute alone, against the real 2-rank gloo step here.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.projection.calibrate --json_path calibration.json
-
-Workloads: compare.py's Llama training step (llama.py at compare.py's default dims, batch 4 x seq 256, fp32, forward
-+ cross-entropy + backward + SGD; thunder_tp's plan ``--plan``: tp, tp_lp or tp_sp) and bench_generate.py's
-thunder_tp decode step (its default llama, fp32, batch 1; one token with ``prompt_len + new_tokens - 1`` positions
-cached). Each rank, pinned to its own core as in compare.py:
-1. alone, as its rank of a fake group of 2 (``thunder_tp.one_rank``; built on the meta device, random weights): the
-   medians of the forward, backward and optimizer (decode: the step) and the final traces; both ranks at once, so
-   they share the machine as the real run does;
-2. in the real gloo group: gloo's alpha-beta per kind (``gloo_link.py``: each collective after a matmul), then the
-   same program's real steps (a barrier before each; the slowest rank's).
-Printed: the prediction without and with overlap (``projection.py``) against the measured median, and the error.
-Exit 1 where the overlap prediction misses by more than ``--tolerance``.
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m benchmarks.projection.calibrate --workloads ""  # the link alone
 """
 
 from __future__ import annotations
@@ -25,12 +14,13 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import argparse
 import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.lib.alpha_beta import Link, project_step
-from benchmarks.lib.gloo_link import measure_link
+from benchmarks.lib.alpha_beta import KINDS, Link, project_step
 from benchmarks.lib.harness import (
     EXECUTORS,
     exit_without_teardown,
@@ -40,6 +30,9 @@ from benchmarks.lib.harness import (
     random_batch,
     seeded_model,
     slowest_rank,
+    thunder_structure,
+    timed_decode,
+    timed_training,
     write_json,
 )
 from benchmarks.lib.llama import (
@@ -52,7 +45,65 @@ from benchmarks.lib.llama import (
     set_cache,
 )
 from benchmarks.lib.modes import MODES, How, llama_on_meta, tp_decode
-from benchmarks.lib.rank_timing import thunder_structure, timed_decode, timed_training
+
+SMALL, LARGE = 8 << 10, 2 << 20  # bytes of the full tensor
+#: idle times of the link before a small collective (seconds); the bandwidth is measured after BANDWIDTH_IDLE_S
+IDLE_S, BANDWIDTH_IDLE_S = (0.0, 0.5e-3, 1e-3, 2e-3, 4e-3, 16e-3), 1e-3
+
+
+def _collective(kind: str, nbytes: int) -> Callable[[], None]:
+    """One ``kind`` of a full tensor of ``nbytes`` float32 bytes over the default group."""
+    n = dist.get_world_size()
+    numel = nbytes // 4 // n * n
+    full, piece = torch.randn(numel), torch.randn(numel // n)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, piece)
+    return lambda: dist.reduce_scatter_tensor(piece, full)
+
+
+def _busy(seconds: float) -> None:
+    """Compute (small matmuls) for ``seconds``: the core busy, gloo's threads idle."""
+    a = torch.randn(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+
+
+def after_idle_s(step: Callable[[], None], idle_s: float, repeats: int) -> float:
+    """The mean seconds of ``step`` after the link sat idle ``idle_s`` (a barrier, then compute on every rank;
+    each call's slowest rank)."""
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        _busy(idle_s)
+        t0 = time.perf_counter()
+        step()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.fmean(slowest_rank(times))
+
+
+def measure_link(repeats: int = 40) -> Link:
+    """gloo's Link on this machine and group (every rank calls it)."""
+    n = dist.get_world_size()
+    latency, bandwidth, idle, sources = {}, {}, {}, {}
+    for kind in KINDS:
+        small = {gap: after_idle_s(_collective(kind, SMALL), gap, repeats) for gap in IDLE_S}
+        large = after_idle_s(_collective(kind, LARGE), BANDWIDTH_IDLE_S, repeats)
+        factor = (2 if kind == "all_reduce" else 1) * (n - 1) / n
+        base = small[BANDWIDTH_IDLE_S]
+        bandwidth[kind] = factor * (LARGE - SMALL) / max(large - base, 1e-4)  # noise: at most ~20 GB/s
+        transfer = factor * SMALL / bandwidth[kind]
+        idle[kind] = tuple((gap, max(t - transfer, 0.0)) for gap, t in sorted(small.items()))
+        latency[kind] = max(base - transfer, 0.0)
+        sources[kind] = (f"measured here: {kind} of {SMALL >> 10} KiB after " +
+                         ", ".join(f"{g * 1e3:g}" for g in IDLE_S) + " ms idle: " +
+                         " / ".join(f"{t * 1e3:.2f}" for _, t in sorted(small.items())) +
+                         f" ms; of {LARGE >> 20} MiB after {BANDWIDTH_IDLE_S * 1e3:g} ms: {large * 1e3:.2f} ms "
+                         f"(means of {repeats} calls, each call's slowest rank)")
+    return Link(f"gloo on this machine, {n} ranks", latency, bandwidth, sources, idle)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,17 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--plan", choices=["tp", "tp_lp", "tp_sp"], default="tp_lp")
-    p.add_argument("--decode_args", default="", help="bench_generate.py's flags for the decode model (quoted)")
-    p.add_argument("--workloads", default="training,decode")
+    p.add_argument("--workloads", default="training,decode", help="'': gloo's alpha-beta alone")
     p.add_argument("--executors", choices=list(EXECUTORS), default="thunder")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--link_repeats", type=int, default=40)
     p.add_argument("--tolerance", type=float, default=0.25)
     return p.parse_args(argv)
-
-
-# --- the programs ---------------------------------------------------------------------------------------------
 
 
 def training_config(args: argparse.Namespace) -> LlamaConfig:
@@ -102,9 +148,6 @@ def decode_module(gen: argparse.Namespace, alone: bool) -> torch.nn.Module:
 def _position(gen: argparse.Namespace) -> int:
     """The decoded token's position: the last slot of bench_generate's cache (prompt + new tokens)."""
     return gen.prompt_len + gen.new_tokens - 1
-
-
-# --- measuring ------------------------------------------------------------------------------------------------
 
 
 def measure(workload: str, args: argparse.Namespace, gen: argparse.Namespace, alone: bool) -> dict:
@@ -139,9 +182,8 @@ def predict(workload: str, alone: dict, link: Link) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Measure alone, then in the group; print predicted against measured (rank 0); 1 where a prediction misses."""
     import thunder_tp
-
     args = parse_args(argv)
-    gen = generate_args(args.decode_args.split() + ["--compile", args.executors])
+    gen = generate_args(["--compile", args.executors])
     workloads = [w for w in args.workloads.split(",") if w]
     torch.set_num_threads(1)
     pin_to_core()
@@ -149,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     with thunder_tp.one_rank(world, rank, "cpu"):
         alone = {w: measure(w, args, gen, alone=True) for w in workloads}
     init_distributed(timeout_s=600)
-    link = measure_link(args.link_repeats)
+    link = measure_link()
     real = {w: measure(w, args, gen, alone=False) for w in workloads}
     rows = {w: {**predict(w, alone[w], link), "measured_s": real[w]["step_s"]} for w in workloads}
     for row in rows.values():
@@ -159,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         _print(rows, link, args, world)
         if args.json_path:
-            write_json(args.json_path, {"args": vars(args), "decode_args": vars(gen), "world_size": world,
+            write_json(args.json_path, {"args": vars(args), "decode": vars(gen), "world_size": world,
                                         "link": {"latency_s": link.latency_s, "bus_bytes_per_s": link.bus_bytes_per_s},
                                         "rows": rows})
     dist.barrier()

@@ -56,9 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# --- the programs ---------------------------------------------------------------------------------------------------
-
-
 def traces(tp: int, layers: int, overlap, seq: int) -> tuple:
     """Rank tp-1's final forward and backward traces of the 8B Llama at ``layers`` layers, traced, not run."""
     cfg = LlamaConfig(n_layers=layers, max_seq=seq, **LLAMA_3_8B)
@@ -77,21 +74,16 @@ def traces(tp: int, layers: int, overlap, seq: int) -> tuple:
 
 def _matmul_seconds(costs: Costs):
     """A matmul symbol's time under the cost model, in FLOP-equivalents (``flops``' unit)."""
-
     def weigh(bsym) -> float:
         a = next(t for t in bsym.flat_args if hasattr(t, "shape"))
         out = next(t for t in bsym.flat_outs if hasattr(t, "shape"))
         rows = math.prod(int(d) for d in a.shape[:-1])
         return costs.matmul_s(rows, int(a.shape[-1]), int(out.shape[-1])) * costs.flops_per_s
-
     return weigh
 
 
 def _total(trace, weigh) -> float:
     return sum(flops(b, weigh) for b in trace.bound_symbols)
-
-
-# --- projection ---------------------------------------------------------------------------------------------------
 
 
 def programs(args) -> tuple[dict, Callable]:
@@ -162,13 +154,10 @@ def summary(args, projected: dict) -> dict:
         rows[tp] = {}
         for mode in MODES:
             one, two = depths[1][mode], depths[2][mode]
-
             def per_layer(field: str, one=one, two=two) -> float:
                 return _sum(two, field) - _sum(one, field)
-
             def whole(field: str, one=one, two=two) -> float:
                 return _sum(one, field) + (args.layers - 1) * (_sum(two, field) - _sum(one, field))
-
             exposed = per_layer("overlap_s") - per_layer("compute_s")
             rows[tp][mode] = {
                 "layer_compute_ms": per_layer("compute_s") * 1e3, "layer_comm_ms": per_layer("comm_s") * 1e3,
