@@ -119,8 +119,16 @@ def uninstall() -> None:
 def active_for(compile_data: Any) -> bool:
     """Whether the speed-ups serve a compile of `compile_data` (a jit's CompileData, or None): inside `applied()`,
     or its executors include thunder_tp's (`MARKER`)."""
-    if _applied.get():
-        return True
+    return _applied.get() or _marked(compile_data)
+
+
+def active() -> bool:
+    """Whether the speed-ups serve the compile running now."""
+    return _applied.get() or _marked(get_compile_data())
+
+
+def _marked(compile_data: Any) -> bool:
+    """Whether `compile_data`'s executors include thunder_tp's (kept on it)."""
     if compile_data is None:
         return False
     marked = vars(compile_data).get(_MARK)
@@ -128,11 +136,6 @@ def active_for(compile_data: Any) -> bool:
         marked = any(getattr(ex, "name", None) == MARKER for ex in compile_data.executors_list)
         setattr(compile_data, _MARK, marked)
     return marked
-
-
-def active() -> bool:
-    """Whether the speed-ups serve the compile running now."""
-    return active_for(get_compile_data())
 
 
 @contextlib.contextmanager
