@@ -1,18 +1,8 @@
 """Compile time against depth: the first training step of a litgpt model at several depths, one device and TP, each
-in a fresh process with Inductor's caches empty, then again in a second process on those caches.
+in a fresh process with Inductor's caches empty, then again on those caches (docs/design.md, "Compile once").
 
     python -m benchmarks.bench_compile --layers 2 8 32                 # one device and TP=2 (2 gloo ranks)
     python -m benchmarks.bench_compile --layers 2 8 --compile_once false   # every block interpreted and compiled
-
-For each (mode, depth) a process jits pythia-14m's config at that depth with thunder_tp's executors and takes a
-training step (litgpt pretrain's: forward, the cross-entropy outside, backward, an AdamW step) and ``--steps`` more;
-TP runs under torchrun over ``--tp`` gloo ranks with ``plans.litgpt``. Each starts with an empty
-``TORCHINDUCTOR_CACHE_DIR`` of its own; with ``--second`` the same command runs once more on that directory (a
-restart, another rank's or the next job's first step). Reported per run, the slowest rank's: jit + first step -
-a compiled step (the compilation), CPU seconds of that (the process's and its compiler children's: what a loaded
-machine does not inflate), a compiled step, the regions Dynamo compiled, and the repeated blocks traced once
-(interpreted / replayed); then the ratios the compile-once work is judged by: each depth's compilation against the
-shallowest's, and the second process's against the first's.
 """
 
 from __future__ import annotations

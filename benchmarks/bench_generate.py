@@ -77,7 +77,7 @@ RUNS = {"thunder": ("thunder", "(a)", "shards", 1), "eager": ("eager", "(b)", "s
 
 def all_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
     """The modes of ``RUNS``: ``mode.build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0
-    only; a distributed mode builds its own)."""
+    only)."""
     how = How(EXECUTORS[args.compile])
     def build(registered: str, shared: nn.Module | None) -> nn.Module:
         mode = MODES[registered]
@@ -118,8 +118,8 @@ def threads(count: int, cores: set[int]) -> Iterator[None]:
 
 
 def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[torch.Tensor]:
-    """litgpt's greedy loop over ``prompts`` (batch, length): each new token of every row, a (batch,) tensor, as
-    soon as it is sampled (litgpt has called ``.item()`` on it: the device has finished it)."""
+    """litgpt's greedy loop over ``prompts`` (batch, length): each new token of every row, a (batch,) tensor, as soon as
+    it is sampled (litgpt has called ``.item()`` on it: the device has finished it)."""
     from litgpt.generate.base import batched_generate_fn, generate_fn
     max_returned = prompts.size(1) + new_tokens
     if prompts.size(0) == 1:
@@ -132,8 +132,8 @@ def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> It
 
 
 def generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, float]:
-    """One greedy generation: the new tokens (batch, new_tokens), the seconds to the first token and from it to
-    the last."""
+    """One greedy generation: the new tokens (batch, new_tokens), the seconds to the first token and from it to the
+    last."""
     tokens, stamps = [], []
     start = time.perf_counter()
     for token in token_stream(model, prompts, new_tokens):
@@ -145,7 +145,7 @@ def generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tupl
 @dataclass(frozen=True)
 class Reference:
     """Single-device eager litgpt's greedy tokens (batch, new_tokens) and, computed on first use, its teacher-forced
-    logits at each of them (batch, new_tokens, vocab; float32); ``eps``: the model dtype's."""
+    logits at each of them (batch, new_tokens, vocab)."""
 
     tokens: torch.Tensor
     logits: Callable[[], torch.Tensor]
@@ -225,8 +225,7 @@ def decode_collectives(module: nn.Module) -> dict | None:
 
 def prepare(mode: Run, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
             ref: Reference | None, cores: set[int], result: dict) -> nn.Module | None:
-    """Build ``mode`` and run its first generation (compiles, checked) into ``result``; the module, or None (the
-    error recorded) where it failed."""
+    """Build ``mode`` and run its first generation (compiles, checked) into ``result``."""
     try:
         start = time.perf_counter()
         module = mode.build(shared)
@@ -249,8 +248,7 @@ def agreed(ok: bool) -> bool:
 
 
 def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
-    """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating
-    rounds; the results by mode name (rank 0's complete)."""
+    """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating rounds."""
     import thunder
     rank = dist.get_rank()
     prompts = random_batch(args.batch, args.prompt_len, args.vocab, PROMPT_SEED, device)[0]
@@ -352,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, cores: set[int]) -> int:
-    """Measure and report on this rank (``cores``: the process's before pinning); 0 when every mode ran and
-    generated the reference tokens."""
+    """Measure and report on this rank (``cores``: the process's before pinning)."""
     results = run_modes(select_modes(all_modes(args, device), args.modes, device), args, device, cores)
     failed = [name for name, r in results.items() if "error" in r]
     if rank == 0:

@@ -1,16 +1,9 @@
 """Expert parallelism against experts split like dense MLPs: one MoE layer (litgpt's LLaMAMoE), per-rank step time,
-peak memory and bytes moved per step, side by side in one process group (the two modes alternate round by round).
+peak memory and bytes moved per step, the two modes alternating (docs/results.md, "Mixture of experts").
 
     torchrun --nproc-per-node 2 -m benchmarks.bench_moe                  # mixtral and fine, TP=2, on the CPU (gloo)
     torchrun --nproc-per-node 4 -m benchmarks.bench_moe --configs fine   # TP=4
     python -m benchmarks.bench_moe --one_rank 8 --configs qwen3-30b-a3b --dtype bfloat16   # a GPU: one rank of 8
-
-Configs: ``CONFIGS``. Modes: ``tp`` (every expert column/row-split, plans.litgpt's default for LLaMAMoE) and ``ep``
-(each rank holds n_expert / TP experts whole, plans.litgpt(expert_parallel=True): all_to_alls move the rows). A step:
-forward and backward of the layer on (1, tokens, C) activations, the sum of squares as the loss; both modes' outputs
-checked against each other first. Per mode: the median step of the slowest rank, the peak memory a step needs, the
-parameters per rank and the bytes this rank's collectives move per step (docs/results.md, "Mixture of experts").
-``--one_rank N``: rank N-1 of a fake group of N (thunder_tp.one_rank) at true shapes on the meta device.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ PLANS = ("tp", "tp_sp", "tp_lp", "tp_sp_lp")
 
 @dataclass(frozen=True)
 class RankMode:
-    """A mode of the tables (docs/gpu.md): ``build`` makes one rank's module, its shards materialized on ``device``
-    with random weights; ``cuda_only`` modes are skipped on the CPU."""
+    """A mode of the tables (docs/gpu.md): ``build`` makes one rank's module, its shards materialized on ``device`` with
+    random weights."""
 
     key: str
     description: str
@@ -89,8 +89,8 @@ def _thunder_decode(strategy: str | None, config, context: int, batch: int, devi
 
 
 def _compiled_decode(registered: str, config, context: int, batch: int, device, dtype, quick: bool) -> nn.Module:
-    """The GPT under ``registered`` (hand TP, or eager: the whole GPT), its KV cache, under torch.compile (CUDA
-    graphs on a GPU)."""
+    """The GPT under ``registered`` (hand TP, or eager: the whole GPT), its KV cache, under torch.compile (CUDA graphs
+    on a GPU)."""
     model = gpt_on_meta(config, context, dtype)
     model.collectives = []
     model = MODES[registered].wrap(model, how(device, quick))
@@ -147,7 +147,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode_batches", default="1,8")
     p.add_argument("--steps", type=int, default=5, help="timed steps (medians)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
-    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--quick", action="store_true", help="no code generation: Thunder's default executors, "
                                                         "torch.compile(backend='eager'); plumbing, not speed")
     p.add_argument("--project", action="store_true", help="print the projection to an 8-GPU node")
@@ -184,8 +183,8 @@ def litgpt_config(dims: dict, layers: int):
 
 
 def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg: LlamaConfig, device, tp: int) -> dict:
-    """The collectives of one more forward and backward of a compiled mode, counted by CommDebugMode (after timing:
-    a dispatch mode makes Dynamo run the rest eagerly)."""
+    """The collectives of one more forward and backward of a compiled mode, counted by CommDebugMode (after timing: a
+    dispatch mode makes Dynamo run the rest eagerly)."""
     from benchmarks.lib.side_by_side import comm_mode
     idx, targets = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
     forward, backward = comm_mode(), comm_mode()
@@ -199,9 +198,7 @@ def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg:
 
 
 def run_row(mode: RankMode, tp: int, rank: int, device: torch.device, measure: Callable[[], dict]) -> dict:
-    """``measure()`` as rank ``rank`` of a fake group of ``tp`` ranks, after releasing what earlier rows left; the
-    error instead where it raised. On CUDA its peak is the row's own: what was still allocated before it (reported
-    as ``left_bytes``) is subtracted."""
+    """``measure()`` as rank ``rank`` of a fake group of ``tp`` ranks, after releasing what earlier rows left."""
     import thunder_tp
     left = release_memory(device)
     try:
@@ -233,8 +230,7 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
 
 def release_memory(device: torch.device) -> int:
     """Frees what earlier rows left: unreachable objects, torch.compile's caches (Dynamo's cache entries keep the
-    compiled modules' tensors alive), the CUDA allocator's cached blocks; the bytes still allocated on CUDA (0 on
-    the CPU)."""
+    compiled modules' tensors alive), the CUDA allocator's cached blocks."""
     gc.collect()
     torch._dynamo.reset()
     if device.type != "cuda":
@@ -252,7 +248,7 @@ def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: in
         cfg = llama_config(dims, depth, args.seq)
         torch.manual_seed(0)  # the same weights in every mode: (a) and (b) compute the same loss
         model = mode.build(cfg, device, DTYPES[args.dtype], args.quick, plan=args.plan, overlap=args.overlap)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         batch = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
         result = timed_training(model, batch, optimizer, args.steps, args.warmup, device)
         result["param_bytes"] = param_bytes(model)
@@ -315,9 +311,8 @@ def sweep(args: argparse.Namespace, device: torch.device) -> dict:
 
 def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, by_depth: dict, args, dims,
          peak: dict | None = None) -> dict:
-    """A row at the reported depth: each timing and byte figure extrapolated from the measured depths, the
-    projection of each depth extrapolated alike; the peak memory measured at that depth where ``peak`` (the run at
-    full depth) has it."""
+    """A row at the reported depth: each timing and byte figure extrapolated from the measured depths, the projection of
+    each depth extrapolated alike."""
     row = {"workload": workload, "mode": mode.key, "description": mode.description, "tp": tp, "rank": rank,
            "batch": batch if batch is not None else args.batch, "depths": by_depth}
     errors = [r["error"] for r in by_depth.values() if "error" in r]
@@ -338,9 +333,8 @@ def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, b
 
 
 def _peak_source(row: dict, by_depth: dict, peak: dict | None, layers: int) -> str:
-    """How the row's peak memory was had: measured at the reported depth (taken from ``peak``, the run at that
-    depth, into the row), else extrapolated (why, where that run failed), or measured at the one depth run; "not
-    measured" where no run has a figure (decode on the CPU)."""
+    """How the row's peak memory was had: measured at the reported depth (taken from ``peak``, the run at that depth,
+    into the row), else extrapolated (why, where that run failed), or measured at the one depth run."""
     if peak is not None:
         row["peak_run"] = {k: v for k, v in peak.items() if k != "traces"}  # the JSON holds no trace
         if peak.get("peak_bytes") is not None:
@@ -509,8 +503,8 @@ def _first_loss(row: dict) -> float:
 
 
 def _losses_agree(a: dict, b: dict, dtype: str) -> tuple[bool, str]:
-    """Whether two training rows' first measured losses (the same weights and batch) agree: within a few roundings
-    of a bf16 loss (2e-2 relative), else 1e-4; and the words for it."""
+    """Whether two training rows' first measured losses (the same weights and batch) agree: within a few roundings of a
+    bf16 loss (2e-2 relative), else 1e-4."""
     la, lb = _first_loss(a), _first_loss(b)
     rtol = 2e-2 if dtype == "bfloat16" else 1e-4
     agree = abs(la - lb) <= rtol * max(abs(la), abs(lb))
@@ -518,8 +512,7 @@ def _losses_agree(a: dict, b: dict, dtype: str) -> tuple[bool, str]:
 
 
 def _structure_lines(rows: list[dict], dtype: str) -> tuple[list[str], bool]:
-    """Per TP size: thunder_tp's two backends must agree exactly (else a failure), and in training their losses too;
-    the others are compared."""
+    """Per TP size: thunder_tp's two backends must agree exactly (else a failure), and in training their losses too."""
     lines, failed = [], False
     by_tp: dict[tuple, dict[str, dict]] = {}
     for r in rows:

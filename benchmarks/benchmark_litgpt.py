@@ -265,8 +265,7 @@ def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
 
 
 def simulate_dry_run(args: argparse.Namespace) -> int:
-    """One forward + backward of the TP=N program on N simulated ranks; prints each rank's parameter bytes and
-    collectives."""
+    """One forward + backward of the TP=N program on N simulated ranks."""
     import thunder_tp
     n = args.simulate
     if args.tp_size not in (None, n):

@@ -1,25 +1,10 @@
-"""A step on N GPUs from one rank's measured compute and the collectives of its final traces (alpha-beta model).
+"""A step on N GPUs from one rank's measured compute and the collectives of its final traces (alpha-beta model: ring
+formulas in NCCL's bus-bandwidth convention; with overlap, the trace's schedule played on compute and one link).
+The method and what it leaves out: docs/gpu.md.
 
     link = LINKS["h100_nvlink"].overridden("all_reduce.latency_us=18")
     p = project_pass(thunder.last_backward_traces(jm)[-1], compute_s=0.120, link=link)
     p.no_overlap_s, p.overlap_s            # compute + every collective; the same on the trace's schedule
-
-Each collective of a trace (``thunder_tp.tools.debug.collective_calls``: kind, bytes of the full tensor, group size n)
-costs ``latency + factor(kind, n) * bytes / bus_bandwidth``, the ring formulas in NCCL's bus-bandwidth convention:
-factor ``2 (n - 1) / n`` for all_reduce, ``(n - 1) / n`` for all_gather and reduce_scatter; a group of one rank
-costs nothing. The latency is per call as measured at the group size of the table (NCCL's figures: 8 ranks).
-
-Two projections per pass:
-- no overlap: the measured compute plus every collective's time;
-- overlap: the trace's schedule played on two resources, this rank's compute stream and one link. Each top-level
-  symbol takes a share of the measured compute proportional to its matmul and attention FLOPs; a collective starts
-  when it is issued (and the link is free) and its wait blocks the compute until it is done. So a backward
-  all_reduce issued before the weight-grad matmuls and waited for after them is hidden behind them, as far as they
-  last; a forward all_reduce waited for at once adds its whole time. Where the link's latency depends on how long
-  it sat idle (gloo: ``Link.latency_after_idle``), the idle time before each collective is read off the timeline.
-
-What the model leaves out is in docs/gpu.md (contention of compute and communication for the GPU's memory and SMs,
-collectives of different groups at once, stragglers, data parallelism, the share of non-matmul kernels).
 """
 
 from __future__ import annotations
@@ -56,9 +41,7 @@ class Link:
     latency_after_idle: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def seconds(self, kind: str, nbytes: float, group_size: int, idle_s: float | None = None) -> float:
-        """One collective's time (ring formulas; all_to_all and broadcast priced as an all_gather; a send_recv, one
-        rank's ``nbytes`` to one peer, at its own numbers if the link has them, else the all_gather's: the same
-        link); ``idle_s``: how long the link was idle before it (used where the link's latency depends on it)."""
+        """One collective's time (ring formulas), after ``idle_s`` of the link idle where its latency depends on it."""
         if group_size <= 1:
             return 0.0
         if kind == SEND_RECV:
@@ -154,8 +137,7 @@ def _attention_flops(bsym: BoundSymbol) -> float:
 
 
 def flops(bsym: BoundSymbol, matmul: Callable[[BoundSymbol], float] = _matmul_flops) -> float:
-    """Matmul and attention FLOPs of a bound symbol (its subsymbols' for a fusion region or a composite); ``matmul``:
-    what a matmul counts (its FLOPs, or FLOP-equivalents of a model that prices small ones dearer)."""
+    """Matmul and attention FLOPs of a bound symbol (its subsymbols' for a fusion region or a composite)."""
     name = bsym.sym.name
     if name in MATMULS:
         return matmul(bsym)
@@ -175,8 +157,8 @@ class PassProjection:
 
 @dataclass(frozen=True)
 class RecordedPass:
-    """A pass's collectives counted at runtime (``[kind, group size, bytes]`` each), without a trace: no schedule,
-    so every collective is taken as waited for at once (no overlap)."""
+    """A pass's collectives counted at runtime (``[kind, group size, bytes]`` each), without a trace: no schedule, so
+    every collective is taken as waited for at once (no overlap)."""
 
     calls: list
 
@@ -187,9 +169,7 @@ def _names(proxies: Iterable) -> set[str]:
 
 def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: Link,
                  weigh: Callable[[BoundSymbol], float] = flops) -> PassProjection:
-    """The pass's time with the collectives of ``trace`` on ``link``, without and with the overlap its schedule
-    allows; ``compute_s``: the pass's measured compute (under the fake group: no communication), shared among its
-    symbols by ``weigh`` (matmul and attention FLOPs)."""
+    """The pass's time with ``trace``'s collectives on ``link``, without and with the overlap its schedule allows."""
     from thunder_tp.tools.debug import collective_calls
     if trace is None:
         return PassProjection(compute_s, 0.0, compute_s, compute_s, [])
@@ -228,8 +208,8 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
 
 def _compute_shares(trace: TraceCtx, calls: dict, compute_s: float,
                     weigh: Callable[[BoundSymbol], float]) -> dict[int, float]:
-    """Each non-collective top-level symbol's share of the pass's compute: by ``weigh`` (matmul and attention
-    FLOPs), or evenly where the pass has none."""
+    """Each non-collective top-level symbol's share of the pass's compute: by ``weigh`` (matmul and attention FLOPs), or
+    evenly where the pass has none."""
     weights = {id(b): weigh(b) for b in trace.bound_symbols if id(b) not in calls}
     total = sum(weights.values())
     if total == 0:
@@ -247,8 +227,8 @@ class StepProjection:
 
 def project_step(traces: dict[str, TraceCtx | None], compute_s: dict[str, float], link: Link,
                  other_s: float = 0.0) -> StepProjection:
-    """A step of passes (``{"forward": trace, "backward": trace}`` with their measured compute) plus ``other_s`` of
-    work without collectives (the optimizer step)."""
+    """A step of passes (``{"forward": trace, "backward": trace}`` with their measured compute) plus ``other_s`` of work
+    without collectives (the optimizer step)."""
     passes = {name: project_pass(traces.get(name), compute_s[name], link) for name in compute_s}
     return StepProjection(
         no_overlap_s=sum(p.no_overlap_s for p in passes.values()) + other_s,
@@ -259,7 +239,6 @@ def project_step(traces: dict[str, TraceCtx | None], compute_s: dict[str, float]
 
 
 def extrapolate(value_at: dict[int, float], layers: int) -> float:
-    """A per-step figure at ``layers`` layers, linear in the depth through the two measured depths; a layer adds
-    nothing rather than a negative amount (the deeper measurement below the shallower one is noise)."""
+    """A per-step figure at ``layers`` layers, linear in the depth through the two measured depths."""
     (d0, v0), (d1, v1) = sorted(value_at.items())[:2]
     return v0 + (layers - d0) * max(v1 - v0, 0.0) / (d1 - d0)

@@ -1,10 +1,5 @@
-"""What the benchmarks share: process group and device, the modes a benchmark compares and the alternating rounds
-that time them, seeded models and batches, the training step, timing, bytes (parameters, saved for backward,
-collectives, memory) and the JSON report.
-
-Imported by every benchmark (``from benchmarks.lib.harness import ...``); one module, so that a benchmark's imports
-name one place, which is why it runs past 300 lines.
-"""
+"""What the benchmarks share: process group and device, alternating rounds, seeded models and batches, the training
+step, timing (one rank's training and decode steps too), bytes and the JSON report."""
 
 from __future__ import annotations
 
@@ -72,9 +67,8 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
 
 
 def pin_to_core() -> set[int]:
-    """One core per rank (local rank r on core r), when there are cores enough: otherwise the scheduler lets
-    ranks share a core for a while, and every collective waits for the rank that fell behind. The cores the
-    process had before."""
+    """One core per rank (local rank r on core r), when there are cores enough: otherwise the scheduler lets ranks share
+    a core for a while, and every collective waits for the rank that fell behind."""
     before = os.sched_getaffinity(0)
     cores = sorted(before)
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -84,15 +78,7 @@ def pin_to_core() -> set[int]:
 
 
 def exit_without_teardown(code: int | None) -> NoReturn:
-    """Exit with ``code`` after flushing output and running the exit handlers, skipping the interpreter's teardown.
-
-    ``None`` is 0: torchrun's ``@record`` turns a ``SystemExit(0)`` (``--help``) into a ``None`` return.
-
-    Thunder's compiled programs keep a gloo process group alive past ``destroy_process_group``, and its worker
-    threads may still be releasing the last collectives' tensors, which takes the GIL: a thread that takes it while
-    the interpreter finalizes ends in std::terminate ("terminate called without an active exception", exit code -6;
-    torch 2.10, 1 run in 3 of compare.py's smoke test), after every result was written.
-    """
+    """Exit with ``code`` after flushing output and running the exit handlers, skipping the interpreter's teardown."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     atexit._run_exitfuncs()
@@ -136,8 +122,8 @@ def alternating_rounds(runs: Sequence[T], rounds: int) -> Iterator[tuple[int, T]
 
 
 def steps_per_round(steps: int, rounds: int) -> list[int]:
-    """``steps`` spread over ``rounds`` rounds (at least one step each, so at most ``steps`` rounds), the first
-    rounds one more where they do not divide."""
+    """``steps`` spread over ``rounds`` rounds (at least one step each, so at most ``steps`` rounds), the first rounds
+    one more where they do not divide."""
     rounds = max(1, min(rounds, steps))
     return [steps // rounds + (r < steps % rounds) for r in range(rounds)]
 
@@ -151,8 +137,8 @@ def add_round(result: dict, times: list[float], faults: list[float] | None = Non
 
 
 def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on the ranks that run a mode of ``ranks`` ranks (all, or for 1 rank 0 alone while the others wait
-    at a barrier)."""
+    """``fn()`` on the ranks that run a mode of ``ranks`` ranks (all, or for 1 rank 0 alone while the others wait at a
+    barrier)."""
     if ranks != 1:
         return fn()
     out = fn() if dist.get_rank() == 0 else None
@@ -170,8 +156,7 @@ def seeded_model(make: Callable[[], nn.Module], seed: int, device: torch.device 
 
 
 def random_batch(rows: int, seq: int, vocab: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tokens in [0, vocab) as (idx, targets) of shape (rows, seq), targets the next token of idx; drawn on
-    the CPU (the same tokens on every device, whatever the default device)."""
+    """Random tokens in [0, vocab) as (idx, targets) of shape (rows, seq), targets the next token of idx."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     data = torch.randint(0, vocab, (rows, seq + 1), generator=g, device="cpu")
     return data[:, :-1].to(device), data[:, 1:].to(device)
@@ -184,10 +169,7 @@ def step_context(model: nn.Module):
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor,
                micro_batch_size: int | None = None) -> torch.Tensor:
-    """Forward with the loss, backward and an optimizer step; the (detached) loss of the batch.
-
-    With ``micro_batch_size`` the batch runs in micro-batches of that many rows whose gradients accumulate.
-    """
+    """Forward with the loss, backward and an optimizer step."""
     optimizer.zero_grad(set_to_none=True)
     rows = micro_batch_size or idx.shape[0]
     pieces = list(zip(idx.split(rows), targets.split(rows), strict=True))
@@ -229,9 +211,7 @@ def slowest_rank(times: list[float], device: torch.device | None = None) -> list
 
 def time_steps(step: Callable[[], Any], steps: int, *, distributed: bool,
                device: torch.device | None = None) -> tuple[list[float], list[float]]:
-    """Wall seconds and minor page faults of each of ``steps`` calls of ``step()``, the device's work included; a
-    distributed step starts at a barrier and lasts until its slowest rank is done (and counts the faults of the rank
-    that had most)."""
+    """Wall seconds and minor page faults of each of ``steps`` calls of ``step()``, the device's work included."""
     times, faults = [], []
     for _ in range(steps):
         if distributed:
@@ -269,11 +249,7 @@ def kv_cache_bytes(module: nn.Module) -> int:
 
 
 def saved_for_backward(forward_trace) -> dict | None:
-    """Tensors a Thunder forward trace returns for the backward (``thunder_tp.tools.debug.saved_for_backward``).
-
-    ``bytes``/``count``: all of them; ``activation_bytes``: without the forward's own inputs (parameters, batch),
-    which are held anyway. ``None`` when the trace saves nothing (no backward).
-    """
+    """Tensors a Thunder forward trace returns for the backward (``thunder_tp.tools.debug.saved_for_backward``)."""
     from thunder.core.proxies import TensorProxy
     from thunder.core.pytree import tree_flatten
 
@@ -332,7 +308,7 @@ def rss_bytes(field: str = "VmRSS") -> int:
 
 def rss_rise(fn: Callable[[], T]) -> tuple[T, int | None]:
     """``fn()`` and how far the resident set peaked above what it was before (bytes), the heap's free pages returned
-    first (malloc_trim) so that reusing them cannot hide a rise; None where /proc cannot reset the peak."""
+    first (malloc_trim) so that reusing them cannot hide a rise."""
     gc.collect()
     try:
         import ctypes
@@ -346,8 +322,8 @@ def rss_rise(fn: Callable[[], T]) -> tuple[T, int | None]:
 
 
 def peak_step_bytes(step: Callable[[], Any]) -> int | None:
-    """Memory ``step()`` needs above what is live before it: CUDA's peak allocated, or on CPU the rise of the
-    process's peak resident set (``rss_rise``)."""
+    """Memory ``step()`` needs above what is live before it: CUDA's peak allocated, or on CPU the rise of the process's
+    peak resident set (``rss_rise``)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -383,8 +359,7 @@ def _medians(samples: list[dict]) -> dict:
 
 
 def _peak_bytes(step: Callable[[], object], device: torch.device) -> int | None:
-    """Peak memory of a step: CUDA's max allocated (everything live, parameters and optimizer state included);
-    on the CPU the resident set's growth during the step (harness.peak_step_bytes)."""
+    """Peak memory of a step: CUDA's max allocated (everything live, parameters and optimizer state included)."""
     if device.type != "cuda":
         return peak_step_bytes(step)
     torch.cuda.reset_peak_memory_stats(device)
@@ -394,8 +369,8 @@ def _peak_bytes(step: Callable[[], object], device: torch.device) -> int | None:
 
 def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimizer, steps: int, warmup: int,
                    device: torch.device, before_step: Callable[[], None] = lambda: None) -> dict:
-    """Warm-up and timed steps of forward (with the loss) + backward + ``optimizer``: medians in seconds of each
-    part, the losses finite, peak memory; ``before_step`` runs before each step, untimed (e.g. a barrier)."""
+    """Warm-up and timed steps of forward (with the loss) + backward + ``optimizer``: medians in seconds of each part,
+    the losses finite, peak memory."""
     idx, targets = batch
     def step() -> dict:
         optimizer.zero_grad(set_to_none=True)
@@ -426,8 +401,8 @@ def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimi
 
 def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup: int, device: torch.device,
                  before_step: Callable[[], None] = lambda: None) -> dict:
-    """One-token KV-cache forwards at ``position``: the synchronized step, the host's part of it (call to return,
-    before synchronizing) and the step of back-to-back calls (medians, seconds)."""
+    """One-token KV-cache forwards at ``position``: the synchronized step, the host's part of it (call to return, before
+    synchronizing) and the step of back-to-back calls (medians, seconds)."""
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     where = torch.tensor([position], device=device)
     if device.type == "cuda":

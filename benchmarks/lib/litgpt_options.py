@@ -88,8 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump_thunder_traces", type=str2bool, default=False,
                    help="every rank writes its final traces to --trace_dir (one line says where)")
     p.add_argument("--trace_dir", default="traces", help="where --dump_thunder_traces writes rank{r}_* files")
-    p.add_argument("--return_metrics_as_json", type=str2bool, default=False,
-                   help="accepted for compatibility with Thunder's script; JSON is written whenever --json_path is set")
     p.add_argument("--learning_rate", type=float, default=0.5, help="SGD learning rate")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--timeout", type=float, default=None,
@@ -129,8 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_compare_options(p: argparse.ArgumentParser) -> None:
-    """The side-by-side run's own flags (``lib/side_by_side.py``); it reads --n_layers, --block_size,
-    --micro_batch_size, --max_iters, --warmup_iters, --learning_rate, --compile and --dump_thunder_traces too."""
+    """The side-by-side run's own flags (``lib/side_by_side.py``)."""
     g = p.add_argument_group("side by side (--compare): [litgpt:|hf:]mode of lib/modes.py")
     g.add_argument("--compare", default="", help="comma-separated modes (or 'all') trained side by side, each gated "
                                                  "against one device, timed in alternating rounds")
@@ -139,7 +136,6 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
                    help="JSON of LlamaConfig fields over lib/llama.py's (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
                         "vocab 8192), e.g. '{\"dim\": 64}'")
     g.add_argument("--rounds", type=int, default=5, help="alternating rounds the timed steps are spread over")
-    g.add_argument("--rtol", type=float, default=1e-4, help="first-step loss tolerance (10x for the second step)")
     g.add_argument("--grad_rtol", type=float, default=1e-4,
                    help="first-step gradient tolerance, relative to each gradient's largest entry")
     g.add_argument("--fresh_inductor_cache", type=str2bool, default=True,

@@ -26,8 +26,8 @@ TRAINER_MODES = ("none", "tp", "tp_sp", "tp_ddp", "tp_fsdp")
 
 @dataclass(frozen=True)
 class Groups:
-    """This rank's place in a (dp x cp x tp) layout of the world, tp fastest, then cp (TP groups are consecutive
-    ranks, CP groups ranks ``tp_size`` apart)."""
+    """This rank's place in a (dp x cp x tp) layout of the world, tp fastest, then cp (TP groups are consecutive ranks,
+    CP groups ranks ``tp_size`` apart)."""
 
     rank: int
     world_size: int
@@ -43,8 +43,8 @@ class Groups:
 
 
 def make_groups(tp_size: int, cp_size: int = 1) -> Groups:
-    """TP groups of ``tp_size`` consecutive ranks, CP groups of ``cp_size`` ranks ``tp_size`` apart (a (cp x tp)
-    mesh as ``thunder_tp.init_mesh(dp=cp, tp=tp)`` lays it out) and the DP groups orthogonal to both."""
+    """TP groups of ``tp_size`` consecutive ranks, CP groups of ``cp_size`` ranks ``tp_size`` apart (a (cp x tp) mesh as
+    ``thunder_tp.init_mesh(dp=cp, tp=tp)`` lays it out) and the DP groups orthogonal to both."""
     rank, world = dist.get_rank(), dist.get_world_size()
     block = tp_size * cp_size
     if tp_size < 1 or cp_size < 1 or world % block:
@@ -62,8 +62,7 @@ def make_groups(tp_size: int, cp_size: int = 1) -> Groups:
 
 
 def _own_group(rank: int, world: int, groups: list[list[int]]):
-    """Every group of ``groups`` created, this rank's returned; None (the default group) for groups that span the
-    world. Every rank creates every group, in the same order (torch.distributed's rule)."""
+    """Every group of ``groups`` created, this rank's returned."""
     if len(groups[0]) == world:
         return None
     own = None
@@ -99,8 +98,8 @@ def model_info(args: argparse.Namespace, config) -> ModelInfo:
 
 
 def make_config(args: argparse.Namespace):
-    """The litgpt Config of --model_name (fields of --litgpt_config over it), or the HF config of --hf_model_type
-    (sizes HF_SIZES | --hf_config)."""
+    """The litgpt Config of --model_name (fields of --litgpt_config over it), or the HF config of --hf_model_type (sizes
+    HF_SIZES | --hf_config)."""
     if args.hf_model_type:
         return _hf_config(args)
     import json
@@ -154,8 +153,8 @@ def checkpoint_blocks(model: nn.Module) -> None:
 
 
 def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Module:
-    """The litgpt GPT (or HF CausalLM) with its loss, seeded random weights in ``--dtype``, its linears torchao's
-    float8 ones and its blocks checkpointed if asked."""
+    """The litgpt GPT (or HF CausalLM) with its loss, seeded random weights in ``--dtype``, its linears torchao's float8
+    ones and its blocks checkpointed if asked."""
     if args.hf_model_type:
         model = seeded_model(lambda: _hf_with_loss(config), args.seed, device, DTYPES[args.dtype])
     else:
@@ -186,8 +185,8 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
 
 
 def wrap(model: nn.Module, args: argparse.Namespace, groups: Groups) -> nn.Module:
-    """The model under --distributed_mode's mode, ContextParallel over the CP group first (then the mode's TP splits
-    the CP-local program)."""
+    """The model under --distributed_mode's mode, ContextParallel over the CP group first (then the mode's TP splits the
+    CP-local program)."""
     return MODES[mode_name(args)].wrap(model, how_of(args, groups))
 
 
@@ -245,8 +244,8 @@ FLOAT8_CAPABILITY = (8, 9)
 
 
 def keeps_in_high_precision(module: nn.Module, name: str) -> bool:
-    """The linears left unconverted, as torchtitan leaves them: the head, and those whose dims are not multiples of
-    16 (what torch._scaled_mm takes)."""
+    """The linears left unconverted, as torchtitan leaves them: the head, and those whose dims are not multiples of 16
+    (what torch._scaled_mm takes)."""
     return name.rsplit(".", 1)[-1] == "lm_head" or module.in_features % 16 != 0 or module.out_features % 16 != 0
 
 

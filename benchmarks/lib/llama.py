@@ -159,8 +159,7 @@ def litgpt_config(cfg: LlamaConfig):
 
 
 def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dict:
-    """thunder_tp's plan for ``Llama`` (keys relative to ``WithLoss``); loss_parallel leaves the logits
-    vocab-sharded, so the cross-entropy in the same trace runs on them without gathering them."""
+    """thunder_tp's plan for ``Llama`` (keys relative to ``WithLoss``)."""
     from thunder_tp import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Shard
     reduced = Shard(1) if sequence_parallel else Replicate()
     blk = "model.layers.*."

@@ -271,7 +271,7 @@ class SteppedDecode:
 
 def tp_decode(config, context: int, batch: int, dtype: torch.dtype, how: How, strategy: str | None):
     """One rank's GPT (built on the meta device, its KV cache too) under the tp mode, materialized on
-    ``how.materialize``; called through a DecodeStep of ``strategy``, or (None) its own call."""
+    ``how.materialize``."""
     from litgpt.model import build_mask_cache
     model = gpt_on_meta(config, context, dtype)
     model.set_kv_cache(batch_size=batch, device=torch.device("meta"), dtype=dtype)

@@ -72,8 +72,7 @@ def _busy(seconds: float) -> None:
 
 
 def after_idle_s(step: Callable[[], None], idle_s: float, repeats: int) -> float:
-    """The mean seconds of ``step`` after the link sat idle ``idle_s`` (a barrier, then compute on every rank;
-    each call's slowest rank)."""
+    """The mean seconds of ``step`` after the link sat idle ``idle_s`` (a barrier, then compute on every rank)."""
     times = []
     for i in range(repeats + 2):
         dist.barrier()
@@ -128,8 +127,7 @@ def training_config(args: argparse.Namespace) -> LlamaConfig:
 
 
 def training_module(args: argparse.Namespace, alone: bool) -> torch.nn.Module:
-    """The registry's mode of ``--plan`` on the Llama: built on the meta device with random weights (alone), or
-    seeded."""
+    """The registry's mode of ``--plan`` on the Llama: meta-built with random weights (alone), or seeded."""
     cfg, device = training_config(args), torch.device("cpu")
     model = llama_on_meta(cfg, torch.float32) if alone else seeded_model(lambda: WithLoss(Llama(cfg)), 0)
     return MODES[args.plan].wrap(model, How(EXECUTORS[args.executors], materialize=device if alone else None))

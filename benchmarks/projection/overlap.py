@@ -1,14 +1,7 @@
 """Llama-3-8B on an 8-GPU H100 node with the TP collectives decomposed for overlap (``TensorParallel(overlap=...)``):
-exposed communication per layer and tokens/s/GPU against the undecomposed schedule, at TP 2, 4 and 8.
+exposed communication per layer and tokens/s/GPU against the undecomposed schedule (method: docs/gpu.md).
 
     python -m benchmarks.projection.overlap --tp 2,4,8 --sensitivity send_recv.latency_us=8 --json_path out.json
-
-Per TP size and mode (never, auto, always) the program of rank tp-1 of a fake group (``thunder_tp.one_rank``): the
-benchmark Llama at Llama-3-8B's shapes, bf16, SP + loss parallel, traced at depths 1 and 2 without running, each pass
-replayed with ``alpha_beta.project_pass`` on ``--link`` (and each ``--sensitivity`` change of it). Compute: the GPU
-table's (``--layer_ms``, ``--base_ms`` at ``--measured_tp``) scaled by FLOPs; a decomposed pass's matmuls priced by
-``overlap_cost.Costs.matmul_s``, or scaled to ``--chunk_timings`` (``bench_chunked_matmuls.py``'s JSON from a GPU).
-Per layer (depth 2 minus depth 1) and whole model (``--layers``) as tokens/s/GPU; method in docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -87,8 +80,7 @@ def _total(trace, weigh) -> float:
 
 
 def programs(args) -> tuple[dict, Callable]:
-    """Per TP size, depth and mode: the (forward, backward) traces and each pass's compute; the matmul model that
-    shares it out."""
+    """Per TP size, depth and mode: the (forward, backward) traces and each pass's compute."""
     measured = {depth: _step_flops(traces(args.measured_tp, depth, "never", args.seq)) for depth in (1, 2)}
     rate = measured[1] / ((args.base_ms + args.layer_ms) * 1e-3)  # FLOPs per measured second
     costs = replace(device_costs("nccl", "cuda", torch.bfloat16), flops_per_s=rate)
@@ -147,8 +139,7 @@ def _sum(passes: dict[str, PassProjection], field: str) -> float:
 
 
 def summary(args, projected: dict) -> dict:
-    """Per TP and mode: per layer (depth 2 - depth 1) compute, serial communication, exposed communication; whole
-    model tokens/s/GPU without overlap and with the schedule's."""
+    """Per TP and mode: per layer (depth 2 - depth 1) compute, serial communication, exposed communication."""
     rows = {}
     for tp, depths in projected.items():
         rows[tp] = {}
