@@ -41,13 +41,9 @@
 # each phase given what is left of GPU_RANK_S (its compiles take most of it: Thunder's and Inductor's, per batch);
 # their JSON in decode32_json.tar.gz.
 #   GPU_PARTS=decode32 bash benchmarks/gpu/check.sh   # one 10-minute call with the install
-# "overlap" calibrates the projection of the collectives decomposed for overlap (docs/gpu.md): the chunked matmuls
-# at Llama-3-8B's shapes against whole ones, at TP 2, 4 and 8 in as many chunks of tokens, forward, input grads and
-# weight grads (benchmarks/bench_chunked_matmuls.py: one GPU, no process group, about a minute), then a training step
-# of rank 7 of a fake TP=8 group at Llama-3-8B's shapes with overlap "never" and "always" (bench_rank.py mode (b),
-# depths 0 and 1) within what is left of GPU_OVERLAP_S (default 540 s). Into OUT_DIR: chunked_matmuls.json and .log,
-# overlap_never.log, overlap_always.log. Then, anywhere: python -m benchmarks.projection.overlap --chunk_timings
-# chunked_matmuls.json (docs/gpu.md).
+# "overlap" checks the projection of the collectives decomposed for overlap (docs/gpu.md): a training step of rank 7
+# of a fake TP=8 group at Llama-3-8B's shapes with overlap "never" and "always" (bench_rank.py mode (b), depths 0 and
+# 1) within GPU_OVERLAP_S (default 540 s). Into OUT_DIR: overlap_never.log, overlap_always.log.
 #   GPU_PARTS=overlap bash benchmarks/gpu/check.sh    # one 10-minute call with the install
 # "compile32" times Llama-3-8B's shapes at TP=8 (one rank of a fake group) at all 32 layers to the first
 # training step (mode (a), nvFuser) and the first decode step (mode (e), the decode step as a CUDA graph): their
@@ -173,9 +169,6 @@ if [[ $PARTS == *,compile32,* ]]; then
     tar czf "$OUT_DIR/compile32_json.tar.gz" -C /tmp gpu_check_rank
 fi
 if [[ $PARTS == *,overlap,* ]]; then
-    say "overlap: chunked matmuls at Llama-3-8B shapes"
-    timeout 180 python3 -m benchmarks.bench_chunked_matmuls --model Llama-3-8B --tp 2,4,8 --chunks tp,2,4 \
-        --json_path "$OUT_DIR/chunked_matmuls.json" 2>&1 | tee "$OUT_DIR/chunked_matmuls.log" | grep -E "^\|"
     for overlap in never always; do
         left=$((${GPU_OVERLAP_S:-540} - (SECONDS - T0)))
         if ((left < 60)); then say "overlap $overlap skipped: ${left} s left"; continue; fi

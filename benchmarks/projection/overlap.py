@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sensitivity", action="append", default=[],
                    help="the same programs replayed again with the link changed, e.g. send_recv.latency_us=8 "
                         "(alpha_beta.Link.overridden; repeatable)")
-    p.add_argument("--chunk_timings", default=None, help="bench_chunked_matmuls.py's JSON (chunks = TP size)")
+    p.add_argument("--chunk_timings", default=None,
+                   help="bench_chunked_matmuls.py's JSON, at commit c8c73c8 (chunks = TP size)")
     p.add_argument("--chunk_scales", default="1",
                    help="comma-separated factors on what the chunks add to compute (1: as priced; 0: free)")
     return p.parse_args(argv)
