@@ -121,7 +121,7 @@ def _module_call(module, args: tuple, kwargs: dict):
     """A module call of a jitted program: a repeated block's traced once per kind, any other interpreted."""
     m, cd = replay.unwrap(module), get_compile_data()
     root = getattr(cd, "fn", None)
-    if not (isinstance(root, nn.Module) and id(m) in repeated_blocks(root) and _enabled()):
+    if not (isinstance(root, nn.Module) and _enabled() and id(m) in repeated_blocks(root)):
         return replay.interpret_module_call(module, args, kwargs)
     key = block_key(m, *replay.unwrapped_call(args, kwargs))
     trace = get_tracectx()
