@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.lib.harness import options, write_json
+from benchmarks.lib.harness import free_port, options, write_json
 
 
 def child(args: argparse.Namespace) -> None:
@@ -87,20 +87,13 @@ def run(mode: str, layers: int, cache: Path, args: argparse.Namespace) -> dict:
                "--steps", str(args.steps), "--compile_once", str(args.compile_once).lower()]
     if mode == "tp":
         command[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.tp), "--master-addr",
-                        "127.0.0.1", "--master-port", str(_free_port()), "-m", "benchmarks.bench_compile"]
+                        "127.0.0.1", "--master-port", str(free_port()), "-m", "benchmarks.bench_compile"]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
                TORCHINDUCTOR_COMPILE_THREADS="1")
     out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} at {layers} layers failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -26,22 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from benchmarks.lib.harness import (
-    EXECUTORS,
-    alternating_rounds,
-    collectives_lines,
-    exit_without_teardown,
-    fmt_bytes,
-    init_distributed,
-    kv_cache_bytes,
-    log,
-    on_ranks,
-    param_bytes,
-    pin_to_core,
-    random_batch,
-    slowest_rank,
-    write_json,
-)
+from benchmarks.lib import harness
 from benchmarks.lib.llama import decode_config, generate_args, new_gpt, set_cache
 from benchmarks.lib.modes import MODES, How
 
@@ -78,7 +63,7 @@ RUNS = {"thunder": ("thunder", "(a)", "shards", 1), "eager": ("eager", "(b)", "s
 def all_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
     """The modes of ``RUNS``: ``mode.build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0
     only)."""
-    how = How(EXECUTORS[args.compile])
+    how = How(harness.EXECUTORS[args.compile])
     def build(registered: str, shared: nn.Module | None) -> nn.Module:
         mode = MODES[registered]
         return mode.wrap(set_cache(new_gpt(args, device), args, device) if mode.distributed else shared, how)
@@ -169,10 +154,8 @@ def reference(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Refer
 
 
 def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
-    """Where a row of ``tokens`` first leaves the reference's, the two tokens' reference logits must be a near-tie
-    (within ``NEAR_TIE_EPS`` eps of the dtype times the largest logit there: rounding decides, and the rest of the
-    row is another generation): those ties, as {row, token, gap, tolerance}. ``TokenMismatch`` at any other
-    difference."""
+    """The near-ties (``NEAR_TIE_EPS``) where each row first leaves the reference's, as {row, token, gap, tolerance};
+    ``TokenMismatch`` at any other difference."""
     if tokens.shape != ref.tokens.shape:
         raise TokenMismatch(f"{name}: {tuple(tokens.shape)} tokens, expected {tuple(ref.tokens.shape)}")
     ties = []
@@ -195,9 +178,8 @@ def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
 
 def timed_generation(mode: Run, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
                      ref: Reference | None, cores: set[int]) -> tuple[float, float, list[dict]]:
-    """One generation of ``mode``: its time to the first token and decode tokens/s (the slowest rank's) and its
-    near-ties with the reference (checked on rank 0, ``ref`` None elsewhere: a TP mode's ranks sample the same
-    gathered logits)."""
+    """One generation of ``mode``: time to first token, decode tokens/s (the slowest rank's) and near-ties with the
+    reference (checked on rank 0, ``ref`` None elsewhere)."""
     from thunder_tp.models.litgpt_sampling import sampling
     if mode.ranks != 1:
         dist.barrier()
@@ -206,7 +188,7 @@ def timed_generation(mode: Run, module: nn.Module, prompts: torch.Tensor, args: 
         tokens, ttft, decode_s = generation(module, prompts, args.new_tokens)
     ties = check_tokens(mode.name, tokens, ref) if ref is not None else []
     if mode.ranks != 1:
-        ttft, decode_s = slowest_rank([ttft, decode_s])
+        ttft, decode_s = harness.slowest_rank([ttft, decode_s])
     return ttft, prompts.size(0) * (args.new_tokens - 1) / decode_s, ties
 
 
@@ -233,44 +215,37 @@ def prepare(mode: Run, shared: nn.Module | None, prompts: torch.Tensor, args: ar
         result["first_generation_s"] = time.perf_counter() - start
     except Exception as e:
         traceback.print_exc()
-        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+        result["error"] = harness.error_line(e, 400)
         return None
-    result["param_bytes"], result["kv_cache_bytes"] = param_bytes(module), kv_cache_bytes(module)
+    result["param_bytes"], result["kv_cache_bytes"] = harness.param_bytes(module), harness.kv_cache_bytes(module)
     result["decode_collectives"] = decode_collectives(module)
     return module
-
-
-def agreed(ok: bool) -> bool:
-    """True where ``ok`` holds on every rank."""
-    flag = torch.tensor([float(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
     """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating rounds."""
     import thunder
     rank = dist.get_rank()
-    prompts = random_batch(args.batch, args.prompt_len, args.vocab, PROMPT_SEED, device)[0]
-    shared = on_ranks(1, lambda: set_cache(new_gpt(args, device), args, device))
-    ref = on_ranks(1, lambda: reference(shared, prompts, args.new_tokens))
+    prompts = harness.random_batch(args.batch, args.prompt_len, args.vocab, PROMPT_SEED, device)[0]
+    shared = harness.on_ranks(1, lambda: set_cache(new_gpt(args, device), args, device))
+    ref = harness.on_ranks(1, lambda: reference(shared, prompts, args.new_tokens))
     results: dict[str, dict] = {}
     modules: dict[str, nn.Module] = {}
     for mode in modes:
-        log(rank, f"[bench_generate] {mode.name}: {mode.description}")
+        harness.log(rank, f"[bench_generate] {mode.name}: {mode.description}")
         result = results[mode.name] = {"description": mode.description, "ranks": mode.ranks, "threads": mode.threads,
                                        "ttft_s": [], "decode_tokens_per_s": []}
-        module = on_ranks(mode.ranks, partial(prepare, mode, shared, prompts, args, ref, cores, result))
-        if agreed(module is not None or rank != 0 and mode.ranks == 1):
+        module = harness.on_ranks(mode.ranks, partial(prepare, mode, shared, prompts, args, ref, cores, result))
+        if harness.agreed(module is not None or rank != 0 and mode.ranks == 1):
             modules[mode.name] = module
     ready = [m for m in modes if m.name in modules]
-    for r, mode in alternating_rounds(ready, args.warmup - 1 + args.rounds):  # one generation per mode and round
+    for r, mode in harness.alternating_rounds(ready, args.warmup - 1 + args.rounds):  # a generation per mode and round
         def run(mode: Run = mode, timed: bool = r >= args.warmup - 1) -> None:
             ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref, cores)
             if timed:
                 results[mode.name]["ttft_s"].append(ttft)
                 results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
-        on_ranks(mode.ranks, run)
+        harness.on_ranks(mode.ranks, run)
     for name, module in modules.items():  # over every generation of the run
         if isinstance(module, thunder.ThunderModule):
             results[name]["compiles"] = thunder.cache_misses(module)
@@ -309,24 +284,23 @@ def report(args: argparse.Namespace, results: dict, world: int, device: torch.de
           f"{args.dtype}; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens (greedy); "
           f"{args.rounds} rounds, medians; {world} ranks, {device}, --compile {args.compile}\n")
     base = results.get("thunder", {})
-    print("| mode | ranks × threads | time to first token (s) | × (a) | decode tok/s | × (a) "
-          "| collectives / decode step | KV cache / rank | params / rank | compiles | tokens = (b) |")
-    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    cells = []
     for r in results.values():
         ttft, tps = r.get("ttft_median_s"), r.get("decode_tokens_per_s_median")
-        print(f"| {r['description']} | {r['ranks']} × {r['threads']} | {f'{ttft:.3f}' if ttft else '–'} | "
-              f"{_ratio(base.get('ttft_median_s'), ttft)} | {f'{tps:.1f}' if tps else '–'} | "
-              f"{_ratio(tps, base.get('decode_tokens_per_s_median'))} | {_kinds(r.get('decode_collectives'))} | "
-              f"{fmt_bytes(r.get('kv_cache_bytes'))} | {fmt_bytes(r.get('param_bytes'))} | "
-              f"{r.get('compiles', '–')} | {_tokens_cell(r)} |")
+        cells.append([r["description"], f"{r['ranks']} × {r['threads']}", f"{ttft:.3f}" if ttft else "–",
+                      _ratio(base.get("ttft_median_s"), ttft), f"{tps:.1f}" if tps else "–",
+                      _ratio(tps, base.get("decode_tokens_per_s_median")), _kinds(r.get("decode_collectives")),
+                      harness.fmt_bytes(r.get("kv_cache_bytes")), harness.fmt_bytes(r.get("param_bytes")),
+                      r.get("compiles", "–"), _tokens_cell(r)])
+    print(*harness.table("mode | ranks × threads | time to first token (s)> | × (a)> | decode tok/s> | × (a)> | "
+                         "collectives / decode step | KV cache / rank> | params / rank> | compiles> | tokens = (b)",
+                         cells), sep="\n")
     print("(× (a): (a)'s time to first token over the mode's, the mode's decode tokens/s over (a)'s: "
           "higher is faster)")
     for name, r in results.items():
         if r.get("decode_collectives"):
-            by_kind = r["decode_collectives"]
-            per_step = {"decode step": {"count": sum(v["count"] for v in by_kind.values()),
-                                        "bytes": sum(v["bytes"] for v in by_kind.values()), "by_kind": by_kind}}
-            print(*collectives_lines(per_step, f"{name}, collectives per rank"), sep="\n")
+            per_step = {"decode step": harness.pass_totals(r["decode_collectives"])}
+            print(*harness.collectives_lines(per_step, f"{name}, collectives per rank"), sep="\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -341,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     cores = os.sched_getaffinity(0)
     if args.pin_cores and not torch.cuda.is_available():
-        pin_to_core()
-    rank, world, device = init_distributed(args.timeout)
+        harness.pin_to_core()
+    rank, world, device = harness.init_distributed(args.timeout)
     try:
         return run(args, rank, world, device, cores)
     finally:
@@ -357,7 +331,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, c
         report(args, results, world, device)
         if args.json_path:
             out = {"args": vars(args), "world_size": world, "device": str(device), "results": results}
-            print(f"results written to {write_json(args.json_path, out)}")
+            print(f"results written to {harness.write_json(args.json_path, out)}")
         if failed:
             print(f"\nERROR: {', '.join(failed)} failed or generated other tokens than single-device eager litgpt "
                   f"(see the table)", file=sys.stderr, flush=True)
@@ -366,4 +340,4 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, c
 
 
 if __name__ == "__main__":
-    exit_without_teardown(main())
+    harness.exit_without_teardown(main())

@@ -24,22 +24,10 @@ from functools import partial
 import torch
 import torch.nn as nn
 
+from benchmarks.lib import harness, llama
 from benchmarks.lib.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
-from benchmarks.lib.harness import (
-    DTYPES,
-    fmt_bytes,
-    options,
-    param_bytes,
-    random_batch,
-    step_context,
-    thunder_default_executors,
-    thunder_structure,
-    timed_decode,
-    timed_training,
-    write_json,
-)
 from benchmarks.lib.llama import LlamaConfig
-from benchmarks.lib.modes import MODES, How, dtensor, gpt_on_meta, init_local, llama_on_meta, tp_decode
+from benchmarks.lib.modes import MODES, How, dtensor, gpt_on_meta, init_local, llama_on_meta, tp_decode, unstepped
 
 #: --model presets: the dims of litgpt's configs of those names (tiny: for the CPU)
 PRESETS = {
@@ -68,7 +56,7 @@ class RankMode:
 def how(device: torch.device, quick: bool, backend: str | None = None, overlap: str = "auto") -> How:
     """Materialized on ``device``; ``quick``: no code generation (Thunder's default executors, Dynamo's eager)."""
     import thunder_tp
-    executors = thunder_default_executors if quick else partial(thunder_tp.executors, backend)
+    executors = harness.thunder_default_executors if quick else partial(thunder_tp.executors, backend)
     return How(executors, overlap=overlap, materialize=device, compile_backend="eager" if quick else "inductor")
 
 
@@ -123,16 +111,14 @@ DECODE = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    p = options(__doc__, dtype="bfloat16")
+    p = harness.options(__doc__, dtype="bfloat16")
     p.add_argument("--model", choices=list(PRESETS), default="tiny")
     for dim in ("n_embd", "n_head", "n_query_groups", "intermediate_size", "vocab"):
         p.add_argument(f"--{dim}", type=int, default=None, help="override the preset's")
     p.add_argument("--full_layers", type=int, default=None, help="the depth reported (default: the preset's)")
-    p.add_argument("--layers", default="0,2",
-                   help="depths measured: two (extrapolated to --full_layers) or one (as is)")
-    p.add_argument("--peak_at_full", action="store_true",
-                   help="measure each row's peak memory at --full_layers (one warm-up and one measured step in a run "
-                        "of its own) instead of extrapolating it; where that run fails (out of memory), extrapolated")
+    p.add_argument("--layers", default="0,2", help="depths measured: two (extrapolated to --full_layers) or one")
+    p.add_argument("--peak_at_full", action="store_true", help="measure each row's peak memory at --full_layers (a "
+                   "run of its own, one step) instead of extrapolating it (still, where that run fails)")
     p.add_argument("--tp", default="1,2,4,8", help="TP sizes")
     p.add_argument("--rank", type=int, default=None, help="the rank run (default: the last of each group)")
     p.add_argument("--train_modes", default="a,b,c", help="training modes ('' for none)")
@@ -141,14 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="training: TP, with sequence parallel (sp) and/or loss parallel (lp)")
     p.add_argument("--overlap", choices=["auto", "always", "never"], default="auto",
                    help="training: thunder_tp's collectives decomposed for overlap (TensorParallel(overlap=...))")
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1, help="training rows per step")
-    p.add_argument("--context", type=int, default=1024, help="decode: cached positions")
+    for name, default, what in (("seq", 8192, "training sequence"), ("batch", 1, "training rows per step"),
+                                ("context", 1024, "decode: cached positions"), ("steps", 5, "timed steps (medians)"),
+                                ("warmup", 2, "untimed steps (the first compiles)")):
+        p.add_argument(f"--{name}", type=int, default=default, help=what)
     p.add_argument("--decode_batches", default="1,8")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (medians)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
-    p.add_argument("--quick", action="store_true", help="no code generation: Thunder's default executors, "
-                                                        "torch.compile(backend='eager'); plumbing, not speed")
+    p.add_argument("--quick", action="store_true",
+                   help="no code generation (Thunder's default executors, Dynamo's eager): plumbing, not speed")
     p.add_argument("--project", action="store_true", help="print the projection to an 8-GPU node")
     p.add_argument("--link", choices=list(LINKS), default="h100_nvlink")
     p.add_argument("--decode_link", choices=list(LINKS), default="h100_nvlink_graph",
@@ -175,20 +160,16 @@ def llama_config(dims: dict, layers: int, seq: int) -> LlamaConfig:
 
 
 def litgpt_config(dims: dict, layers: int):
-    from litgpt import Config
-    return Config(name="bench-rank", block_size=8192, vocab_size=dims["vocab"], padded_vocab_size=dims["vocab"],
-                  n_layer=layers, n_embd=dims["n_embd"], n_head=dims["n_head"], n_query_groups=dims["n_query_groups"],
-                  intermediate_size=dims["intermediate_size"], bias=False, mlp_class_name="LLaMAMLP",
-                  norm_class_name="RMSNorm", parallel_residual=False, rotary_percentage=1.0, rope_base=500000)
+    return llama.litgpt_config(llama_config(dims, layers, 8192))
 
 
 def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg: LlamaConfig, device, tp: int) -> dict:
     """The collectives of one more forward and backward of a compiled mode, counted by CommDebugMode (after timing: a
     dispatch mode makes Dynamo run the rest eagerly)."""
     from benchmarks.lib.side_by_side import comm_mode
-    idx, targets = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
+    idx, targets = harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
     forward, backward = comm_mode(), comm_mode()
-    with step_context(model):
+    with harness.step_context(model):
         with forward:
             loss = model(idx, targets)
         with backward:
@@ -207,7 +188,7 @@ def run_row(mode: RankMode, tp: int, rank: int, device: torch.device, measure: C
             result = measure()
     except Exception as e:
         traceback.print_exc()
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        return {"error": harness.error_line(e)}
     finally:
         release_memory(device)
     result["fallbacks"] = _fallbacks(caught)
@@ -247,27 +228,27 @@ def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: in
     def measure() -> dict:
         cfg = llama_config(dims, depth, args.seq)
         torch.manual_seed(0)  # the same weights in every mode: (a) and (b) compute the same loss
-        model = mode.build(cfg, device, DTYPES[args.dtype], args.quick, plan=args.plan, overlap=args.overlap)
+        model = mode.build(cfg, device, harness.DTYPES[args.dtype], args.quick, plan=args.plan, overlap=args.overlap)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        batch = random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
-        result = timed_training(model, batch, optimizer, args.steps, args.warmup, device)
-        result["param_bytes"] = param_bytes(model)
+        batch = harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
+        result = harness.timed_training(model, batch, optimizer, args.steps, args.warmup, device)
+        result["param_bytes"] = harness.param_bytes(model)
         if structure:
-            result.update(thunder_structure(model) if mode.runtime == "thunder"
-                          else compiled_training_structure(model, args, cfg, device, tp))
+            result.update(harness.thunder_structure(model) if mode.runtime == "thunder"
+                                  else compiled_training_structure(model, args, cfg, device, tp))
         return result
     return run_row(mode, tp, rank, device, measure)
 
 
 def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, batch: int, device) -> dict:
     def measure() -> dict:
-        from benchmarks.lib.harness import kv_cache_bytes
-        model = mode.build(litgpt_config(dims, depth), args.context, batch, device, DTYPES[args.dtype], args.quick)
-        result = timed_decode(model, batch, args.context, args.steps, args.warmup, device)
-        module = getattr(model, "jitted", model)  # a decode step's jitted module
-        result.update(param_bytes=param_bytes(module), kv_cache_bytes=kv_cache_bytes(module))
+        dtype = harness.DTYPES[args.dtype]
+        model = mode.build(litgpt_config(dims, depth), args.context, batch, device, dtype, args.quick)
+        result = harness.timed_decode(model, batch, args.context, args.steps, args.warmup, device)
+        module = unstepped(model)
+        result.update(param_bytes=harness.param_bytes(module), kv_cache_bytes=harness.kv_cache_bytes(module))
         if mode.runtime == "thunder":
-            result.update(thunder_structure(module))
+            result.update(harness.thunder_structure(module))
         else:
             result.update(traces={},
                           collectives={"forward": [[k, tp, b] for k, b in model.collectives], "backward": []})
@@ -388,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in row["depths"].values():
                 r.pop("traces", None)
         print("results written to "
-              f"{write_json(args.json_path, {'args': vars(args), 'device': str(device), **results})}")
+              f"{harness.write_json(args.json_path, {'args': vars(args), 'device': str(device), **results})}")
     return 1 if failed else 0
 
 
@@ -425,37 +406,37 @@ def _describe_difference(a: dict, b: dict) -> str:
         ka, kb = Counter((k, n) for k, _, n in a["collectives"][p]), Counter((k, n) for k, _, n in b["collectives"][p])
         if ka != kb:
             parts.append(f"{p}: {_kinds(a['collectives'][p])} vs {_kinds(b['collectives'][p])}"
-                         f" ({fmt_bytes(sum(x[2] for x in a['collectives'][p]))} vs "
-                         f"{fmt_bytes(sum(x[2] for x in b['collectives'][p]))})")
+                         f" ({harness.fmt_bytes(sum(x[2] for x in a['collectives'][p]))} vs "
+                         f"{harness.fmt_bytes(sum(x[2] for x in b['collectives'][p]))})")
     if a.get("param_bytes") != b.get("param_bytes"):
-        parts.append(f"parameters {fmt_bytes(a.get('param_bytes'))} vs {fmt_bytes(b.get('param_bytes'))}")
+        parts.append(f"parameters {harness.fmt_bytes(a.get('param_bytes'))} vs "
+                     f"{harness.fmt_bytes(b.get('param_bytes'))}")
     return "; ".join(parts) or "the same"
 
 
 def _training_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = ["| TP | mode | step (ms) | forward | backward | AdamW | peak memory | params / rank "
-             f"| collectives fwd / bwd ({max(args.depths)} layers) "
-             "| loss finite | tokens/s/GPU, compute only |", "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    cells = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['tp']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||")
+            cells.append(f"| {r['tp']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||")
             continue
+        times = [_ms(r[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")]
+        kinds = f"{_kinds(r['collectives']['forward'])} / {_kinds(r['collectives']['backward'])}"
         tokens = r["batch"] * args.seq / r["step_s"] / r["tp"]
-        lines.append(
-            f"| {r['tp']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['forward_s'])} | "
-            f"{_ms(r['backward_s'])} | {_ms(r['optimizer_s'])} | {_peak(r)} | "
-            f"{fmt_bytes(r['param_bytes'])} | {_kinds(r['collectives']['forward'])} / "
-            f"{_kinds(r['collectives']['backward'])} | {'yes' if r['loss_finite'] else 'NO'} | {tokens:.0f} |")
-    return lines
+        cells.append([r["tp"], f"({r['mode']}) {r['description']}", *times, _peak(r),
+                      harness.fmt_bytes(r["param_bytes"]), kinds, "yes" if r["loss_finite"] else "NO", f"{tokens:.0f}"])
+    return harness.table("TP> | mode | step (ms)> | forward> | backward> | AdamW> | peak memory> | params / rank> | "
+                         f"collectives fwd / bwd ({max(args.depths)} layers) | loss finite | "
+                         "tokens/s/GPU, compute only>", cells)
 
 
 def _peak(row: dict) -> str:
     """The peak memory and how it was had: measured at the reported depth or at the one run, or extrapolated."""
     source = row.get("peak_source", "")
     if row.get("peak_bytes") is None or not source:
-        return fmt_bytes(row.get("peak_bytes"))
+        return harness.fmt_bytes(row.get("peak_bytes"))
     tag = "extrapolated" if source.startswith("extrapolated") else source.removeprefix("measured at ")
-    return f"{fmt_bytes(row['peak_bytes'])} ({tag})"
+    return f"{harness.fmt_bytes(row['peak_bytes'])} ({tag})"
 
 
 def _memory_notes(rows: list[dict]) -> list[str]:
@@ -465,8 +446,8 @@ def _memory_notes(rows: list[dict]) -> list[str]:
     for r in rows:
         left = max((d.get("left_bytes", 0) for d in (*r["depths"].values(), r.get("peak_run", {}))), default=0)
         if left:
-            notes.append(f"- {r['workload']} TP={r['tp']} ({r['mode']}): {fmt_bytes(left)} still allocated before "
-                         "its run, subtracted from its peak")
+            notes.append(f"- {r['workload']} TP={r['tp']} ({r['mode']}): {harness.fmt_bytes(left)} still allocated "
+                         "before its run, subtracted from its peak")
     return notes
 
 
@@ -480,21 +461,15 @@ def _per_layer_us(row: dict) -> str:
 
 
 def _decode_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = ["| TP | batch | mode | step (ms) | host (ms) | back-to-back step (ms) | per layer (µs) | host / step | "
-             f"tokens/s, compute only | collectives / step ({max(args.depths)} layers) | params / rank | KV cache / "
-             "rank |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} "
-                         "|||||||||")
-            continue
-        lines.append(
-            f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | {_ms(r['step_s'])} | {_ms(r['host_s'])} "
-            f"| {_ms(r['back_to_back_s'])} | {_per_layer_us(r)} | {r['host_s'] / r['step_s']:.2f} | "
-            f"{r['batch'] / r['back_to_back_s']:.1f} | {_kinds(r['collectives']['forward'])} | "
-            f"{fmt_bytes(r['param_bytes'])} | {fmt_bytes(r.get('kv_cache_bytes'))} |")
-    return lines
+    cells = [f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||"
+             if "error" in r else
+             [r["tp"], r["batch"], f"({r['mode']}) {r['description']}", _ms(r["step_s"]), _ms(r["host_s"]),
+              _ms(r["back_to_back_s"]), _per_layer_us(r), f"{r['host_s'] / r['step_s']:.2f}",
+              f"{r['batch'] / r['back_to_back_s']:.1f}", _kinds(r["collectives"]["forward"]),
+              harness.fmt_bytes(r["param_bytes"]), harness.fmt_bytes(r.get("kv_cache_bytes"))] for r in rows]
+    return harness.table("TP> | batch> | mode | step (ms)> | host (ms)> | back-to-back step (ms)> | per layer (µs)> | "
+                         f"host / step> | tokens/s, compute only> | collectives / step ({max(args.depths)} layers) | "
+                         "params / rank> | KV cache / rank>", cells)
 
 
 def _first_loss(row: dict) -> float:
@@ -545,28 +520,23 @@ def _reference(workload: str, tp: int, model: str) -> str:
 
 
 def _projection_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    lines = ["| workload | TP | batch | mode | compute (ms) | communication (ms) | step, no overlap (ms) | step, "
-             "overlap (ms) | no overlap | overlap | reference "
-             "|", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        if "error" in r:
-            continue
+    cells = []
+    for r in (r for r in rows if "error" not in r):
         p = r["projection"]
         if r["workload"] == "training":  # rates in tokens/s per GPU
             tokens, compute = r["batch"] * args.seq / r["tp"], r["step_s"]
         else:  # tokens/s
             tokens, compute = r["batch"], r["back_to_back_s"]
         overlap = f"{tokens / p['overlap_s']:.1f}" if p["overlap_from_trace"] else "– (no trace)"
-        lines.append(
-            f"| {r['workload']} | {r['tp']} | {r['batch']} | ({r['mode']}) | {_ms(compute)} | {_ms(p['comm_s'])} | "
-            f"{_ms(p['no_overlap_s'])} | {_ms(p['overlap_s'])} | {tokens / p['no_overlap_s']:.1f} | {overlap} | "
-            f"{_reference(r['workload'], r['tp'], args.model)} |")
-    return lines
+        cells.append([r["workload"], r["tp"], r["batch"], f"({r['mode']})", _ms(compute), _ms(p["comm_s"]),
+                      _ms(p["no_overlap_s"]), _ms(p["overlap_s"]), f"{tokens / p['no_overlap_s']:.1f}", overlap,
+                      _reference(r["workload"], r["tp"], args.model)])
+    return harness.table("workload | TP> | batch> | mode | compute (ms)> | communication (ms)> | "
+                         "step, no overlap (ms)> | step, overlap (ms)> | no overlap> | overlap> | reference", cells)
 
 
 def report(results: dict, args: argparse.Namespace, device: torch.device) -> bool:
     """Print every table; True where a row failed, a loss was not finite or thunder_tp's modes disagreed."""
-    from benchmarks.lib.alpha_beta import LINKS
     dims = results["dims"]
     depths = " and ".join(map(str, args.depths))
     scaled = f"measured at {depths} layers, extrapolated per layer to {dims['n_layer']}" if len(args.depths) == 2 \

@@ -24,35 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from benchmarks.lib.harness import (
-    collectives_lines,
-    collectives_per_iteration,
-    exit_without_teardown,
-    fmt_bytes,
-    init_distributed,
-    log,
-    param_bytes,
-    peak_memory_bytes,
-    peak_step_bytes,
-    saved_for_backward,
-    slowest_rank,
-    timed,
-    train_step,
-    write_json,
-)
+from benchmarks.lib import harness, litgpt_setup
 from benchmarks.lib.litgpt_options import parse_args
-from benchmarks.lib.litgpt_setup import (
-    Groups,
-    accumulation_steps,
-    build,
-    count_float8_linears,
-    make_batch,
-    make_config,
-    make_model,
-    model_info,
-    resolve_groups,
-    wrap,
-)
 from benchmarks.lib.side_by_side import compare, compare_process
 
 T = TypeVar("T")
@@ -60,18 +33,20 @@ T = TypeVar("T")
 # the benchmark
 
 
-def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn.Module,
+def train(args: argparse.Namespace, groups: litgpt_setup.Groups, device: torch.device, jm: nn.Module,
           vocab: int) -> tuple[list[float], list[float], int | None]:
     """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): losses, the slowest rank's times and
     (``--measure_step_memory``) this rank's peak memory of the last iteration."""
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
     load_checkpoints(args, jm, optimizer)
-    steps = accumulation_steps(args, groups.dp_size)
+    steps = litgpt_setup.accumulation_steps(args, groups.dp_size)
     losses, times, step_bytes = [], [], None
     for it in range(args.max_iters):
-        idx, targets = make_batch(args, vocab, groups.dp_rank, it, device, rows=steps * args.micro_batch_size)
+        rows = steps * args.micro_batch_size
+        idx, targets = litgpt_setup.make_batch(args, vocab, groups.dp_rank, it, device, rows=rows)
         # gradients accumulate over the micro-batches; timed waits for the device's work
-        step = partial(timed, partial(train_step, jm, optimizer, idx, targets, args.micro_batch_size), device)
+        train = partial(harness.train_step, jm, optimizer, idx, targets, args.micro_batch_size)
+        step = partial(harness.timed, train, device)
         if args.measure_step_memory and it == args.max_iters - 1:
             (loss, dt), step_bytes = with_step_memory(step)
         else:
@@ -80,18 +55,18 @@ def train(args: argparse.Namespace, groups: Groups, device: torch.device, jm: nn
         losses.append(loss_value)
         times.append(dt)
         tag = " (warm-up)" if it < args.warmup_iters else ""
-        log(groups.rank, f"iter {it}: loss {loss_value:.4f}, iter time: {dt * 1000:.2f} ms{tag}")
+        harness.log(groups.rank, f"iter {it}: loss {loss_value:.4f}, iter time: {dt * 1000:.2f} ms{tag}")
     if args.save_checkpoint:
         import thunder_tp.checkpoint as ck
         ck.save(args.save_checkpoint, jm, optimizer)
-        log(groups.rank, f"checkpoint saved to {args.save_checkpoint}")
-    return losses, slowest_rank(times, device), step_bytes
+        harness.log(groups.rank, f"checkpoint saved to {args.save_checkpoint}")
+    return losses, harness.slowest_rank(times, device), step_bytes
 
 
 def with_step_memory(step: Callable[[], T]) -> tuple[T, int | None]:
     """``step()`` and the memory it needed above what was live before it (``harness.peak_step_bytes``)."""
     results = []
-    peak = peak_step_bytes(lambda: results.append(step()))
+    peak = harness.peak_step_bytes(lambda: results.append(step()))
     return results[0], peak
 
 
@@ -111,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         return simulate_dry_run(args)
     with compare_process(args) if args.compare else contextlib.nullcontext():
-        rank, world, device = init_distributed(args.timeout)
+        rank, world, device = harness.init_distributed(args.timeout)
         try:
             return (compare if args.compare else run)(args, rank, world, device)
         finally:
@@ -120,64 +95,49 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     """Build, train and report on this rank."""
-    groups = resolve_groups(args, rank, world)
-    config, model, jm = build(args, groups, device)
-    info = model_info(args, config)
-    log(rank, f"model {info.name}: {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.vocab_size}, "
-              f"{sum(p.numel() for p in model.parameters())} parameters ({sum(p.numel() for p in jm.parameters())} on "
-              f"rank 0); block_size {args.block_size}, micro_batch_size {args.micro_batch_size}; world {world}, tp "
-              f"{groups.tp_size}, cp {groups.cp_size}, dp {groups.dp_size}; mode {args.distributed_mode}, compile "
-              f"{args.compile}, loss_parallel {args.loss_parallel}, device {device}")
+    groups = litgpt_setup.resolve_groups(args, rank, world)
+    config, model, jm = litgpt_setup.build(args, groups, device)
+    info = litgpt_setup.model_info(args, config)
+    params, local = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in jm.parameters())
+    harness.log(rank, f"model {info.name}: {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.vocab_size}, "
+                      f"{params} parameters ({local} on rank 0); block_size {args.block_size}, micro_batch_size "
+                      f"{args.micro_batch_size}; world {world}, tp {groups.tp_size}, cp {groups.cp_size}, dp "
+                      f"{groups.dp_size}; mode {args.distributed_mode}, compile {args.compile}, loss_parallel "
+                      f"{args.loss_parallel}, device {device}")
     losses, times, step_bytes = train(args, groups, device, jm, info.vocab_size)
     if not all(math.isfinite(x) for x in losses):
-        log(rank, f"ERROR: non-finite loss: {losses}")
+        harness.log(rank, f"ERROR: non-finite loss: {losses}")
         return 1
     timed_times = times[args.warmup_iters:]
     avg_s = sum(timed_times) / len(timed_times)
-    steps = accumulation_steps(args, groups.dp_size)
+    steps = litgpt_setup.accumulation_steps(args, groups.dp_size)
     tokens_per_iter = steps * args.micro_batch_size * args.block_size * groups.dp_size
+    fp8, cp = args.use_torchao_fp8_linear, groups.cp_size > 1
     results: dict[str, Any] = {
-        "model_name": info.name,
-        "n_layers": info.n_layer,
-        "block_size": args.block_size,
-        "micro_batch_size": args.micro_batch_size,
-        "global_batch_size": steps * args.micro_batch_size * groups.dp_size,
-        "gradient_accumulation_steps": steps,
-        "checkpoint_activations": args.checkpoint_activations,
-        "dtype": args.dtype,
-        "world_size": world,
-        "tp_size": groups.tp_size,
-        "dp_size": groups.dp_size,
-        "context_parallel_size": groups.cp_size,
-        "cp_rotate": args.cp_rotate if groups.cp_size > 1 else None,
-        "cp_load_balance": args.cp_load_balance if groups.cp_size > 1 else None,
-        "distributed_mode": args.distributed_mode,
-        "compile": args.compile,
-        "loss_parallel": args.loss_parallel,
-        "use_torchao_fp8_linear": args.use_torchao_fp8_linear,
+        "model_name": info.name, "n_layers": info.n_layer, "block_size": args.block_size,
+        "micro_batch_size": args.micro_batch_size, "global_batch_size": steps * args.micro_batch_size * groups.dp_size,
+        "gradient_accumulation_steps": steps, "checkpoint_activations": args.checkpoint_activations,
+        "dtype": args.dtype, "world_size": world, "tp_size": groups.tp_size, "dp_size": groups.dp_size,
+        "context_parallel_size": groups.cp_size, "cp_rotate": args.cp_rotate if cp else None,
+        "cp_load_balance": args.cp_load_balance if cp else None, "distributed_mode": args.distributed_mode,
+        "compile": args.compile, "loss_parallel": args.loss_parallel, "use_torchao_fp8_linear": fp8,
         "use_torchao_fp8_allgather": args.use_torchao_fp8_allgather,
-        "torchao_fp8_recipe": args.torchao_fp8_recipe if args.use_torchao_fp8_linear else None,
-        "float8_linears": count_float8_linears(model) if args.use_torchao_fp8_linear else 0,
-        "tp_overlap": args.tp_overlap,
-        "device": str(device),
-        "max_iters": args.max_iters,
-        "warmup_iters": args.warmup_iters,
-        "losses": losses,
-        "loss_decreased": losses[-1] < losses[0],
-        "iter_times_ms": [t * 1000 for t in times],
-        "average_iter_time_ms": avg_s * 1000,
-        "tokens_per_iter": tokens_per_iter,
+        "torchao_fp8_recipe": args.torchao_fp8_recipe if fp8 else None,
+        "float8_linears": litgpt_setup.count_float8_linears(model) if fp8 else 0, "tp_overlap": args.tp_overlap,
+        "device": str(device), "max_iters": args.max_iters, "warmup_iters": args.warmup_iters, "losses": losses,
+        "loss_decreased": losses[-1] < losses[0], "iter_times_ms": [t * 1000 for t in times],
+        "average_iter_time_ms": avg_s * 1000, "tokens_per_iter": tokens_per_iter,
         "tokens_per_sec": tokens_per_iter / avg_s,
-        "param_bytes_per_rank": param_bytes(jm),  # this rank's shards
-        "param_bytes_full_model": param_bytes(model),  # the unsharded model
-        "peak_memory_bytes": peak_memory_bytes(device),
+        "param_bytes_per_rank": harness.param_bytes(jm),  # this rank's shards
+        "param_bytes_full_model": harness.param_bytes(model),  # the unsharded model
+        "peak_memory_bytes": harness.peak_memory_bytes(device),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
         "peak_step_memory_bytes": step_bytes,  # --measure_step_memory: the last iteration's, above what was live
     }
     if args.compile != "eager":
         import thunder
-        results["saved_for_backward"] = saved_for_backward(thunder.last_traces(jm)[-1])
-        results["collectives"] = collectives_per_iteration(jm)
+        results["saved_for_backward"] = harness.saved_for_backward(thunder.last_traces(jm)[-1])
+        results["collectives"] = harness.collectives_per_iteration(jm)
     for key in ("peak_memory_bytes", "peak_step_memory_bytes"):  # every rank's (they differ, e.g. rank 0 prints)
         peaks = [None] * world
         dist.all_gather_object(peaks, results[key])
@@ -185,7 +145,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     if args.dump_thunder_traces and args.compile != "eager":
         dump(args, jm, rank)
     if args.json_path and rank == 0:
-        log(rank, f"results written to {write_json(args.json_path, results)}")
+        harness.log(rank, f"results written to {harness.write_json(args.json_path, results)}")
     report(results, rank)  # last, so that the summary is the screen a run ends on
     return 0
 
@@ -211,17 +171,17 @@ def report(r: dict, rank: int) -> None:
         f"({'decreased' if r['loss_decreased'] else 'did NOT decrease'})",
         f"Average iter time: {r['average_iter_time_ms']:.2f} ms (over {r['max_iters'] - r['warmup_iters']} iterations)",
         f"Tokens/s: {r['tokens_per_sec']:.2f}",
-        f"Parameters per rank: {fmt_bytes(r['param_bytes_per_rank'])} (full model: "
-        f"{fmt_bytes(r['param_bytes_full_model'])})",
-        f"Peak memory ({r['peak_memory_kind']}, rank 0): {fmt_bytes(r['peak_memory_bytes'])}",
+        f"Parameters per rank: {harness.fmt_bytes(r['param_bytes_per_rank'])} (full model: "
+        f"{harness.fmt_bytes(r['param_bytes_full_model'])})",
+        f"Peak memory ({r['peak_memory_kind']}, rank 0): {harness.fmt_bytes(r['peak_memory_bytes'])}",
         *step_memory_lines(r),
     ]
     saved = r.get("saved_for_backward")
     if saved:
-        lines.append(f"Saved for backward: {fmt_bytes(saved['bytes'])} in {saved['count']} tensors "
-                     f"({fmt_bytes(saved['activation_bytes'])} without parameters and inputs)")
+        lines.append(f"Saved for backward: {harness.fmt_bytes(saved['bytes'])} in {saved['count']} tensors "
+                     f"({harness.fmt_bytes(saved['activation_bytes'])} without parameters and inputs)")
     if r.get("collectives"):
-        lines += collectives_lines(r["collectives"]["per_iteration"], "Collectives per iteration")
+        lines += harness.collectives_lines(r["collectives"]["per_iteration"], "Collectives per iteration")
     print("\n".join(lines), flush=True)
 
 
@@ -238,7 +198,7 @@ def step_memory_lines(r: dict) -> list[str]:
     """The summary's line of the last iteration's peak memory per rank (``--measure_step_memory``), else none."""
     if r["peak_step_memory_bytes"] is None:
         return []
-    per_rank = ", ".join(fmt_bytes(b) for b in r["peak_step_memory_bytes_per_rank"])
+    per_rank = ", ".join(harness.fmt_bytes(b) for b in r["peak_step_memory_bytes_per_rank"])
     return [f"Peak step memory (the last iteration, above what was live before it), per rank: {per_rank}"]
 
 
@@ -257,8 +217,8 @@ def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
     import thunder_tp
     paths = thunder_tp.dump_traces(jm, args.trace_dir)
     dist.barrier()
-    log(rank, f"traces of every rank written to {Path(args.trace_dir).resolve()} "
-              f"({', '.join(p.name for p in paths)} for rank 0)")
+    harness.log(rank, f"traces of every rank written to {Path(args.trace_dir).resolve()} "
+                      f"({', '.join(p.name for p in paths)} for rank 0)")
 
 
 # --simulate N: the TP plan on N ranks simulated in this process (LocalTensor), without N processes
@@ -271,18 +231,18 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
     if args.tp_size not in (None, n):
         raise SystemExit(f"--simulate {n} simulates a TP group of {n} ranks; drop --tp_size or set it to {n}")
     # model and batch as plain tensors, before the simulation: inside it, factories make per-rank LocalTensors
-    config = make_config(args)
-    info = model_info(args, config)
-    model = make_model(args, config, torch.device("cpu"))
-    idx, targets = make_batch(args, info.vocab_size, 0, 0, torch.device("cpu"))
+    config = litgpt_setup.make_config(args)
+    info = litgpt_setup.model_info(args, config)
+    model = litgpt_setup.make_model(args, config, torch.device("cpu"))
+    idx, targets = litgpt_setup.make_batch(args, info.vocab_size, 0, 0, torch.device("cpu"))
     with thunder_tp.simulate(world_size=n):
         args.compile = "thunder"  # thunder_tp.executors(): Thunder's torch executor inside a simulation
-        jm = wrap(model, args, Groups(0, n, n, 0, None, 1, 0, None))
+        jm = litgpt_setup.wrap(model, args, litgpt_setup.Groups(0, n, n, 0, None, 1, 0, None))
         t0 = time.perf_counter()
         loss = jm(idx, targets)
         loss.backward()
         seconds = time.perf_counter() - t0
-        collectives = collectives_per_iteration(jm)
+        collectives = harness.collectives_per_iteration(jm)
         if args.dump_thunder_traces:
             thunder_tp.dump_traces(jm, args.trace_dir)
     losses = thunder_tp.per_rank(loss)
@@ -290,16 +250,16 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
     for p in jm.parameters():
         for r, piece in thunder_tp.per_rank(p).items():
             rank_bytes[r] += piece.numel() * piece.element_size()
-    full_bytes = param_bytes(model)
+    full_bytes = harness.param_bytes(model)
     lines = [
         f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {info.name}, "
         f"{info.n_layer} layers, mode {args.distributed_mode}, loss_parallel {args.loss_parallel}, "
         f"block_size {args.block_size}, micro_batch_size {args.micro_batch_size}",
         f"forward + backward: {seconds:.2f} s (simulated, all ranks)",
-        *(f"rank {r}: loss {losses[r].item():.6f}, parameters {fmt_bytes(rank_bytes[r])}" for r in range(n)),
-        f"full model: {fmt_bytes(full_bytes)}",
+        *(f"rank {r}: loss {losses[r].item():.6f}, parameters {harness.fmt_bytes(rank_bytes[r])}" for r in range(n)),
+        f"full model: {harness.fmt_bytes(full_bytes)}",
     ]
-    lines += collectives_lines(collectives["per_iteration"], "Collectives per rank and iteration")
+    lines += harness.collectives_lines(collectives["per_iteration"], "Collectives per rank and iteration")
     if args.dump_thunder_traces:
         lines.append(f"traces of every simulated rank written to {Path(args.trace_dir).resolve()}")
     print("\n".join(lines), flush=True)
@@ -308,9 +268,9 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
                    "distributed_mode": args.distributed_mode, "loss_parallel": args.loss_parallel,
                    "losses": {r: v.item() for r, v in losses.items()}, "param_bytes_per_rank": rank_bytes,
                    "param_bytes_full_model": full_bytes, "collectives": collectives}
-        write_json(args.json_path, results)
+        harness.write_json(args.json_path, results)
     return 0
 
 
 if __name__ == "__main__":
-    exit_without_teardown(main())
+    harness.exit_without_teardown(main())

@@ -11,7 +11,7 @@
 # built for 2.10), also the one-symbol shim `g++ -O2 -shared -fPIC -o .whl/nvfuser_abi_shim.so
 # benchmarks/gpu/nvfuser_abi_shim.cpp`, and, where the machine lacks it, zstd's library as .whl/lib/libzstd.so.1.
 # GPU_TESTS (a pytest -k expression), GPU_TESTS_S (seconds for the tests), GPU_CHECK_S (seconds for the tests and
-# the benchmark together; under 90 left, no benchmark) and GPU_MODES (compare.py's --modes) narrow a rerun.
+# the benchmark together; under 90 left, no benchmark) and GPU_MODES (benchmark_litgpt's --compare) narrow a rerun.
 # On a cold machine each litgpt test compiles for about a minute: the tests stop after 240 s by default, so the
 # whole set takes two runs.
 #

@@ -18,6 +18,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
+from benchmarks.lib import harness
 from thunder_tp import costs
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -89,15 +90,15 @@ class Link:
 
     def table(self) -> str:
         """The parameters as a markdown table with their sources."""
-        lines = [f"alpha-beta parameters ({self.name}):", "", "| kind | latency (µs) | bus bandwidth (GB/s) | source |",
-                 "|---|---:|---:|---|"]
+        rows = []
         for k in (k for k in (*KINDS, SEND_RECV) if k in self.latency_s):
             source = "; ".join(s for key, s in self.sources.items() if key.startswith(k) or key == "all")
             latency = f"{self.latency_s[k] * 1e6:.1f}"
             if self.latency_after_idle.get(k):
                 latency = ", ".join(f"{y * 1e6:.0f} after {x * 1e3:g} ms idle" for x, y in self.latency_after_idle[k])
-            lines.append(f"| {k} | {latency} | {self.bus_bytes_per_s[k] / 1e9:.2f} | {source} |")
-        return "\n".join(lines)
+            rows.append([k, latency, f"{self.bus_bytes_per_s[k] / 1e9:.2f}", source])
+        table = harness.table("kind | latency (µs)> | bus bandwidth (GB/s)> | source", rows)
+        return "\n".join([f"alpha-beta parameters ({self.name}):", "", *table])
 
 
 _SAME = "assumed as all_reduce's (only NCCL's all_reduce latency is given)"

@@ -16,7 +16,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -44,10 +44,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
     """Join the default process group (NCCL + cuda:LOCAL_RANK on CUDA, gloo on CPU); a single process works too."""
     if "RANK" not in os.environ:  # plain `python -m benchmarks.<script>`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # one GPU per rank, or none at all: every rank decides the same way (NCCL can't share a GPU between ranks)
@@ -64,6 +61,13 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pin_to_core() -> set[int]:
@@ -83,6 +87,18 @@ def exit_without_teardown(code: int | None) -> NoReturn:
         stream.flush()
     atexit._run_exitfuncs()
     os._exit(code or 0)
+
+
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, cut at ``limit`` characters."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:limit]
+
+
+def agreed(ok: bool) -> bool:
+    """True where ``ok`` holds on every rank."""
+    flag = torch.tensor([float(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def log(rank: int, *msg: Any) -> None:
@@ -258,11 +274,8 @@ def saved_for_backward(forward_trace) -> dict | None:
     if tensors is None:
         return None
     inputs = {p.name for p in tree_flatten((forward_trace.args, forward_trace.kwargs))[0] if isinstance(p, TensorProxy)}
-    return {
-        "count": len(tensors),
-        "bytes": sum(tensor_bytes(p) for p in tensors),
-        "activation_bytes": sum(tensor_bytes(p) for p in tensors if p.name not in inputs),
-    }
+    return {"count": len(tensors), "bytes": sum(tensor_bytes(p) for p in tensors),
+            "activation_bytes": sum(tensor_bytes(p) for p in tensors if p.name not in inputs)}
 
 
 def collectives_per_iteration(jm: nn.Module) -> dict:
@@ -275,12 +288,13 @@ def collectives_per_iteration(jm: nn.Module) -> dict:
     backward = thunder.last_backward_traces(jm)
     tables = {"forward": thunder_tp.collectives_table(thunder.last_traces(jm)[-1]),
               "backward": thunder_tp.collectives_table(backward[-1] if backward else None)}
-    per_pass = {}
-    for name, table in tables.items():
-        kinds = totals(table)
-        per_pass[name] = {"count": sum(k["count"] for k in kinds.values()),
-                          "bytes": sum(k["bytes"] for k in kinds.values()), "by_kind": kinds}
-    return {"tables": tables, "per_iteration": per_pass}
+    return {"tables": tables, "per_iteration": {name: pass_totals(totals(t)) for name, t in tables.items()}}
+
+
+def pass_totals(by_kind: dict) -> dict:
+    """A pass's calls and bytes over its ``{kind: {count, bytes}}``, and that by kind."""
+    return {"count": sum(k["count"] for k in by_kind.values()), "bytes": sum(k["bytes"] for k in by_kind.values()),
+            "by_kind": by_kind}
 
 
 def collectives_lines(per_iteration: dict, label: str) -> list[str]:
@@ -306,24 +320,9 @@ def rss_bytes(field: str = "VmRSS") -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def rss_rise(fn: Callable[[], T]) -> tuple[T, int | None]:
-    """``fn()`` and how far the resident set peaked above what it was before (bytes), the heap's free pages returned
-    first (malloc_trim) so that reusing them cannot hide a rise."""
-    gc.collect()
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        before = rss_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
-    except OSError:
-        return fn(), None
-    return fn(), rss_bytes("VmHWM") - before
-
-
 def peak_step_bytes(step: Callable[[], Any]) -> int | None:
-    """Memory ``step()`` needs above what is live before it: CUDA's peak allocated, or on CPU the rise of the process's
-    peak resident set (``rss_rise``)."""
+    """Memory ``step()`` needs above what is live before it: CUDA's peak allocated, or on CPU how far the resident set
+    peaked above what it was (the heap's free pages returned first, malloc_trim, so that reusing them hides no rise)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -332,7 +331,17 @@ def peak_step_bytes(step: Callable[[], Any]) -> int | None:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    return rss_rise(step)[1]
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        step()
+        return None
+    step()
+    return rss_bytes("VmHWM") - before
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -344,6 +353,14 @@ def fmt_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def table(columns: str, rows: Iterable[Sequence[Any] | str]) -> list[str]:
+    """A markdown table: ``columns`` "name | name> | ..." (">": right-aligned), then each row's cells (a str: as is)."""
+    names = [c.strip() for c in columns.split(" | ")]
+    return ["| " + " | ".join(n.removesuffix(">") for n in names) + " |",
+            "|" + "|".join("---:" if n.endswith(">") else "---" for n in names) + "|",
+            *(r if isinstance(r, str) else "| " + " | ".join(map(str, r)) + " |" for r in rows)]
 
 
 def write_json(path: str | os.PathLike, results: dict) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -102,8 +103,6 @@ def make_config(args: argparse.Namespace):
     HF_SIZES | --hf_config)."""
     if args.hf_model_type:
         return _hf_config(args)
-    import json
-
     from litgpt import Config
     overrides: dict[str, Any] = json.loads(args.litgpt_config or "{}") | {"block_size": args.block_size}
     if args.n_layers is not None:
@@ -112,8 +111,6 @@ def make_config(args: argparse.Namespace):
 
 
 def _hf_config(args: argparse.Namespace):
-    import json
-
     from transformers import AutoConfig
     sizes = HF_SIZES | json.loads(args.hf_config or "{}") | {"max_position_embeddings": args.block_size}
     if args.n_layers is not None:
@@ -229,11 +226,9 @@ def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:
     if cp_size * tp_size < world and parallel and not mode.data_parallel:
         fix = f"--tp_size {world // cp_size}" if args.distributed_mode != "none" else \
             f"--context_parallel_size {world}"
-        raise SystemExit(
-            f"--distributed_mode {args.distributed_mode} with --context_parallel_size {cp_size} * --tp_size {tp_size}"
-            f" < world size {world}: the replicas would train independently; use {fix} (or a 2-D mode that syncs "
-            "grads over DP)"
-        )
+        raise SystemExit(f"--distributed_mode {args.distributed_mode} with --context_parallel_size {cp_size} * "
+                         f"--tp_size {tp_size} < world size {world}: the replicas would train independently; use {fix} "
+                         "(or a 2-D mode that syncs grads over DP)")
     if not parallel and world > 1:
         log(rank, f"note: --distributed_mode none with {world} ranks: every rank trains its own full copy")
     return make_groups(tp_size, cp_size) if parallel else Groups(rank, world, 1, 0, None, 1, 0, None)

@@ -154,7 +154,7 @@ def litgpt_config(cfg: LlamaConfig):
         block_size=cfg.max_seq, vocab_size=cfg.vocab, padded_vocab_size=cfg.vocab, n_layer=cfg.n_layers,
         n_head=cfg.n_heads, n_query_groups=cfg.n_kv_heads, n_embd=cfg.dim, head_size=cfg.head_dim,
         intermediate_size=cfg.ffn_hidden, bias=False, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm",
-        norm_eps=cfg.norm_eps, parallel_residual=False, rotary_percentage=1.0,
+        norm_eps=cfg.norm_eps, parallel_residual=False, rotary_percentage=1.0, rope_base=int(cfg.rope_theta),
     )
 
 
@@ -209,10 +209,8 @@ def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
 
 
 def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, int]]:
-    """gpt-fast-style TP of a litgpt llama, in place (before ``set_kv_cache``, which then builds the cache of the
-    local K/V heads): this rank's heads of each of the q, k and v blocks of ``qkv`` and its columns of ``fc_1`` /
-    ``fc_2`` and of ``lm_head`` (by vocab), its rows of both ``proj``; an all_reduce of the attention's and the MLP's
-    outputs and an all_gather of the logits. The list the collectives of the last forward go to as (kind, bytes)."""
+    """gpt-fast-style TP of a litgpt llama in place, before ``set_kv_cache``: column/row shards, all_reduces and a
+    logits all_gather; returns the list the last forward's collectives go to as (kind, bytes)."""
     c = model.config
     for name in ("n_head", "n_query_groups", "intermediate_size", "padded_vocab_size"):
         if getattr(c, name) % world:
@@ -250,15 +248,10 @@ def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, in
 def generate_args(argv: list[str] | None = None, description: str = "bench_generate.py") -> argparse.Namespace:
     """bench_generate.py's command line (the model, the prompts, the modes, the timing), parsed from ``argv``."""
     p = options(description, dtype="float32")
-    p.add_argument("--n_layer", type=int, default=6)
-    p.add_argument("--n_embd", type=int, default=1024)
-    p.add_argument("--n_head", type=int, default=8)
-    p.add_argument("--n_query_groups", type=int, default=4, help="K/V heads")
-    p.add_argument("--intermediate_size", type=int, default=2816)
-    p.add_argument("--vocab", type=int, default=16384)
+    for name, default in (("n_layer", 6), ("n_embd", 1024), ("n_head", 8), ("n_query_groups", 4),
+                          ("intermediate_size", 2816), ("vocab", 16384), ("prompt_len", 128), ("new_tokens", 64)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--batch", type=int, default=1, help="1: litgpt's generate loop; more: its batched loop")
-    p.add_argument("--prompt_len", type=int, default=128)
-    p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5, help="timed generations per mode, one per round, modes alternating")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per mode (the first compiles)")
     p.add_argument("--modes", default="all",

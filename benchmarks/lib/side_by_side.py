@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -24,27 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.lib.harness import (
-    EXECUTORS,
-    add_round,
-    alternating_rounds,
-    on_ranks,
-    param_bytes,
-    peak_step_bytes,
-    pin_to_core,
-    random_batch,
-    saved_for_backward,
-    seeded_model,
-    slowest_rank,
-    step_context,
-    steps_per_round,
-    sync,
-    tensor_bytes,
-    time_stats,
-    time_steps,
-    train_step,
-    write_json,
-)
+from benchmarks.lib import harness
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, hf_config, litgpt_config
 from benchmarks.lib.modes import MODES, How, Mode
 
@@ -99,11 +80,11 @@ def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
         from transformers import LlamaForCausalLM
 
         from thunder_tp.plans.hf import CausalLMLoss
-        return seeded_model(lambda: CausalLMLoss(LlamaForCausalLM(hf_config(cfg))), seed)
+        return harness.seeded_model(lambda: CausalLMLoss(LlamaForCausalLM(hf_config(cfg))), seed)
     if family == "litgpt":
         from thunder_tp.plans.litgpt import GPTWithLoss
-        return seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)
-    return seeded_model(lambda: WithLoss(Llama(cfg)), seed)
+        return harness.seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)
+    return harness.seeded_model(lambda: WithLoss(Llama(cfg)), seed)
 
 
 class GradientMismatch(AssertionError):
@@ -111,9 +92,8 @@ class GradientMismatch(AssertionError):
 
 
 def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient, by parameter name of the original model (collective in a distributed mode:
-    DTensor gradients are gathered with ``full_tensor``, thunder_tp's shards through its transforms' reverse of the
-    state dict, as ``ThunderModule.original_state_dict`` does)."""
+    """Every parameter's full gradient by the original model's names (collective: DTensor's ``full_tensor``,
+    thunder_tp's shards through its transforms' reverse of the state dict)."""
     from torch.distributed.tensor import DTensor
     grads = {}
     for name, p in module.named_parameters():
@@ -152,7 +132,6 @@ def check_gradients(mode_name: str, grads: dict[str, torch.Tensor], reference: d
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
     """The compared Llama's dims: ``--llama_config`` over the defaults, ``--n_layers`` and ``--block_size``."""
-    import json
     fields = json.loads(args.llama_config or "{}") | {"max_seq": args.block_size}
     if args.n_layers is not None:
         fields["n_layers"] = args.n_layers
@@ -164,9 +143,9 @@ def reference_run(kind: str, cfg: LlamaConfig, state: dict, idx, targets, lr: fl
     model = make_model(kind, cfg, 0)
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loss1 = train_step(model, opt, idx, targets).item()
+    loss1 = harness.train_step(model, opt, idx, targets).item()
     grads = {name: p.grad.detach().to(torch.float64) for name, p in model.named_parameters()}
-    return {"losses": [loss1, train_step(model, opt, idx, targets).item()], "grads": grads}
+    return {"losses": [loss1, harness.train_step(model, opt, idx, targets).item()], "grads": grads}
 
 
 def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
@@ -179,72 +158,68 @@ def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: d
     t0 = time.perf_counter()
     jm = mode.build(model)
     opt = torch.optim.SGD(list(jm.parameters()), lr=args.learning_rate)
-    loss1 = train_step(jm, opt, idx, targets)
-    sync()
+    loss1 = harness.train_step(jm, opt, idx, targets)
+    harness.sync()
     result["first_iter_s"] = time.perf_counter() - t0
     result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.family]["grads"], args.grad_rtol)
-    loss2 = train_step(jm, opt, idx, targets)
+    loss2 = harness.train_step(jm, opt, idx, targets)
     result["loss_step1"], result["loss_step2"] = loss1.item(), loss2.item()
     ref1, ref2 = reference[mode.family]["losses"]
     ok = math.isclose(loss1.item(), ref1, rel_tol=LOSS_RTOL) and math.isclose(loss2.item(), ref2,
                                                                                    rel_tol=10 * LOSS_RTOL)
-    result |= {"reference_losses": [ref1, ref2], "param_bytes": param_bytes(jm)}
+    result |= {"reference_losses": [ref1, ref2], "param_bytes": harness.param_bytes(jm)}
     if distributed:
-        agreed = torch.tensor([float(ok)])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        ok = bool(agreed.item())
-        result["first_iter_s"] = slowest_rank([result["first_iter_s"]])[0]
+        ok = harness.agreed(ok)
+        result["first_iter_s"] = harness.slowest_rank([result["first_iter_s"]])[0]
     result["loss_ok"] = ok
     if not ok:
         result["error"] = (f"first/second-step loss {loss1.item():.7f}/{loss2.item():.7f} differs from single-device "
                            f"{ref1:.7f}/{ref2:.7f}; not timed")
         return result, None
     for _ in range(max(args.warmup_iters - 2, 0)):  # the first two steps were warm-up too
-        train_step(jm, opt, idx, targets)
+        harness.train_step(jm, opt, idx, targets)
     return result, (jm, opt, list(jm.parameters()))
 
 
 def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps, traces, peak memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
-    step = partial(train_step, jm, opt, idx, targets)
-    result.update(time_stats(result["times_s"]))
+    step = partial(harness.train_step, jm, opt, idx, targets)
+    result.update(harness.time_stats(result["times_s"]))
     result["minor_faults_per_step"] = statistics.median(result["minor_faults"])
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.dump_thunder_traces and mode.runtime == "thunder":
         import thunder_tp
         thunder_tp.dump_traces(jm, os.path.join(args.trace_dir, mode.name))
-    result["peak_step_bytes"] = peak_step_bytes(step)
+    result["peak_step_bytes"] = harness.peak_step_bytes(step)
     measure_memory_and_comm(mode, jm, params, idx, targets, result)
 
 
 def measure_memory_and_comm(mode: Entry, jm, params, idx, targets, result: dict) -> None:
     """Saved-for-backward bytes and collectives of one more forward/backward."""
     jm.zero_grad(set_to_none=True)
-    with step_context(jm):
+    with harness.step_context(jm):
         saved, loss = hooked_saved_bytes(lambda: jm(idx, targets), params)
         loss.backward()
-    result["saved_bytes_hooks"] = saved
-    result["saved_bytes"] = saved
+    result["saved_bytes_hooks"] = result["saved_bytes"] = saved
     if mode.runtime == "thunder":
         import thunder
 
         from thunder_tp.tools.debug import collective_calls
         fwd_t, bwd_t = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
-        result["saved_bytes"] = (saved_for_backward(fwd_t) or {}).get("activation_bytes")
+        result["saved_bytes"] = (harness.saved_for_backward(fwd_t) or {}).get("activation_bytes")
         for name, trace in (("forward", fwd_t), ("backward", bwd_t)):
             result[f"comm_{name}_trace"] = summarize_records([(c["kind"], c["bytes"]) for c in collective_calls(trace)])
         result["fusion_regions"] = [sum(b.sym.is_fusion for b in t.bound_symbols) for t in (fwd_t, bwd_t)]
     fwd_mode, bwd_mode = comm_mode(), comm_mode()
     jm.zero_grad(set_to_none=True)
     try:
-        with step_context(jm):
+        with harness.step_context(jm):
             with fwd_mode:
                 loss = jm(idx, targets)
             with bwd_mode:
                 loss.backward()
-        result["comm_forward"] = summarize_records(fwd_mode.records)
-        result["comm_backward"] = summarize_records(bwd_mode.records)
+        result["comm_forward"], result["comm_backward"] = (summarize_records(m.records) for m in (fwd_mode, bwd_mode))
     except Exception as e:
         result["comm_note"] = f"runtime comm measurement failed: {type(e).__name__}: {str(e).splitlines()[0]}"
     jm.zero_grad(set_to_none=True)
@@ -265,7 +240,7 @@ def prepare_all(modes: list[Entry], cfg: LlamaConfig, idx, targets, args, result
             if state is not None:
                 states[mode.name] = state
         except Exception as e:
-            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            msg = harness.error_line(e)
             if mode.runtime != "compile" or isinstance(e, GradientMismatch):
                 traceback.print_exc()
                 raise
@@ -275,7 +250,7 @@ def prepare_all(modes: list[Entry], cfg: LlamaConfig, idx, targets, args, result
         if dist.get_rank() == 0:
             print(f"[compare] {mode.name}: {mode.description}", file=sys.stderr, flush=True)
         results[mode.name] = {"description": mode.description}
-        on_ranks(mode.ranks, partial(prepare, mode))
+        harness.on_ranks(mode.ranks, partial(prepare, mode))
     return states
 
 
@@ -284,13 +259,14 @@ def time_rounds(modes: list[Entry], states: dict, idx, targets, args, results: d
     ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
     dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
     timed_modes = [m for m, ok in zip(modes, ready.tolist(), strict=True) if ok]
-    per_round = steps_per_round(args.max_iters - args.warmup_iters, args.rounds)
-    for r, mode in alternating_rounds(timed_modes, len(per_round)):  # every mode a few steps per round
+    per_round = harness.steps_per_round(args.max_iters - args.warmup_iters, args.rounds)
+    for r, mode in harness.alternating_rounds(timed_modes, len(per_round)):  # every mode a few steps per round
         def run(mode=mode, steps=per_round[r]):
             jm, opt, _ = states[mode.name]
-            times, faults = time_steps(partial(train_step, jm, opt, idx, targets), steps, distributed=mode.ranks != 1)
-            add_round(results[mode.name], times, faults)
-        on_ranks(mode.ranks, run)
+            step = partial(harness.train_step, jm, opt, idx, targets)
+            times, faults = harness.time_steps(step, steps, distributed=mode.ranks != 1)
+            harness.add_round(results[mode.name], times, faults)
+        harness.on_ranks(mode.ranks, run)
     return timed_modes
 
 
@@ -300,14 +276,14 @@ def compare(args: argparse.Namespace, rank: int, world: int, device: torch.devic
     if device.type == "cuda":
         torch.set_default_device(device)
     cfg = llama_config(args)
-    idx, targets = random_batch(args.micro_batch_size, args.block_size, cfg.vocab, 1234, device)
-    how = How(EXECUTORS[args.compile], batch=(args.micro_batch_size, args.block_size))
+    idx, targets = harness.random_batch(args.micro_batch_size, args.block_size, cfg.vocab, 1234, device)
+    how = How(harness.EXECUTORS[args.compile], batch=(args.micro_batch_size, args.block_size))
     modes = entries(args.compare, args.skip, how)
     results: dict = {}
     states = prepare_all(modes, cfg, idx, targets, args, results)
     for mode in time_rounds(modes, states, idx, targets, args, results):
         state = states.pop(mode.name, None)  # on a one-rank mode's other ranks: none
-        on_ranks(mode.ranks, partial(finish_mode, mode, state, idx, targets, args, results[mode.name]))
+        harness.on_ranks(mode.ranks, partial(finish_mode, mode, state, idx, targets, args, results[mode.name]))
         if rank == 0:
             print(f"[compare] {mode.name}: {summary_line(results[mode.name])}", file=sys.stderr, flush=True)
         gc.collect()
@@ -322,7 +298,7 @@ def compare_process(args: argparse.Namespace):
     """What a side-by-side run sets up before its process group: ranks pinned one per core (CPU) and an empty Inductor
     cache (honest first-iteration times), removed after."""
     if args.pin_cores and not torch.cuda.is_available():
-        pin_to_core()
+        harness.pin_to_core()
     cache_dir = None
     if args.fresh_inductor_cache:
         cache_dir = tempfile.mkdtemp(prefix=f"compare_inductor_{os.environ.get('RANK', '0')}_")
@@ -354,13 +330,14 @@ def _payload(name: str, args, out) -> int:
     kind, short = _kind(name), name.split("::")[-1]
     if "c10d_functional" in name:
         if kind == "all_gather":
-            return sum(tensor_bytes(t) for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        return tensor_bytes(tensors[0]) if tensors else 0
+            outs = torch.utils._pytree.tree_flatten(out)[0]
+            return sum(harness.tensor_bytes(t) for t in outs if isinstance(t, torch.Tensor))
+        return harness.tensor_bytes(tensors[0]) if tensors else 0
     if short in ("_allgather_base_", "_reduce_scatter_base_"):  # (output, input, ...)
-        return tensor_bytes(tensors[0] if kind == "all_gather" else tensors[1])
+        return harness.tensor_bytes(tensors[0] if kind == "all_gather" else tensors[1])
     if short == "allgather_":  # (output lists, input list)
-        return sum(tensor_bytes(t) for t in tensors[:-1])
-    return sum(tensor_bytes(t) for t in tensors)
+        return sum(harness.tensor_bytes(t) for t in tensors[:-1])
+    return sum(harness.tensor_bytes(t) for t in tensors)
 
 
 def comm_mode():
@@ -384,12 +361,7 @@ def comm_mode():
 
 def summarize_records(records: list[tuple[str, int]]) -> dict:
     """Counts per kind, the number of calls and the bytes of (kind, bytes) records."""
-    counts: dict[str, int] = {}
-    nbytes = 0
-    for kind, b in records:
-        counts[kind] = counts.get(kind, 0) + 1
-        nbytes += b
-    return {"counts": counts, "total": sum(counts.values()), "bytes": nbytes}
+    return {"counts": dict(Counter(k for k, _ in records)), "total": len(records), "bytes": sum(b for _, b in records)}
 
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -420,8 +392,13 @@ def _mb(b) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
+def _comms(r: dict) -> tuple[dict | None, dict | None]:
+    """A mode's forward and backward collectives: from its traces, or else counted at runtime."""
+    return r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
+
+
 def _comm_cell(r: dict) -> str:
-    f, b = r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
+    f, b = _comms(r)
     if f is None or b is None:
         return "-"
     def short(c):
@@ -432,7 +409,7 @@ def _comm_cell(r: dict) -> str:
 
 def comm_bytes(r: dict) -> int | None:
     """Bytes a mode's collectives move per step (forward + backward), from its traces or else counted at runtime."""
-    f, b = r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
+    f, b = _comms(r)
     return None if f is None or b is None else f["bytes"] + b["bytes"]
 
 
@@ -469,31 +446,26 @@ def _fmt(x, spec: str) -> str:
 def markdown_table(results: dict) -> str:
     """One row per mode: step times, speed-ups, memory, fusion regions and collectives, or why it was not timed."""
     ref = (results.get("dtensor_tp") or results.get("hf_tp") or {}).get("median_s")
-    lines = [
-        "| mode | ranks | step median (ms) | min–max (ms) | tokens/s | × DTensor TP (or HF's) | speed-up vs 1 rank "
-        "| parallel eff. | first iter (s) | params/rank (MB) | saved for bwd (MB) | peak step mem (MB) "
-        "| page faults/step | fusion regions fwd / bwd | collectives fwd / bwd | comm/step (MB) | loss ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
-    ]
+    cells = []
     for name, r in results.items():
         first = _fmt(r.get("first_iter_s"), ".1f")
         if "median_s" not in r:
             reason = r.get("error") or r.get("skipped") or "not run"
-            lines.append(f"| {name} | {r.get('ranks', '–')} | – | – | – | – | – | – | {first} | – | – | – | – | – | – "
-                         f"| – | {reason} |")
+            cells.append([name, r.get("ranks", "–"), *["–"] * 6, first, *["–"] * 7, reason])
             continue
         faster = speedup(results, name, r["median_s"])
-        cells = [
-            name, str(r["ranks"]), f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
+        cells.append([
+            name, r["ranks"], f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
             f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(faster, ".2f"),
             _fmt(parallel_efficiency(results, name, r["median_s"]), ".2f"), first, _mb(r.get("param_bytes")),
-            _saved_cell(r),
-            _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
+            _saved_cell(r), _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
             " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
-            _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO"])
+    return "\n".join(harness.table(
+        "mode | ranks> | step median (ms)> | min–max (ms)> | tokens/s> | × DTensor TP (or HF's)> | "
+        "speed-up vs 1 rank> | parallel eff.> | first iter (s)> | params/rank (MB)> | saved for bwd (MB)> | "
+        "peak step mem (MB)> | page faults/step> | fusion regions fwd / bwd> | collectives fwd / bwd | "
+        "comm/step (MB)> | loss ok", cells))
 
 
 def summary_line(r: dict) -> str:
@@ -528,19 +500,15 @@ def targets_summary(results: dict, world: int) -> dict:
     """The run against its targets (step time against DTensor's and the single device's, first iteration against plain
     thunder.jit), measured."""
     out: dict = {}
-    tp, dt, single = (results.get(n, {}) for n in ("tp", "dtensor_tp", "thunder"))
-    if "median_s" in tp and "median_s" in dt:
-        out["tp_vs_dtensor"] = _ratio(tp, dt, 0.85)
-    if "median_s" in tp and "median_s" in single:
-        out["parallel_efficiency"] = _efficiency(tp, single, world, 0.9)
-    lp, dt_lp = (results.get(n, {}) for n in ("tp_lp", "dtensor_tp_lp"))
-    if "median_s" in lp and "median_s" in dt_lp:
-        out["tp_vs_dtensor_loss_parallel"] = _ratio(lp, dt_lp, 0.85)
-    if "median_s" in lp and "median_s" in single:
-        out["parallel_efficiency_loss_parallel"] = _efficiency(lp, single, world, 0.9)
-    for name in ("hf:tp", "hf:tp_lp"):
-        if "median_s" in results.get(name, {}) and "median_s" in results.get("hf_tp", {}):
-            out[f"{name}_vs_hf_tp"] = _ratio(results[name], results["hf_tp"], 0.7)
+    tp, single = results.get("tp", {}), results.get("thunder", {})
+    for key, a, b in (("tp_vs_dtensor", "tp", "dtensor_tp"), ("parallel_efficiency", "tp", "thunder"),
+                      ("tp_vs_dtensor_loss_parallel", "tp_lp", "dtensor_tp_lp"),
+                      ("parallel_efficiency_loss_parallel", "tp_lp", "thunder"),
+                      ("hf:tp_vs_hf_tp", "hf:tp", "hf_tp"), ("hf:tp_lp_vs_hf_tp", "hf:tp_lp", "hf_tp")):
+        ra, rb = results.get(a, {}), results.get(b, {})
+        if "median_s" in ra and "median_s" in rb:
+            target = 0.7 if key.startswith("hf") else 0.85
+            out[key] = _efficiency(ra, rb, world, 0.9) if b == "thunder" else _ratio(ra, rb, target)
     if "first_iter_s" in tp and "first_iter_s" in single:
         out["first_iter_vs_thunder_jit"] = {"ratio": tp["first_iter_s"] / single["first_iter_s"], "target": 1.3}
     if "comm_forward_trace" in tp:
@@ -552,18 +520,15 @@ def targets_summary(results: dict, world: int) -> dict:
 def report(args, cfg, world: int, results: dict) -> None:
     """Print the run's header, the table and the targets; write the JSON."""
     table = markdown_table(results)
-    print()
-    print(f"Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
+    print(f"\nLlama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} ffn={cfg.ffn_hidden} "
           f"vocab={cfg.vocab}, batch={args.micro_batch_size} seq={args.block_size}; {world} ranks x "
           f"{torch.get_num_threads()} thread, "
           f"{'NCCL' if torch.cuda.is_available() else 'gloo'}; "
-          f"median of {args.max_iters - args.warmup_iters} steps after {args.warmup_iters} warm-up")
-    print()
-    print(table)
+          f"median of {args.max_iters - args.warmup_iters} steps after {args.warmup_iters} warm-up\n")
     summary = targets_summary(results, world)
-    print()
-    print(json.dumps(summary, indent=1))
+    print(table, "", json.dumps(summary, indent=1), sep="\n")
     if args.json_path:
-        write_json(args.json_path, {"command": " ".join(sys.argv), "config": asdict(cfg), "world_size": world,
-                                    "batch": args.micro_batch_size, "seq": args.block_size, "steps": args.max_iters,
-                                    "warmup": args.warmup_iters, "modes": results, "targets": summary, "table": table})
+        harness.write_json(args.json_path, {
+            "command": " ".join(sys.argv), "config": asdict(cfg), "world_size": world, "batch": args.micro_batch_size,
+            "seq": args.block_size, "steps": args.max_iters, "warmup": args.warmup_iters, "modes": results,
+            "targets": summary, "table": table})

@@ -20,32 +20,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks.lib import harness, llama
 from benchmarks.lib.alpha_beta import KINDS, Link, project_step
-from benchmarks.lib.harness import (
-    EXECUTORS,
-    exit_without_teardown,
-    init_distributed,
-    options,
-    pin_to_core,
-    random_batch,
-    seeded_model,
-    slowest_rank,
-    thunder_structure,
-    timed_decode,
-    timed_training,
-    write_json,
-)
-from benchmarks.lib.llama import (
-    Llama,
-    LlamaConfig,
-    WithLoss,
-    decode_config,
-    generate_args,
-    new_gpt,
-    set_cache,
-)
-from benchmarks.lib.modes import MODES, How, llama_on_meta, tp_decode
+from benchmarks.lib.modes import MODES, How, llama_on_meta, tp_decode, unstepped
 
+CPU = torch.device("cpu")
+#: the training Llama's flags (LlamaConfig fields)
+DIMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab", "ffn_hidden")
 SMALL, LARGE = 8 << 10, 2 << 20  # bytes of the full tensor
 #: idle times of the link before a small collective (seconds); the bandwidth is measured after BANDWIDTH_IDLE_S
 IDLE_S, BANDWIDTH_IDLE_S = (0.0, 0.5e-3, 1e-3, 2e-3, 4e-3, 16e-3), 1e-3
@@ -81,7 +62,7 @@ def after_idle_s(step: Callable[[], None], idle_s: float, repeats: int) -> float
         step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return statistics.fmean(slowest_rank(times))
+    return statistics.fmean(harness.slowest_rank(times))
 
 
 def measure_link(repeats: int = 40) -> Link:
@@ -106,41 +87,38 @@ def measure_link(repeats: int = 40) -> Link:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = options(__doc__)
-    cfg = LlamaConfig()
-    for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab", "ffn_hidden"):
-        p.add_argument(f"--{f}", type=int, default=getattr(cfg, f), help="training Llama (compare.py's defaults)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
+    p = harness.options(__doc__)
+    cfg = llama.LlamaConfig()
+    for f in DIMS:
+        p.add_argument(f"--{f}", type=int, default=getattr(cfg, f), help="training Llama (lib/llama.py's defaults)")
+    for name, default in (("batch", 4), ("seq", 256), ("steps", 10), ("warmup", 3)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--plan", choices=["tp", "tp_lp", "tp_sp"], default="tp_lp")
     p.add_argument("--workloads", default="training,decode", help="'': gloo's alpha-beta alone")
-    p.add_argument("--executors", choices=list(EXECUTORS), default="thunder")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--executors", choices=list(harness.EXECUTORS), default="thunder")
     p.add_argument("--tolerance", type=float, default=0.25)
     return p.parse_args(argv)
 
 
-def training_config(args: argparse.Namespace) -> LlamaConfig:
-    return LlamaConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                       vocab=args.vocab, ffn_hidden=args.ffn_hidden, max_seq=args.seq)
+def training_config(args: argparse.Namespace) -> llama.LlamaConfig:
+    return llama.LlamaConfig(**{k: getattr(args, k) for k in DIMS}, max_seq=args.seq)
 
 
 def training_module(args: argparse.Namespace, alone: bool) -> torch.nn.Module:
     """The registry's mode of ``--plan`` on the Llama: meta-built with random weights (alone), or seeded."""
-    cfg, device = training_config(args), torch.device("cpu")
-    model = llama_on_meta(cfg, torch.float32) if alone else seeded_model(lambda: WithLoss(Llama(cfg)), 0)
-    return MODES[args.plan].wrap(model, How(EXECUTORS[args.executors], materialize=device if alone else None))
+    cfg = training_config(args)
+    model = (llama_on_meta(cfg, torch.float32) if alone
+             else harness.seeded_model(lambda: llama.WithLoss(llama.Llama(cfg)), 0))
+    return MODES[args.plan].wrap(model, How(harness.EXECUTORS[args.executors], materialize=CPU if alone else None))
 
 
 def decode_module(gen: argparse.Namespace, alone: bool) -> torch.nn.Module:
     """bench_generate.py's tp mode: meta-built with random weights, through a DecodeStep (alone), or seeded."""
-    device = torch.device("cpu")
     if not alone:
-        return MODES["tp"].wrap(set_cache(new_gpt(gen, device), gen, device), How(EXECUTORS[gen.compile]))
+        return MODES["tp"].wrap(llama.set_cache(llama.new_gpt(gen, CPU), gen, CPU), How(harness.EXECUTORS[gen.compile]))
     strategy = "bound" if gen.compile == "thunder_default" else "compiled"
-    how = How(EXECUTORS[gen.compile], materialize=device)
-    return tp_decode(decode_config(gen), _position(gen), gen.batch, torch.float32, how, strategy)
+    how = How(harness.EXECUTORS[gen.compile], materialize=CPU)
+    return tp_decode(llama.decode_config(gen), _position(gen), gen.batch, torch.float32, how, strategy)
 
 
 def _position(gen: argparse.Namespace) -> int:
@@ -154,15 +132,15 @@ def measure(workload: str, args: argparse.Namespace, gen: argparse.Namespace, al
     if workload == "training":
         jm = training_module(args, alone)
         optimizer = torch.optim.SGD(jm.parameters(), lr=1e-2)
-        batch = random_batch(args.batch, args.seq, args.vocab, 1234, torch.device("cpu"))
-        result = timed_training(jm, batch, optimizer, args.steps, args.warmup, torch.device("cpu"), barrier)
+        batch = harness.random_batch(args.batch, args.seq, args.vocab, 1234, CPU)
+        result = harness.timed_training(jm, batch, optimizer, args.steps, args.warmup, CPU, barrier)
     else:
         jm = decode_module(gen, alone)
-        result = timed_decode(jm, gen.batch, _position(gen), args.steps, args.warmup, torch.device("cpu"), barrier)
+        result = harness.timed_decode(jm, gen.batch, _position(gen), args.steps, args.warmup, CPU, barrier)
     if alone:
-        result.update(thunder_structure(jm))
+        result.update(harness.thunder_structure(unstepped(jm)))
     else:
-        result["step_s"] = statistics.median(slowest_rank([s["step_s"] for s in result["samples"]]))
+        result["step_s"] = statistics.median(harness.slowest_rank([s["step_s"] for s in result["samples"]]))
     return result
 
 
@@ -181,14 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     """Measure alone, then in the group; print predicted against measured (rank 0); 1 where a prediction misses."""
     import thunder_tp
     args = parse_args(argv)
-    gen = generate_args(["--compile", args.executors])
+    gen = llama.generate_args(["--compile", args.executors])
     workloads = [w for w in args.workloads.split(",") if w]
     torch.set_num_threads(1)
-    pin_to_core()
+    harness.pin_to_core()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     with thunder_tp.one_rank(world, rank, "cpu"):
         alone = {w: measure(w, args, gen, alone=True) for w in workloads}
-    init_distributed(timeout_s=600)
+    harness.init_distributed(timeout_s=600)
     link = measure_link()
     real = {w: measure(w, args, gen, alone=False) for w in workloads}
     rows = {w: {**predict(w, alone[w], link), "measured_s": real[w]["step_s"]} for w in workloads}
@@ -199,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         _print(rows, link, args, world)
         if args.json_path:
-            write_json(args.json_path, {"args": vars(args), "decode": vars(gen), "world_size": world,
-                                        "link": {"latency_s": link.latency_s, "bus_bytes_per_s": link.bus_bytes_per_s},
-                                        "rows": rows})
+            link_json = {"latency_s": link.latency_s, "bus_bytes_per_s": link.bus_bytes_per_s}
+            harness.write_json(args.json_path, {"args": vars(args), "decode": vars(gen), "world_size": world,
+                                                "link": link_json, "rows": rows})
     dist.barrier()
     dist.destroy_process_group()
     return 1 if missed else 0
@@ -211,16 +189,14 @@ def _print(rows: dict, link: Link, args: argparse.Namespace, world: int) -> None
     print(f"\nCalibration on this machine: {world} gloo ranks, --plan {args.plan}, --executors {args.executors}, "
           f"medians of {args.steps} steps\n")
     print(link.table(), "", sep="\n")
-    print("| workload | compute alone (ms) | + communication (ms) | predicted, no overlap (ms) | predicted, overlap "
-          "(ms) | measured (ms) | error, no overlap | error, overlap |", "|---|---:|---:|---:|---:|---:|---:|---:|",
+    cells = [[w, *(f"{r[k] * 1e3:.1f}" for k in ("compute_s", "comm_s", "no_overlap_s", "overlap_s", "measured_s")),
+              f"{r['error_no_overlap']:+.1%}", f"{r['error_overlap']:+.1%}"] for w, r in rows.items()]
+    print(*harness.table("workload | compute alone (ms)> | + communication (ms)> | predicted, no overlap (ms)> | "
+                         "predicted, overlap (ms)> | measured (ms)> | error, no overlap> | error, overlap>", cells),
           sep="\n")
-    for w, r in rows.items():
-        print(f"| {w} | {r['compute_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | {r['no_overlap_s'] * 1e3:.1f} | "
-              f"{r['overlap_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {r['error_no_overlap']:+.1%} | "
-              f"{r['error_overlap']:+.1%} |")
     print(f"(within ±{args.tolerance:.0%}: " + ", ".join(
         f"{w} {'yes' if abs(r['error_overlap']) <= args.tolerance else 'NO'}" for w, r in rows.items()) + ")")
 
 
 if __name__ == "__main__":
-    exit_without_teardown(main())
+    harness.exit_without_teardown(main())

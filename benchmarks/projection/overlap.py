@@ -18,7 +18,7 @@ import torch
 
 import thunder_tp
 from benchmarks.lib.alpha_beta import LINKS, Link, PassProjection, flops, project_pass
-from benchmarks.lib.harness import options, write_json
+from benchmarks.lib.harness import options, table, write_json
 from benchmarks.lib.llama import LlamaConfig, thunder_tp_plan
 from benchmarks.lib.modes import llama_on_meta
 from thunder_tp.execution.overlap_cost import Costs, device_costs
@@ -166,19 +166,16 @@ def summary(args, projected: dict) -> dict:
 
 def report(args, link: Link, rows: dict) -> str:
     lines = [f"Llama-3-8B, bf16, 1 x {args.seq} tokens, SP + loss parallel, rank tp-1; compute: {args.layer_ms} ms "
-             f"per layer + {args.base_ms} ms at TP {args.measured_tp} (scaled by FLOPs); {link.name}", "",
-             "| TP | mode | compute / layer (ms) | chunks add (ms) | comm / layer, serial (ms) | "
-             "exposed / layer (ms) | exposed vs undecomposed | tokens/s/GPU, no overlap | tokens/s/GPU, schedule |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for tp, modes in sorted(rows.items()):
-        for mode, r in modes.items():
-            lines.append(f"| {tp} | {mode} | {r['layer_compute_ms']:.3f} | {r['chunk_cost_ms']:.3f} | "
-                         f"{r['layer_comm_ms']:.3f} | {r['layer_exposed_ms']:.3f} | {r['exposed_vs_never']:.0%} | "
-                         f"{r['tokens_per_s_no_overlap']:,.0f} | {r['tokens_per_s']:,.0f} |")
-    lines.append("")
-    lines.append("torchtitan, FSDP 8 x TP 8 on 64 H100s: " +
-                 ", ".join(f"{k} {v:,} tokens/s/GPU" for k, v in TORCHTITAN.items()))
-    return "\n".join(lines)
+             f"per layer + {args.base_ms} ms at TP {args.measured_tp} (scaled by FLOPs); {link.name}", ""]
+    cells = [[tp, mode, *(f"{r[k]:.3f}" for k in ("layer_compute_ms", "chunk_cost_ms", "layer_comm_ms",
+                                                   "layer_exposed_ms")), f"{r['exposed_vs_never']:.0%}",
+              f"{r['tokens_per_s_no_overlap']:,.0f}", f"{r['tokens_per_s']:,.0f}"]
+             for tp, modes in sorted(rows.items()) for mode, r in modes.items()]
+    lines += table("TP> | mode | compute / layer (ms)> | chunks add (ms)> | comm / layer, serial (ms)> | "
+                   "exposed / layer (ms)> | exposed vs undecomposed> | tokens/s/GPU, no overlap> | "
+                   "tokens/s/GPU, schedule>", cells)
+    titan = ", ".join(f"{k} {v:,} tokens/s/GPU" for k, v in TORCHTITAN.items())
+    return "\n".join([*lines, "", f"torchtitan, FSDP 8 x TP 8 on 64 H100s: {titan}"])
 
 
 def main(argv: list[str] | None = None) -> None:
