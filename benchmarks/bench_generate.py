@@ -61,18 +61,17 @@ RUNS = {"thunder": ("thunder", "(a)", "shards", 1), "eager": ("eager", "(b)", "s
 
 
 def all_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
-    """The modes of ``RUNS``: ``mode.build(shared)`` makes its module (``shared``: the single-device GPT, on rank 0
-    only)."""
+    """The modes of ``RUNS``: ``mode.build(shared)`` makes its module (``shared``: rank 0's single-device GPT)."""
     how = How(harness.EXECUTORS[args.compile])
     def build(registered: str, shared: nn.Module | None) -> nn.Module:
         mode = MODES[registered]
         return mode.wrap(set_cache(new_gpt(args, device), args, device) if mode.distributed else shared, how)
-    world = dist.get_world_size()
-    return [Run(name, f"{label} {MODES[registered].description}" + (f", TP={world}" if MODES[registered].distributed
-                                                                       else ", one device"),
-                 world if MODES[registered].distributed else 1, partial(build, registered),
-                 MODES[registered].runtime, threads)
-            for name, (registered, label, _, threads) in RUNS.items()]
+    def run(name: str, registered: str, label: str, threads: int) -> Run:
+        mode, world = MODES[registered], dist.get_world_size()
+        where = f", TP={world}" if mode.distributed else ", one device"
+        return Run(name, f"{label} {mode.description}{where}", world if mode.distributed else 1,
+                   partial(build, registered), mode.runtime, threads)
+    return [run(name, registered, label, threads) for name, (registered, label, _, threads) in RUNS.items()]
 
 
 def select_modes(modes: list[Run], names: str, device: torch.device) -> list[Run]:

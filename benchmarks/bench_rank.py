@@ -166,16 +166,10 @@ def litgpt_config(dims: dict, layers: int):
 def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg: LlamaConfig, device, tp: int) -> dict:
     """The collectives of one more forward and backward of a compiled mode, counted by CommDebugMode (after timing: a
     dispatch mode makes Dynamo run the rest eagerly)."""
-    from benchmarks.lib.side_by_side import comm_mode
-    idx, targets = harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
-    forward, backward = comm_mode(), comm_mode()
-    with harness.step_context(model):
-        with forward:
-            loss = model(idx, targets)
-        with backward:
-            loss.backward()
-    return {"traces": {}, "collectives": {"forward": [[k, tp, b] for k, b in forward.records],
-                                          "backward": [[k, tp, b] for k, b in backward.records]}}
+    from benchmarks.lib.side_by_side import counted_step
+    passes = counted_step(model, *harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device))
+    return {"traces": {}, "collectives": {name: [[k, tp, b] for k, b in records]
+                                          for name, records in zip(("forward", "backward"), passes, strict=True)}}
 
 
 def run_row(mode: RankMode, tp: int, rank: int, device: torch.device, measure: Callable[[], dict]) -> dict:
@@ -200,13 +194,10 @@ def run_row(mode: RankMode, tp: int, rank: int, device: torch.device, measure: C
 def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     """The warnings of regions that their backend rejected (thunder_tp.execution.fallback); the others shown."""
     from thunder_tp.execution.fallback import RegionFallbackWarning
-    fallbacks = []
     for w in caught:
-        if issubclass(w.category, RegionFallbackWarning):
-            fallbacks.append(str(w.message))
-        else:
+        if not issubclass(w.category, RegionFallbackWarning):
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return fallbacks
+    return [str(w.message) for w in caught if issubclass(w.category, RegionFallbackWarning)]
 
 
 def release_memory(device: torch.device) -> int:
@@ -343,8 +334,8 @@ def _projection(workload: str, mode: RankMode, by_depth: dict, args, dims) -> di
         traces = r["traces"] or _records_as_passes(r["collectives"])
         step = project_step(traces, compute, link, other_s=r.get("optimizer_s", 0.0))
         per_depth[depth] = {"no_overlap_s": step.no_overlap_s, "overlap_s": step.overlap_s, "comm_s": step.comm_s}
-    out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in ("no_overlap_s", "overlap_s",
-                                                                                            "comm_s")}
+    keys = ("no_overlap_s", "overlap_s", "comm_s")
+    out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in keys}
     out["overlap_s"] = min(out["overlap_s"], out["no_overlap_s"])  # two depths' lines may cross past the deeper one
     out["link"] = link.name
     out["overlap_from_trace"] = bool(by_depth[max(by_depth)]["traces"])

@@ -49,14 +49,12 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.de
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # one GPU per rank, or none at all: every rank decides the same way (NCCL can't share a GPU between ranks)
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
-        device = torch.device("cuda", local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         if torch.cuda.is_available() and local_rank == 0:
             print(f"note: {torch.cuda.device_count()} GPU(s) for {local_world} ranks per node: running on CPU (gloo)")
-        device = torch.device("cpu")
-        backend = "gloo"
+        device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
@@ -348,11 +346,11 @@ def fmt_bytes(n: float | None) -> str:
     """``n`` bytes in B / KiB / MiB / GiB."""
     if n is None:
         return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError
+    return f"{n:.2f} GiB"
 
 
 def table(columns: str, rows: Iterable[Sequence[Any] | str]) -> list[str]:

@@ -24,8 +24,7 @@ def str2bool(value: str | bool) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = options("Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.", dtype="float32")
-    p.add_argument("--model_name", default="pythia-14m",
-                   help="litgpt Config.from_name (builtin configs, random weights)")
+    p.add_argument("--model_name", default="pythia-14m", help="litgpt Config.from_name (random weights)")
     p.add_argument("--hf_model_type", default="",
                    help="train this HuggingFace transformers architecture instead (e.g. llama: AutoConfig.for_model, "
                         "random weights, plans.hf; needs transformers==4.52.4), sizes from --hf_config")
@@ -48,16 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none "
                         "only")
     p.add_argument("--use_torchao_fp8_linear", type=str2bool, default=False,
-                   help="torchao's float8 training: the linears converted by convert_to_float8_training but the head "
-                        "and those whose dims are not multiples of 16 (as torchtitan); torch._scaled_mm on CUDA "
-                        "(sm89+), emulated in high precision on the CPU; needs pip install thunder_tp[float8]")
+                   help="torchao's float8 training of the linears but the head and those with dims not multiples of 16 "
+                        "(sm89+ on CUDA, emulated on the CPU); needs pip install thunder_tp[float8]")
     p.add_argument("--use_torchao_fp8_allgather", type=str2bool, default=False,
-                   help="under --distributed_mode tp_sp, the input of a float8 column-parallel linear cast to float8 "
-                        "before its all_gather (TensorParallel(float8_all_gather=True)), as torchao's "
-                        "Float8ColwiseParallel; off, it is gathered in high precision")
+                   help="tp_sp: a float8 column-parallel linear's input gathered in float8 "
+                        "(TensorParallel(float8_all_gather=True), as torchao's Float8ColwiseParallel)")
     p.add_argument("--torchao_fp8_recipe", default="tensorwise",
-                   help="the Float8LinearConfig.from_recipe_name of --use_torchao_fp8_linear: tensorwise, rowwise, "
-                        "rowwise_with_gw_hp (torchao's recipes)")
+                   help="torchao's recipe (tensorwise, rowwise, rowwise_with_gw_hp) of --use_torchao_fp8_linear")
     p.add_argument("--tp_overlap", default="auto", choices=["auto", "always", "never"],
                    help="TensorParallel(overlap=...): collectives decomposed to overlap their matmuls where the cost "
                         "model says it pays (auto), wherever the shapes allow (always), or nowhere (never)")
@@ -73,10 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
     p.add_argument("--context_parallel_size", type=int, default=1,
                    help="CP group size: the sequence split over it (thunder_tp.ContextParallel, before the mode's TP); "
-                        "world = dp * cp * tp, TP fastest (a (cp x tp) mesh as thunder_tp.init_mesh(dp=cp, tp=tp))")
+                        "world = dp * cp * tp, TP fastest")
     p.add_argument("--cp_rotate", default="allgather", choices=["allgather", "ring"],
-                   help="ContextParallel(rotate=...): keys and values all-gathered before attention, or passed "
-                        "around the ring of CP ranks")
+                   help="ContextParallel(rotate=...): keys and values all-gathered, or passed around the CP ring")
     p.add_argument("--cp_load_balance", type=str2bool, default=True,
                    help="ContextParallel(load_balance=...): head-tail order of the sequence chunks for causal "
                         "attention (block_size a multiple of 2 * cp; without it, of cp)")
@@ -92,10 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--timeout", type=float, default=None,
                    help="process-group timeout in seconds (a hung peer's collective fails after it; default torch's)")
-    p.add_argument("--save_checkpoint", default="",
-                   help="at the end, ck.save the model and optimizer to this DCP directory")
-    p.add_argument("--resume", default="",
-                   help="ck.load model and optimizer from a DCP directory (saved at any TP size)")
+    p.add_argument("--save_checkpoint", default="", help="at the end, ck.save the model and optimizer to this DCP dir")
+    p.add_argument("--resume", default="", help="ck.load model and optimizer from a DCP dir (saved at any TP size)")
     p.add_argument("--checkpoint", default="", help="start from a full state-dict file such as litgpt's lit_model.pth")
     p.add_argument("--simulate", type=int, default=0, metavar="N",
                    help="dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + "

@@ -62,12 +62,7 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> d
 def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
     """DTensor plan for ``Llama``: 'default' (per-linear), 'best' (shared inputs) or 'sp' (torchtitan's)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
     act = Shard(1) if kind == "sp" else Replicate()
     blk = "layers.*."
     plan = {

@@ -211,15 +211,9 @@ def measure_memory_and_comm(mode: Entry, jm, params, idx, targets, result: dict)
         for name, trace in (("forward", fwd_t), ("backward", bwd_t)):
             result[f"comm_{name}_trace"] = summarize_records([(c["kind"], c["bytes"]) for c in collective_calls(trace)])
         result["fusion_regions"] = [sum(b.sym.is_fusion for b in t.bound_symbols) for t in (fwd_t, bwd_t)]
-    fwd_mode, bwd_mode = comm_mode(), comm_mode()
     jm.zero_grad(set_to_none=True)
     try:
-        with harness.step_context(jm):
-            with fwd_mode:
-                loss = jm(idx, targets)
-            with bwd_mode:
-                loss.backward()
-        result["comm_forward"], result["comm_backward"] = (summarize_records(m.records) for m in (fwd_mode, bwd_mode))
+        result["comm_forward"], result["comm_backward"] = map(summarize_records, counted_step(jm, idx, targets))
     except Exception as e:
         result["comm_note"] = f"runtime comm measurement failed: {type(e).__name__}: {str(e).splitlines()[0]}"
     jm.zero_grad(set_to_none=True)
@@ -338,6 +332,17 @@ def _payload(name: str, args, out) -> int:
     if short == "allgather_":  # (output lists, input list)
         return sum(harness.tensor_bytes(t) for t in tensors[:-1])
     return sum(harness.tensor_bytes(t) for t in tensors)
+
+
+def counted_step(model: nn.Module, idx, targets) -> tuple[list, list]:
+    """The (kind, bytes) collectives of one more forward and of its backward, as ``comm_mode`` counts them."""
+    forward, backward = comm_mode(), comm_mode()
+    with harness.step_context(model):
+        with forward:
+            loss = model(idx, targets)
+        with backward:
+            loss.backward()
+    return forward.records, backward.records
 
 
 def comm_mode():
