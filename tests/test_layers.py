@@ -204,10 +204,11 @@ def test_benchmarks_share_only_lib():
     assert not found, "benchmarks/ modules outside lib/ or tests/ imported in benchmarks/:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("line, target", [("from benchmarks import bench_generate", "benchmarks.bench_generate"),
-                                          ("from benchmarks.benchmark_litgpt import main", "benchmarks.benchmark_litgpt"),
-                                          ("    from tests.dist import run_ranks", "tests.dist"),
-                                          ("import benchmarks.projection.overlap", "benchmarks.projection.overlap")])
+@pytest.mark.parametrize("line, target", [
+    ("from benchmarks import bench_generate", "benchmarks.bench_generate"),
+    ("from benchmarks.benchmark_litgpt import main", "benchmarks.benchmark_litgpt"),
+    ("    from tests.dist import run_ranks", "tests.dist"),
+    ("import benchmarks.projection.overlap", "benchmarks.projection.overlap")])
 def test_a_planted_benchmark_import_is_found(line, target):
     source = f"def f():\n{line}\n" if line.startswith(" ") else line + "\n"
     sources = {**benchmark_sources(), "benchmarks.lib.planted": source}
