@@ -12,9 +12,7 @@ from benchmarks.lib.litgpt_setup import FP8_MODES, TRAINER_MODES
 
 def str2bool(value: str | bool) -> bool:
     """"true"/"false" (and yes/no, 1/0) as jsonargparse reads them in Thunder's benchmark_litgpt."""
-    if isinstance(value, bool):
-        return value
-    v = value.strip().lower()
+    v = str(value).strip().lower()  # a bool default too
     if v in ("true", "t", "yes", "y", "1", "on"):
         return True
     if v in ("false", "f", "no", "n", "0", "off"):
@@ -22,78 +20,90 @@ def str2bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
 
 
+B = str2bool  # the table's boolean type
+#: benchmark_litgpt's flags: (name, type, default, help[, other add_argument keywords])
+FLAGS = [
+    ("model_name", str, "pythia-14m", "litgpt Config.from_name (random weights)"),
+    ("hf_model_type", str, "", "train this HuggingFace transformers architecture instead (e.g. llama: "
+     "AutoConfig.for_model, random weights, plans.hf; needs transformers==4.52.4), sizes from --hf_config"),
+    ("hf_config", str, "", "JSON of HF config fields over the default sizes (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
+     "vocab 8192), e.g. '{\"hidden_size\": 1024}'"),
+    ("litgpt_config", str, "", "JSON of litgpt Config fields over --model_name's, e.g. '{\"n_embd\": 64, \"n_head\": "
+     "4, \"head_size\": 16}'"),
+    ("n_layers", int, None, "override the config's n_layer"),
+    ("block_size", int, 128, "sequence length (overrides the config's block_size)"),
+    ("micro_batch_size", int, 2, None),
+    ("global_batch_size", int, None, "sequences per optimizer step over all data-parallel ranks; a multiple of "
+     "micro_batch_size * dp size: gradients accumulate over the micro-batches (default: micro_batch_size * dp size)"),
+    ("checkpoint_activations", B, False, "activation checkpointing of every transformer block "
+     "(torch.utils.checkpoint, which Thunder turns into recomputation in the backward, collectives included)"),
+    ("low_precision_mode", str, "none", "Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does "
+     "not support: none only", {"choices": ["none", *FP8_MODES]}),
+    ("use_torchao_fp8_linear", B, False, "torchao's float8 training of the linears but the head and those with dims "
+     "not multiples of 16 (sm89+ on CUDA, emulated on the CPU); needs pip install thunder_tp[float8]"),
+    ("use_torchao_fp8_allgather", B, False, "tp_sp: a float8 column-parallel linear's input gathered in float8 "
+     "(TensorParallel(float8_all_gather=True), as torchao's Float8ColwiseParallel)"),
+    ("torchao_fp8_recipe", str, "tensorwise",
+     "torchao's recipe (tensorwise, rowwise, rowwise_with_gw_hp) of --use_torchao_fp8_linear"),
+    ("tp_overlap", str, "auto", "TensorParallel(overlap=...): collectives decomposed to overlap their matmuls where "
+     "the cost model says it pays (auto), wherever the shapes allow (always), or nowhere (never)",
+     {"choices": ["auto", "always", "never"]}),
+    ("max_iters", int, 10, "iterations in all, warm-up included"),
+    ("warmup_iters", int, 2, "first iterations left out of the averages"),
+    ("measure_step_memory", B, False, "measure the last iteration's peak memory above what is live before it, on "
+     "every rank (CPU: the rise of the resident set's peak, VmHWM reset first; CUDA: max_memory_allocated)"),
+    ("compile", str, "thunder", "thunder: thunder_tp.executors() (fusion executor); thunder_default: Thunder's "
+     "default executors + thunder_tp's comm executor; eager: plain PyTorch (distributed_mode none only)",
+     {"choices": sorted(EXECUTORS) + ["eager"]}),
+    ("distributed_mode", str, "none", None, {"choices": TRAINER_MODES}),
+    ("tp_size", int, None, "TP group size (default: the world size)"),
+    ("context_parallel_size", int, 1, "CP group size: the sequence split over it (thunder_tp.ContextParallel, before "
+     "the mode's TP); world = dp * cp * tp, TP fastest"),
+    ("cp_rotate", str, "allgather", "ContextParallel(rotate=...): keys and values all-gathered, or passed around the "
+     "CP ring", {"choices": ["allgather", "ring"]}),
+    ("cp_load_balance", B, True, "ContextParallel(load_balance=...): head-tail order of the sequence chunks for "
+     "causal attention (block_size a multiple of 2 * cp; without it, of cp)"),
+    ("dp_size", int, None, "data-parallel size of the 2-D modes (tp_ddp, tp_fsdp); dp * tp = world (default: world "
+     "// tp)"),
+    ("plan", str, "hand", "hand: plans.litgpt / plans.hf; auto: plans.auto searches the plan (printed by rank 0)",
+     {"choices": ["hand", "auto"]}),
+    ("loss_parallel", B, False, "cross-entropy over vocab-sharded logits"),
+    ("dump_thunder_traces", B, False, "every rank writes its final traces to --trace_dir (one line says where)"),
+    ("trace_dir", str, "traces", "where --dump_thunder_traces writes rank{r}_* files"),
+    ("learning_rate", float, 0.5, "SGD learning rate"),
+    ("seed", int, 1337, None),
+    ("timeout", float, None, "process-group timeout in seconds (a hung peer's collective fails after it; default "
+     "torch's)"),
+    ("save_checkpoint", str, "", "at the end, ck.save the model and optimizer to this DCP dir"),
+    ("resume", str, "", "ck.load model and optimizer from a DCP dir (saved at any TP size)"),
+    ("checkpoint", str, "", "start from a full state-dict file such as litgpt's lit_model.pth"),
+    ("simulate", int, 0, "dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + "
+     "backward; prints each rank's parameter bytes and collectives (no torchrun)", {"metavar": "N"}),
+]
+#: the side-by-side run's own flags (``lib/side_by_side.py``), in the same form
+COMPARE_FLAGS = [
+    ("compare", str, "", "comma-separated modes (or 'all') trained side by side, each gated against one device, "
+     "timed in alternating rounds"),
+    ("skip", str, "", "comma-separated modes to leave out of --compare"),
+    ("llama_config", str, "", "JSON of LlamaConfig fields over lib/llama.py's (dim 512, 4 layers, 8 / 4 heads, FFN "
+     "1536, vocab 8192), e.g. '{\"dim\": 64}'"),
+    ("rounds", int, 5, "alternating rounds the timed steps are spread over"),
+    ("grad_rtol", float, 1e-4, "first-step gradient tolerance, relative to each gradient's largest entry"),
+    ("fresh_inductor_cache", B, True, "compile into an empty Inductor cache (honest first-iteration times)"),
+    ("pin_cores", B, True, "CPU runs: pin local rank r to core r"),
+]
+
+
+def add_flags(p, flags: list[tuple]) -> None:
+    """Declares ``flags`` (rows of FLAGS' form) on the parser or group ``p``."""
+    for name, kind, default, help_, *more in flags:
+        p.add_argument(f"--{name}", type=kind, default=default, help=help_, **dict(*more))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = options("Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.", dtype="float32")
-    p.add_argument("--model_name", default="pythia-14m", help="litgpt Config.from_name (random weights)")
-    p.add_argument("--hf_model_type", default="",
-                   help="train this HuggingFace transformers architecture instead (e.g. llama: AutoConfig.for_model, "
-                        "random weights, plans.hf; needs transformers==4.52.4), sizes from --hf_config")
-    p.add_argument("--hf_config", default="",
-                   help="JSON of HF config fields over the default sizes (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
-                        "vocab 8192), e.g. '{\"hidden_size\": 1024}'")
-    p.add_argument("--litgpt_config", default="",
-                   help="JSON of litgpt Config fields over --model_name's, e.g. '{\"n_embd\": 64, \"n_head\": 4, "
-                        "\"head_size\": 16}'")
-    p.add_argument("--n_layers", type=int, default=None, help="override the config's n_layer")
-    p.add_argument("--block_size", type=int, default=128, help="sequence length (overrides the config's block_size)")
-    p.add_argument("--micro_batch_size", type=int, default=2)
-    p.add_argument("--global_batch_size", type=int, default=None,
-                   help="sequences per optimizer step over all data-parallel ranks; a multiple of micro_batch_size * "
-                        "dp size: gradients accumulate over the micro-batches (default: micro_batch_size * dp size)")
-    p.add_argument("--checkpoint_activations", type=str2bool, default=False,
-                   help="activation checkpointing of every transformer block (torch.utils.checkpoint, which Thunder "
-                        "turns into recomputation in the backward, collectives included)")
-    p.add_argument("--low_precision_mode", default="none", choices=["none", *FP8_MODES],
-                   help="Thunder's fp8 modes need TransformerEngine on CUDA, which thunder_tp does not support: none "
-                        "only")
-    p.add_argument("--use_torchao_fp8_linear", type=str2bool, default=False,
-                   help="torchao's float8 training of the linears but the head and those with dims not multiples of 16 "
-                        "(sm89+ on CUDA, emulated on the CPU); needs pip install thunder_tp[float8]")
-    p.add_argument("--use_torchao_fp8_allgather", type=str2bool, default=False,
-                   help="tp_sp: a float8 column-parallel linear's input gathered in float8 "
-                        "(TensorParallel(float8_all_gather=True), as torchao's Float8ColwiseParallel)")
-    p.add_argument("--torchao_fp8_recipe", default="tensorwise",
-                   help="torchao's recipe (tensorwise, rowwise, rowwise_with_gw_hp) of --use_torchao_fp8_linear")
-    p.add_argument("--tp_overlap", default="auto", choices=["auto", "always", "never"],
-                   help="TensorParallel(overlap=...): collectives decomposed to overlap their matmuls where the cost "
-                        "model says it pays (auto), wherever the shapes allow (always), or nowhere (never)")
-    p.add_argument("--max_iters", type=int, default=10, help="iterations in all, warm-up included")
-    p.add_argument("--warmup_iters", type=int, default=2, help="first iterations left out of the averages")
-    p.add_argument("--measure_step_memory", type=str2bool, default=False,
-                   help="measure the last iteration's peak memory above what is live before it, on every rank (CPU: "
-                        "the rise of the resident set's peak, VmHWM reset first; CUDA: max_memory_allocated)")
-    p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS) + ["eager"],
-                   help="thunder: thunder_tp.executors() (fusion executor); thunder_default: Thunder's default "
-                        "executors + thunder_tp's comm executor; eager: plain PyTorch (distributed_mode none only)")
-    p.add_argument("--distributed_mode", default="none", choices=TRAINER_MODES)
-    p.add_argument("--tp_size", type=int, default=None, help="TP group size (default: the world size)")
-    p.add_argument("--context_parallel_size", type=int, default=1,
-                   help="CP group size: the sequence split over it (thunder_tp.ContextParallel, before the mode's TP); "
-                        "world = dp * cp * tp, TP fastest")
-    p.add_argument("--cp_rotate", default="allgather", choices=["allgather", "ring"],
-                   help="ContextParallel(rotate=...): keys and values all-gathered, or passed around the CP ring")
-    p.add_argument("--cp_load_balance", type=str2bool, default=True,
-                   help="ContextParallel(load_balance=...): head-tail order of the sequence chunks for causal "
-                        "attention (block_size a multiple of 2 * cp; without it, of cp)")
-    p.add_argument("--dp_size", type=int, default=None,
-                   help="data-parallel size of the 2-D modes (tp_ddp, tp_fsdp); dp * tp = world (default: world // tp)")
-    p.add_argument("--plan", default="hand", choices=["hand", "auto"],
-                   help="hand: plans.litgpt / plans.hf; auto: plans.auto searches the plan (printed by rank 0)")
-    p.add_argument("--loss_parallel", type=str2bool, default=False, help="cross-entropy over vocab-sharded logits")
-    p.add_argument("--dump_thunder_traces", type=str2bool, default=False,
-                   help="every rank writes its final traces to --trace_dir (one line says where)")
-    p.add_argument("--trace_dir", default="traces", help="where --dump_thunder_traces writes rank{r}_* files")
-    p.add_argument("--learning_rate", type=float, default=0.5, help="SGD learning rate")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--timeout", type=float, default=None,
-                   help="process-group timeout in seconds (a hung peer's collective fails after it; default torch's)")
-    p.add_argument("--save_checkpoint", default="", help="at the end, ck.save the model and optimizer to this DCP dir")
-    p.add_argument("--resume", default="", help="ck.load model and optimizer from a DCP dir (saved at any TP size)")
-    p.add_argument("--checkpoint", default="", help="start from a full state-dict file such as litgpt's lit_model.pth")
-    p.add_argument("--simulate", type=int, default=0, metavar="N",
-                   help="dry run in one plain process: N simulated ranks (thunder_tp.simulate), one forward + "
-                        "backward; prints each rank's parameter bytes and collectives (no torchrun)")
-    add_compare_options(p)
+    add_flags(p, FLAGS)
+    add_flags(p.add_argument_group("side by side (--compare): [litgpt:|hf:]mode of lib/modes.py"), COMPARE_FLAGS)
     args = p.parse_args(argv)
     if args.compare and args.compile == "eager":
         p.error("--compare runs every mode it names (eager is the eager one): use --compile thunder or "
@@ -105,35 +115,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.low_precision_mode != "none":
         p.error(f"--low_precision_mode {args.low_precision_mode}: fp8 through TransformerEngine is not supported by "
                 "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
-    float8_error = option_error(args)
-    if float8_error:
+    if float8_error := option_error(args):
         p.error(float8_error)
     if args.hf_model_type and args.checkpoint_activations:
         p.error("--checkpoint_activations checkpoints litgpt blocks; it is not available with --hf_model_type")
-    cp_error = context_parallel_error(args)
-    if cp_error:
+    if cp_error := context_parallel_error(args):
         p.error(cp_error)
     if args.compile == "eager" and args.distributed_mode != "none":
         p.error("--compile eager runs plain PyTorch, which has no tensor parallelism: use --distributed_mode none, "
                 "or --compile thunder / thunder_default")
     return args
-
-
-def add_compare_options(p: argparse.ArgumentParser) -> None:
-    """The side-by-side run's own flags (``lib/side_by_side.py``)."""
-    g = p.add_argument_group("side by side (--compare): [litgpt:|hf:]mode of lib/modes.py")
-    g.add_argument("--compare", default="", help="comma-separated modes (or 'all') trained side by side, each gated "
-                                                 "against one device, timed in alternating rounds")
-    g.add_argument("--skip", default="", help="comma-separated modes to leave out of --compare")
-    g.add_argument("--llama_config", default="",
-                   help="JSON of LlamaConfig fields over lib/llama.py's (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
-                        "vocab 8192), e.g. '{\"dim\": 64}'")
-    g.add_argument("--rounds", type=int, default=5, help="alternating rounds the timed steps are spread over")
-    g.add_argument("--grad_rtol", type=float, default=1e-4,
-                   help="first-step gradient tolerance, relative to each gradient's largest entry")
-    g.add_argument("--fresh_inductor_cache", type=str2bool, default=True,
-                   help="compile into an empty Inductor cache (honest first-iteration times)")
-    g.add_argument("--pin_cores", type=str2bool, default=True, help="CPU runs: pin local rank r to core r")
 
 
 def context_parallel_error(args: argparse.Namespace) -> str | None:
