@@ -102,18 +102,12 @@ class Link:
 
 
 _SAME = "assumed as all_reduce's (only NCCL's all_reduce latency is given)"
-
-
-def link_of(figures: costs.LinkFigures) -> Link:
-    """A link of ``thunder_tp/costs.py`` as a Link: its figures (all_reduce's) for every kind, the others alike."""
-    return Link(figures.description, dict.fromkeys(KINDS, figures.latency_s),
-                dict.fromkeys(KINDS, figures.bus_bytes_per_s),
-                {"all_reduce": figures.source, "all_gather": _SAME, "reduce_scatter": _SAME})
-
-
-#: the links the projection knows (``thunder_tp/costs.py``'s); ``--link`` picks one, ``--link_override`` changes its
-#: numbers
-LINKS: dict[str, Link] = {name: link_of(costs.LINKS[name]) for name in ("h100_nvlink", "h100_nvlink_graph")}
+#: the links the projection knows: ``thunder_tp/costs.py``'s, their (all_reduce's) figures for every kind; ``--link``
+#: picks one, ``--link_override`` changes its numbers
+LINKS: dict[str, Link] = {
+    name: Link(f.description, dict.fromkeys(KINDS, f.latency_s), dict.fromkeys(KINDS, f.bus_bytes_per_s),
+               {"all_reduce": f.source, "all_gather": _SAME, "reduce_scatter": _SAME})
+    for name, f in ((n, costs.LINKS[n]) for n in ("h100_nvlink", "h100_nvlink_graph"))}
 
 
 def _shape(p) -> tuple[int, ...]:
