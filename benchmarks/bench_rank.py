@@ -251,8 +251,7 @@ def _selected(modes: tuple[RankMode, ...], keys: str, device: torch.device) -> t
     """The modes named in ``keys`` that can run on ``device``, and the skipped ones with their reasons."""
     wanted = [k for k in keys.split(",") if k]
     known = {m.key: m for m in modes}
-    unknown = [k for k in wanted if k not in known]
-    if unknown:
+    if unknown := [k for k in wanted if k not in known]:
         raise SystemExit(f"unknown modes {unknown}; choose from {list(known)}")
     run = [known[k] for k in wanted if device.type == "cuda" or not known[k].cuda_only]
     skipped = {k: known[k].cuda_only for k in wanted if known[k] not in run}
@@ -287,8 +286,7 @@ def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, b
     each depth extrapolated alike."""
     row = {"workload": workload, "mode": mode.key, "description": mode.description, "tp": tp, "rank": rank,
            "batch": batch if batch is not None else args.batch, "depths": by_depth}
-    errors = [r["error"] for r in by_depth.values() if "error" in r]
-    if errors:
+    if errors := [r["error"] for r in by_depth.values() if "error" in r]:
         row["error"] = errors[0]
         return row
     deepest = by_depth[max(by_depth)]
@@ -331,20 +329,12 @@ def _projection(workload: str, mode: RankMode, by_depth: dict, args, dims) -> di
     for depth, r in by_depth.items():
         compute = ({"forward": r["forward_s"], "backward": r["backward_s"]} if workload == "training"
                    else {"forward": r["back_to_back_s"]})
-        traces = r["traces"] or _records_as_passes(r["collectives"])
+        traces = r["traces"] or {name: RecordedPass(calls) for name, calls in r["collectives"].items()}  # unscheduled
         step = project_step(traces, compute, link, other_s=r.get("optimizer_s", 0.0))
         per_depth[depth] = {"no_overlap_s": step.no_overlap_s, "overlap_s": step.overlap_s, "comm_s": step.comm_s}
-    keys = ("no_overlap_s", "overlap_s", "comm_s")
-    out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in keys}
+    out = {k: _at_depth({d: p[k] for d, p in per_depth.items()}, dims["n_layer"]) for k in per_depth[max(per_depth)]}
     out["overlap_s"] = min(out["overlap_s"], out["no_overlap_s"])  # two depths' lines may cross past the deeper one
-    out["link"] = link.name
-    out["overlap_from_trace"] = bool(by_depth[max(by_depth)]["traces"])
-    return out
-
-
-def _records_as_passes(collectives: dict) -> dict:
-    """Runtime-counted collectives as a stand-in trace per pass (no schedule: every collective waited at once)."""
-    return {name: RecordedPass(calls) for name, calls in collectives.items()}
+    return {**out, "link": link.name, "overlap_from_trace": bool(by_depth[max(by_depth)]["traces"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,11 +384,10 @@ def _structure(row: dict) -> tuple:
 def _describe_difference(a: dict, b: dict) -> str:
     parts = []
     for p in ("forward", "backward"):
-        ka, kb = Counter((k, n) for k, _, n in a["collectives"][p]), Counter((k, n) for k, _, n in b["collectives"][p])
-        if ka != kb:
-            parts.append(f"{p}: {_kinds(a['collectives'][p])} vs {_kinds(b['collectives'][p])}"
-                         f" ({harness.fmt_bytes(sum(x[2] for x in a['collectives'][p]))} vs "
-                         f"{harness.fmt_bytes(sum(x[2] for x in b['collectives'][p]))})")
+        ca, cb = a["collectives"][p], b["collectives"][p]
+        if Counter((k, n) for k, _, n in ca) != Counter((k, n) for k, _, n in cb):
+            parts.append(f"{p}: {_kinds(ca)} vs {_kinds(cb)} ({harness.fmt_bytes(sum(x[2] for x in ca))} vs "
+                         f"{harness.fmt_bytes(sum(x[2] for x in cb))})")
     if a.get("param_bytes") != b.get("param_bytes"):
         parts.append(f"parameters {harness.fmt_bytes(a.get('param_bytes'))} vs "
                      f"{harness.fmt_bytes(b.get('param_bytes'))}")
@@ -544,8 +533,7 @@ def report(results: dict, args: argparse.Namespace, device: torch.device) -> boo
     if training:
         print(f"\nTraining (forward + backward + AdamW, batch {args.batch} x seq {args.seq}, plan {args.plan}):\n")
         print(*_training_table(training, args), sep="\n")
-    notes = _memory_notes([r for r in rows if "error" not in r])
-    if notes:
+    if notes := _memory_notes([r for r in rows if "error" not in r]):
         print("\nPeak memory:", *notes, sep="\n")
     fallbacks = [f"- {r['workload']} TP={r['tp']} ({r['mode']}), {depth} layers: {message}" for r in rows
                  for depth, d in r["depths"].items() for message in d.get("fallbacks", ())]
