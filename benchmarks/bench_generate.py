@@ -11,7 +11,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks compile side by side on few cores
 
 import argparse
-import contextlib
 import functools
 import statistics
 import sys
@@ -28,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.lib import harness
 from benchmarks.lib.llama import decode_config, generate_args, new_gpt, set_cache
-from benchmarks.lib.modes import MODES, How
+from benchmarks.lib.modes import MODES, How, select
 
 PROMPT_SEED = 1234
 #: a mode's token may leave the reference's where their reference logits are this many eps of the dtype (times the
@@ -46,59 +45,29 @@ class Run:
     description: str
     ranks: int
     build: Callable[..., nn.Module]
-    runtime: str = "eager"
-    threads: int = 1
 
 
 class TokenMismatch(Exception):
     """A mode generated other tokens than single-device eager litgpt."""
 
 
-#: the modes: name -> (the registry's mode, the label, litgpt's sampler (thunder_tp.set_sampling), threads)
-RUNS = {"thunder": ("thunder", "(a)", "shards", 1), "eager": ("eager", "(b)", "shards", 1),
-        "tp": ("tp", "(c)", "shards", 1), "tp_gather": ("tp", "(c') logits gathered,", "gather", 1),
-        "manual_tp": ("manual_tp", "(d)", "shards", 1), "eager_2threads": ("eager", "(e) 2 threads,", "shards", 2)}
+#: the modes: name -> (the registry's mode, the label, litgpt's sampler (thunder_tp.set_sampling))
+RUNS = {"thunder": ("thunder", "(a)", "shards"), "eager": ("eager", "(b)", "shards"), "tp": ("tp", "(c)", "shards"),
+        "tp_gather": ("tp", "(c') logits gathered,", "gather"), "manual_tp": ("manual_tp", "(d)", "shards")}
 
 
-def all_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
-    """The modes of ``RUNS``: ``mode.build(shared)`` makes its module (``shared``: rank 0's single-device GPT)."""
-    how = How(harness.EXECUTORS[args.compile])
+def selected_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
+    """The modes of ``--modes``: ``mode.build(shared)`` makes its module (``shared``: rank 0's single-device GPT)."""
+    how, world = How(harness.EXECUTORS[args.compile]), dist.get_world_size()
     def build(registered: str, shared: nn.Module | None) -> nn.Module:
         mode = MODES[registered]
         return mode.wrap(set_cache(new_gpt(args, device), args, device) if mode.distributed else shared, how)
-    def run(name: str, registered: str, label: str, threads: int) -> Run:
-        mode, world = MODES[registered], dist.get_world_size()
+    def run(name: str, registered: str, label: str) -> Run:
+        mode = MODES[registered]
         where = f", TP={world}" if mode.distributed else ", one device"
         return Run(name, f"{label} {mode.description}{where}", world if mode.distributed else 1,
-                   partial(build, registered), mode.runtime, threads)
-    return [run(name, registered, label, threads) for name, (registered, label, _, threads) in RUNS.items()]
-
-
-def select_modes(modes: list[Run], names: str, device: torch.device) -> list[Run]:
-    """The modes named in ``--modes`` ('all': every one, (e) on CPU only), in their order; a clear error otherwise."""
-    if names == "all":
-        return [m for m in modes if m.threads == 1 or device.type == "cpu"]
-    known = {m.name: m for m in modes}
-    wanted = [n for n in names.split(",") if n]
-    unknown = [n for n in wanted if n not in known]
-    if unknown:
-        raise SystemExit(f"--modes: unknown {unknown}; choose from {list(known)}")
-    if device.type != "cpu" and any(known[n].threads != 1 for n in wanted):
-        raise SystemExit("--modes: the two-thread mode is for CPU runs")
-    return [m for m in modes if m.name in wanted]
-
-
-@contextlib.contextmanager
-def threads(count: int, cores: set[int]) -> Iterator[None]:
-    """Run with ``count`` threads on ``cores``, then with the threads and cores of before."""
-    before_threads, before_cores = torch.get_num_threads(), os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before_threads)
-        os.sched_setaffinity(0, before_cores)
+                   partial(build, registered))
+    return [run(name, *RUNS[name][:2]) for name in select(RUNS, args.modes, "--modes")]
 
 
 def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[torch.Tensor]:
@@ -176,14 +145,13 @@ def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
 
 
 def timed_generation(mode: Run, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
-                     ref: Reference | None, cores: set[int]) -> tuple[float, float, list[dict]]:
+                     ref: Reference | None) -> tuple[float, float, list[dict]]:
     """One generation of ``mode``: time to first token, decode tokens/s (the slowest rank's) and near-ties with the
     reference (checked on rank 0, ``ref`` None elsewhere)."""
     from thunder_tp.models.litgpt_sampling import sampling
     if mode.ranks != 1:
         dist.barrier()
-    around = threads(mode.threads, cores) if mode.threads != 1 else contextlib.nullcontext()
-    with around, sampling(RUNS[mode.name][2]):
+    with sampling(RUNS[mode.name][2]):
         tokens, ttft, decode_s = generation(module, prompts, args.new_tokens)
     ties = check_tokens(mode.name, tokens, ref) if ref is not None else []
     if mode.ranks != 1:
@@ -205,12 +173,12 @@ def decode_collectives(module: nn.Module) -> dict | None:
 
 
 def prepare(mode: Run, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
-            ref: Reference | None, cores: set[int], result: dict) -> nn.Module | None:
+            ref: Reference | None, result: dict) -> nn.Module | None:
     """Build ``mode`` and run its first generation (compiles, checked) into ``result``."""
     try:
         start = time.perf_counter()
         module = mode.build(shared)
-        result["near_ties"] = timed_generation(mode, module, prompts, args, ref, cores)[2]
+        result["near_ties"] = timed_generation(mode, module, prompts, args, ref)[2]
         result["first_generation_s"] = time.perf_counter() - start
     except Exception as e:
         traceback.print_exc()
@@ -221,7 +189,7 @@ def prepare(mode: Run, shared: nn.Module | None, prompts: torch.Tensor, args: ar
     return module
 
 
-def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, cores: set[int]) -> dict:
+def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device) -> dict:
     """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating rounds."""
     import thunder
     rank = dist.get_rank()
@@ -232,15 +200,15 @@ def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device, 
     modules: dict[str, nn.Module] = {}
     for mode in modes:
         harness.log(rank, f"[bench_generate] {mode.name}: {mode.description}")
-        result = results[mode.name] = {"description": mode.description, "ranks": mode.ranks, "threads": mode.threads,
-                                       "ttft_s": [], "decode_tokens_per_s": []}
-        module = harness.on_ranks(mode.ranks, partial(prepare, mode, shared, prompts, args, ref, cores, result))
+        result = results[mode.name] = {"description": mode.description, "ranks": mode.ranks, "ttft_s": [],
+                                       "decode_tokens_per_s": []}
+        module = harness.on_ranks(mode.ranks, partial(prepare, mode, shared, prompts, args, ref, result))
         if harness.agreed(module is not None or rank != 0 and mode.ranks == 1):
             modules[mode.name] = module
     ready = [m for m in modes if m.name in modules]
     for r, mode in harness.alternating_rounds(ready, args.warmup - 1 + args.rounds):  # a generation per mode and round
         def run(mode: Run = mode, timed: bool = r >= args.warmup - 1) -> None:
-            ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref, cores)
+            ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref)
             if timed:
                 results[mode.name]["ttft_s"].append(ttft)
                 results[mode.name]["decode_tokens_per_s"].append(tokens_per_s)
@@ -286,12 +254,12 @@ def report(args: argparse.Namespace, results: dict, world: int, device: torch.de
     cells = []
     for r in results.values():
         ttft, tps = r.get("ttft_median_s"), r.get("decode_tokens_per_s_median")
-        cells.append([r["description"], f"{r['ranks']} × {r['threads']}", f"{ttft:.3f}" if ttft else "–",
+        cells.append([r["description"], r["ranks"], f"{ttft:.3f}" if ttft else "–",
                       _ratio(base.get("ttft_median_s"), ttft), f"{tps:.1f}" if tps else "–",
                       _ratio(tps, base.get("decode_tokens_per_s_median")), _kinds(r.get("decode_collectives")),
                       harness.fmt_bytes(r.get("kv_cache_bytes")), harness.fmt_bytes(r.get("param_bytes")),
                       r.get("compiles", "–"), _tokens_cell(r)])
-    print(*harness.table("mode | ranks × threads | time to first token (s)> | × (a)> | decode tok/s> | × (a)> | "
+    print(*harness.table("mode | ranks> | time to first token (s)> | × (a)> | decode tok/s> | × (a)> | "
                          "collectives / decode step | KV cache / rank> | params / rank> | compiles> | tokens = (b)",
                          cells), sep="\n")
     print("(× (a): (a)'s time to first token over the mode's, the mode's decode tokens/s over (a)'s: "
@@ -312,19 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the selected modes (see the module docstring); 0 when every mode ran and generated the reference tokens."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    cores = os.sched_getaffinity(0)
     if args.pin_cores and not torch.cuda.is_available():
         harness.pin_to_core()
     rank, world, device = harness.init_distributed(args.timeout)
     try:
-        return run(args, rank, world, device, cores)
+        return run(args, rank, world, device)
     finally:
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, cores: set[int]) -> int:
-    """Measure and report on this rank (``cores``: the process's before pinning)."""
-    results = run_modes(select_modes(all_modes(args, device), args.modes, device), args, device, cores)
+def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    """Measure and report on this rank."""
+    results = run_modes(selected_modes(args, device), args, device)
     failed = [name for name, r in results.items() if "error" in r]
     if rank == 0:
         report(args, results, world, device)

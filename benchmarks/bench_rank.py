@@ -13,6 +13,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import argparse
 import gc
+import itertools
 import sys
 import traceback
 import warnings
@@ -24,8 +25,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from benchmarks.lib import harness, llama
-from benchmarks.lib.alpha_beta import LINKS, RecordedPass, extrapolate, project_step
+from benchmarks.lib import harness, llama, modes
+from benchmarks.lib.alpha_beta import LINKS, TORCHTITAN_8B, RecordedPass, extrapolate, project_step
 from benchmarks.lib.llama import LlamaConfig
 from benchmarks.lib.modes import MODES, How, dtensor, gpt_on_meta, init_local, llama_on_meta, tp_decode, unstepped
 
@@ -247,15 +248,12 @@ def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int,
     return run_row(mode, tp, rank, device, measure)
 
 
-def _selected(modes: tuple[RankMode, ...], keys: str, device: torch.device) -> tuple[list[RankMode], dict[str, str]]:
-    """The modes named in ``keys`` that can run on ``device``, and the skipped ones with their reasons."""
-    wanted = [k for k in keys.split(",") if k]
-    known = {m.key: m for m in modes}
-    if unknown := [k for k in wanted if k not in known]:
-        raise SystemExit(f"unknown modes {unknown}; choose from {list(known)}")
-    run = [known[k] for k in wanted if device.type == "cuda" or not known[k].cuda_only]
-    skipped = {k: known[k].cuda_only for k in wanted if known[k] not in run}
-    return run, skipped
+def _selected(table: tuple[RankMode, ...], keys: str, device: torch.device) -> tuple[list[RankMode], dict[str, str]]:
+    """The modes of ``table`` named in ``keys`` that can run on ``device``, and the skipped ones with their reasons."""
+    known = {m.key: m for m in table}
+    chosen = [known[k] for k in modes.select(known, keys, "--train_modes / --decode_modes")]
+    run = [m for m in chosen if device.type == "cuda" or not m.cuda_only]
+    return run, {m.key: m.cuda_only for m in chosen if m not in run}
 
 
 def sweep(args: argparse.Namespace, device: torch.device) -> dict:
@@ -354,14 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-#: torchtitan, Llama-3-8B on H100s (FSDP 8 x TP 8, bf16): tokens/s/GPU (docs/gpu.md)
-TORCHTITAN_8B_TOKENS_PER_GPU = 4378
-#: gpt-fast decode, batch 1, Llama-3.1-8B on A100-80GB: tokens/s by TP size (docs/gpu.md)
-GPT_FAST_A100 = {1: 93.8, 2: 149.0, 4: 217.0, 8: 276.0}
-#: HBM bandwidth of an H100 SXM over an A100-80GB SXM (3.35 / 2.039 TB/s): decode is bound by it
-H100_OVER_A100_BANDWIDTH = 3.35 / 2.039
-
-
+#: the projection's references (docs/gpu.md): gpt-fast's Llama-3.1-8B decode at batch 1 on A100-80GB, tokens/s by TP
+#: size, and the HBM bandwidth of an H100 SXM over an A100's (3.35 / 2.039 TB/s), which bounds decode
+GPT_FAST_A100, H100_OVER_A100_BANDWIDTH = {1: 93.8, 2: 149.0, 4: 217.0, 8: 276.0}, 3.35 / 2.039
 #: the decode modes that run thunder_tp's program (their collectives, bytes and parameters must agree)
 THUNDER_DECODE = {"d", "e", "g", "h"}
 
@@ -382,12 +375,10 @@ def _structure(row: dict) -> tuple:
 
 
 def _describe_difference(a: dict, b: dict) -> str:
-    parts = []
-    for p in ("forward", "backward"):
-        ca, cb = a["collectives"][p], b["collectives"][p]
-        if Counter((k, n) for k, _, n in ca) != Counter((k, n) for k, _, n in cb):
-            parts.append(f"{p}: {_kinds(ca)} vs {_kinds(cb)} ({harness.fmt_bytes(sum(x[2] for x in ca))} vs "
-                         f"{harness.fmt_bytes(sum(x[2] for x in cb))})")
+    """Each pass's collectives and the parameter bytes of two rows, where they differ."""
+    def calls(row: dict, p: str) -> str:
+        return f"{_kinds(row['collectives'][p])}, {harness.fmt_bytes(sum(c[2] for c in row['collectives'][p]))}"
+    parts = [f"{p}: {calls(a, p)} vs {calls(b, p)}" for p in ("forward", "backward") if calls(a, p) != calls(b, p)]
     if a.get("param_bytes") != b.get("param_bytes"):
         parts.append(f"parameters {harness.fmt_bytes(a.get('param_bytes'))} vs "
                      f"{harness.fmt_bytes(b.get('param_bytes'))}")
@@ -470,29 +461,26 @@ def _structure_lines(rows: list[dict], dtype: str) -> tuple[list[str], bool]:
     """Per TP size: thunder_tp's two backends must agree exactly (else a failure), and in training their losses too."""
     lines, failed = [], False
     by_tp: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        if "error" not in r:
-            by_tp.setdefault((r["workload"], r["tp"], r["batch"]), {})[r["mode"]] = r
-    for (workload, tp, batch), modes in by_tp.items():
-        keys = sorted(modes)
-        for i, a in enumerate(keys):
-            for b in keys[i + 1:]:
-                same = _structure(modes[a]) == _structure(modes[b])
-                must = {a, b} <= {"a", "b"} or {a, b} <= THUNDER_DECODE
-                failed |= must and not same
-                verdict = "same collectives, bytes and parameters" if same else _describe_difference(modes[a], modes[b])
-                if workload == "training" and {a, b} == {"a", "b"}:
-                    agree, losses = _losses_agree(modes[a], modes[b], dtype)
-                    failed |= not agree
-                    verdict += f"; {losses}"
-                lines.append(f"- {workload} TP={tp}{f', batch {batch}' if workload == 'decode' else ''}: ({a}) vs "
-                             f"({b}): {verdict}{' (must agree: FAILED)' if must and not same else ''}")
+    for r in (r for r in rows if "error" not in r):
+        by_tp.setdefault((r["workload"], r["tp"], r["batch"]), {})[r["mode"]] = r
+    for (workload, tp, batch), by_mode in by_tp.items():
+        for a, b in itertools.combinations(sorted(by_mode), 2):
+            ra, rb = by_mode[a], by_mode[b]
+            same, must = _structure(ra) == _structure(rb), {a, b} <= {"a", "b"} or {a, b} <= THUNDER_DECODE
+            verdict = "same collectives, bytes and parameters" if same else _describe_difference(ra, rb)
+            if must and not same:
+                failed, verdict = True, f"{verdict} (must agree: FAILED)"
+            if workload == "training" and {a, b} == {"a", "b"}:
+                agree, losses = _losses_agree(ra, rb, dtype)
+                failed, verdict = failed or not agree, f"{verdict}; {losses}"
+            where = f"{workload} TP={tp}{f', batch {batch}' if workload == 'decode' else ''}"
+            lines.append(f"- {where}: ({a}) vs ({b}): {verdict}")
     return lines, failed
 
 
 def _reference(workload: str, tp: int, model: str) -> str:
     if workload == "training":
-        return f"torchtitan 8B: {TORCHTITAN_8B_TOKENS_PER_GPU} (FSDP8 x TP8)" if model == "Llama-3-8B" else "–"
+        return f"torchtitan 8B: {TORCHTITAN_8B['without async TP']} (FSDP8 x TP8)" if model == "Llama-3-8B" else "–"
     a100 = GPT_FAST_A100.get(tp)
     if a100 is None or model != "Llama-3-8B":
         return "–"

@@ -1,55 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run on a one-GPU machine: the CUDA tests (tests/test_cuda.py and the CUDA ones of
-# tests/test_executor.py, nvFuser's included when it loads) and a one-GPU benchmark of the fusion backends.
-#
-#   bash benchmarks/gpu/check.sh [OUT_DIR]
-#
-# Expects python3 with torch on CUDA, and in .whl/ the wheels of what that python lacks: lightning-thunder, litgpt
-# and their small deps (looseversion, optree, dill, jsonargparse), transformers 4.52.4 with its huggingface-hub
-# and tokenizers (requirements-ci.txt's pins) for the HF tests, and nvFuser (pyproject's `nvfuser` extra;
-# nvfuser-cu130-torch210 of the same version where torch is built for CUDA 13). Where torch is 2.11 (the wheel is
-# built for 2.10), also the one-symbol shim `g++ -O2 -shared -fPIC -o .whl/nvfuser_abi_shim.so
-# benchmarks/gpu/nvfuser_abi_shim.cpp`, and, where the machine lacks it, zstd's library as .whl/lib/libzstd.so.1.
-# GPU_TESTS (a pytest -k expression), GPU_TESTS_S (seconds for the tests), GPU_CHECK_S (seconds for the tests and
-# the benchmark together; under 90 left, no benchmark) and GPU_MODES (benchmark_litgpt's --compare) narrow a rerun.
-# On a cold machine each litgpt test compiles for about a minute: the tests stop after 240 s by default, so the
-# whole set takes two runs.
-#
-# GPU_PARTS picks what runs (comma-separated; default "tests,bench", the above): "rank" runs the one-rank
-# table instead (docs/gpu.md): benchmarks/bench_rank.py as one rank of a fake TP group at Llama-3 shapes, in phases
-# by priority, each given what is left of GPU_RANK_S (default 540 s; a phase starts only with 60 s left):
-#   decode8b  Llama-3-8B decode at TP=8, batch 1: (d) thunder_tp, (e) + CUDA graphs, (f) hand TP compiled
-#   train8b   Llama-3-8B training at TP=8, seq 8192: (a) nvFuser, (b) Inductor, (c) DTensor + torch.compile
-#   batch8    Llama-3-8B decode at TP=8, batch 8: (d), (e), (f)
-#   full8b    Llama-3-8B training at TP=8 with all 32 layers: (a), (b), (c) measured, peak memory included
-#   sweep8b   the TP 1/2/4 points of the projection: (a) training, (d)/(e) decode
-#   slice70b  Llama-3-70B at TP=8 (its first layer, scaled per layer): (a), (c) training; (e), (f) decode
-# Every phase but full8b measures depths 0 and 1 and extrapolates per layer; each writes rank_<phase>.log into
-# OUT_DIR, and their JSON comes in one rank_json.tar.gz (at most 8 files come back from a device call).
-#   GPU_PARTS=rank bash benchmarks/gpu/check.sh        # one call, within 10 minutes with the install
-# "bf16" runs what users train, in bf16, all at once within GPU_BF16_S (default 420 s; one 10-minute call with the
-# install): a training step of Llama-3-8B's shapes at one layer, seq 8192, as the last rank of a fake group of 2 and
-# of 8 (bench_rank.py's modes (a) nvFuser and (b) Inductor: every region compiled, the loss finite, (a)'s equal to
-# (b)'s, no region fallen back) under each plan (TP, TP+SP, TP+LP, TP+SP+LP), one process per plan; beside them the
-# CUDA tests in bf16 (tests/test_cuda.py -k bf16), in three processes. Into OUT_DIR: bf16_steps.log (the four
-# plans' tables), bf16_steps.tar.gz (their JSON), bf16_tests.log.
-#   GPU_PARTS=bf16 bash benchmarks/gpu/check.sh
-# "decode32" measures Llama-3-8B decode at TP=8 at full depth instead, not extrapolated: 32 layers
-# (GPU_DECODE_LAYERS; "8,24" measures two depths and extrapolates where 32 does not fit), (e) thunder_tp's decode
-# step replayed as a CUDA graph against (f) the hand-written TP under torch.compile reduce-overhead, 10 steps:
-#   decode32_b1   batch 1      decode32_b8   batch 8
-# each phase given what is left of GPU_RANK_S (its compiles take most of it: Thunder's and Inductor's, per batch);
-# their JSON in decode32_json.tar.gz.
-#   GPU_PARTS=decode32 bash benchmarks/gpu/check.sh   # one 10-minute call with the install
-# "overlap" checks the projection of the collectives decomposed for overlap (docs/gpu.md): a training step of rank 7
-# of a fake TP=8 group at Llama-3-8B's shapes with overlap "never" and "always" (bench_rank.py mode (b), depths 0 and
-# 1) within GPU_OVERLAP_S (default 540 s). Into OUT_DIR: overlap_never.log, overlap_always.log.
-#   GPU_PARTS=overlap bash benchmarks/gpu/check.sh    # one 10-minute call with the install
-# "compile32" times Llama-3-8B's shapes at TP=8 (one rank of a fake group) at all 32 layers to the first
-# training step (mode (a), nvFuser) and the first decode step (mode (e), the decode step as a CUDA graph): their
-# first_step_s in the JSON (Thunder's interpretation, once per kind of block, and the backend's compiles, once per
-# kind of region), beside a compiled step; each phase given what is left of GPU_RANK_S. JSON in compile32_json.tar.gz.
-#   GPU_PARTS=compile32 bash benchmarks/gpu/check.sh  # one 10-minute call with the install
+# The GPU checks on a one-GPU machine, by parts (GPU_PARTS, comma-separated; docs/gpu.md says what each measures):
+#   bash benchmarks/gpu/check.sh [OUT_DIR]            # "tests,bench": the CUDA tests, a one-GPU --compare of backends
+#   GPU_PARTS=rank bash benchmarks/gpu/check.sh       # bench_rank.py's phases at Llama-3 shapes, by priority
+#   GPU_PARTS=bf16|decode32|compile32|overlap ...     # bf16 plans; full-depth decode; time to first step; overlap
+# Each part fits one 10-minute device call with the install. Expects python3 with torch on CUDA, and in .whl/ the
+# wheels of what that python lacks: lightning-thunder, litgpt and their small deps (looseversion, optree, dill,
+# jsonargparse), transformers 4.52.4 with its huggingface-hub and tokenizers (requirements-ci.txt's pins) for the HF
+# tests, and nvFuser (pyproject's `nvfuser` extra; nvfuser-cu130-torch210 of the same version where torch is built
+# for CUDA 13). Where torch is 2.11 (the wheel is built for 2.10), also the one-symbol shim `g++ -O2 -shared -fPIC -o
+# .whl/nvfuser_abi_shim.so benchmarks/gpu/nvfuser_abi_shim.cpp`, and, where the machine lacks it, zstd's library as
+# .whl/lib/libzstd.so.1. Time limits (seconds): GPU_TESTS_S (240: on a cold machine the whole set takes two runs),
+# GPU_CHECK_S (tests and bench, 480), GPU_RANK_S (rank, decode32, compile32, overlap: a phase starts with 60 left,
+# 540), GPU_BF16_S (420); GPU_TESTS (pytest -k), GPU_MODES (--compare) and GPU_DECODE_LAYERS (decode32's depths)
+# narrow a rerun.
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"
@@ -142,11 +105,8 @@ if [[ $PARTS == *,bf16,* ]]; then
         wait "${job%%:*}"
         echo "${job#*:}: exit code $? (124: out of time)"
     done
-    for plan in tp_sp_lp tp_lp tp_sp tp; do
-        echo "=== plan $plan"
-        grep -E "^\||^- |^FALLBACK|^ERROR|shapes" "$work/steps_$plan.log" | grep -v "^|---"
-    done | tee "$OUT_DIR/bf16_steps.log"
-    for plan in tp_sp_lp tp_lp tp_sp tp; do cat "$work/steps_$plan.log"; done >> "$OUT_DIR/bf16_steps.log"
+    grep -E "^\| [0-9]|^- |^FALLBACK|^ERROR|shapes" "$work"/steps_*.log
+    cat "$work"/steps_*.log > "$OUT_DIR/bf16_steps.log"
     if compgen -G "$work/bf16_*.json" > /dev/null; then
         tar czf "$OUT_DIR/bf16_steps.tar.gz" -C "$work" $(cd "$work" && ls bf16_*.json)
     fi
@@ -170,13 +130,8 @@ if [[ $PARTS == *,compile32,* ]]; then
 fi
 if [[ $PARTS == *,overlap,* ]]; then
     for overlap in never always; do
-        left=$((${GPU_OVERLAP_S:-540} - (SECONDS - T0)))
-        if ((left < 60)); then say "overlap $overlap skipped: ${left} s left"; continue; fi
-        say "overlap: one rank of TP=8, overlap=$overlap (${left} s left)"
-        timeout "$left" python3 -m benchmarks.bench_rank --model Llama-3-8B --tp 8 --train_modes b --decode_modes "" \
-            --layers 0,1 --steps 5 --overlap "$overlap" --project > "$OUT_DIR/overlap_$overlap.log" 2>&1
-        echo "exit code $?"
-        grep -E "^\||^- |^ERROR" "$OUT_DIR/overlap_$overlap.log" | head -30
+        rank_phase "overlap_$overlap" --model Llama-3-8B --tp 8 --train_modes b --decode_modes "" --steps 5 \
+            --overlap "$overlap"
     done
 fi
 say "end"

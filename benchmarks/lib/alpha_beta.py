@@ -110,6 +110,10 @@ LINKS: dict[str, Link] = {
     for name, f in ((n, costs.LINKS[n]) for n in ("h100_nvlink", "h100_nvlink_graph"))}
 
 
+#: torchtitan's Llama-3-8B training on 64 H100s, FSDP 8 x TP 8, bf16: tokens/s/GPU (docs/gpu.md)
+TORCHTITAN_8B = {"without async TP": 4378, "async TP": 4809}
+
+
 def _shape(p) -> tuple[int, ...]:
     return tuple(int(d) for d in p.shape)
 

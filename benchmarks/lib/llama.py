@@ -254,8 +254,7 @@ def generate_args(argv: list[str] | None = None, description: str = "bench_gener
     p.add_argument("--batch", type=int, default=1, help="1: litgpt's generate loop; more: its batched loop")
     p.add_argument("--rounds", type=int, default=5, help="timed generations per mode, one per round, modes alternating")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per mode (the first compiles)")
-    p.add_argument("--modes", default="all",
-                   help="comma-separated: thunder, eager, tp, tp_gather, manual_tp, eager_2threads")
+    p.add_argument("--modes", default="all", help="comma-separated: thunder, eager, tp, tp_gather, manual_tp")
     p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS),
                    help="the thunder modes' executors: thunder_tp.executors() (Inductor fusions on CPU), or "
                         "Thunder's defaults + thunder_tp's comm executor (no fusion compile: quick)")

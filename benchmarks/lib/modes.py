@@ -204,11 +204,7 @@ def _inductor() -> list:
     return thunder_tp.executors("inductor")
 
 
-def _modes(*modes: Mode) -> dict[str, Mode]:
-    return {m.name: m for m in modes}
-
-
-MODES: dict[str, Mode] = _modes(
+MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("eager", "eager PyTorch", lambda model, how: model, runtime="eager", distributed=False),
     Mode("thunder", "thunder.jit", jit, distributed=False),
     Mode("thunder_defaults", "thunder.jit, Thunder's default executors + thunder_tp's comm executor",
@@ -234,7 +230,15 @@ MODES: dict[str, Mode] = _modes(
          runtime="compile"),
     Mode("hf_tp", "HF's tp_plan='auto' (DTensor), eager", _hf_tp, runtime="eager", family="hf"),
     Mode("manual_tp", "hand-written TP (gpt-fast style), eager", _manual_tp, runtime="eager"),
-)
+)}
+
+
+def select(known: dict[str, Any], names: str, flag: str) -> list[str]:
+    """The names of ``known`` in ``names`` (comma-separated, or 'all'), in ``known``'s order; an unknown one exits."""
+    wanted = list(known) if names == "all" else [n for n in names.split(",") if n]
+    if unknown := [n for n in wanted if n not in known]:
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {list(known)}")
+    return [n for n in known if n in wanted]
 
 
 def llama_on_meta(cfg: LlamaConfig, dtype: torch.dtype) -> nn.Module:

@@ -17,7 +17,7 @@ import thunder
 import torch
 
 import thunder_tp
-from benchmarks.lib.alpha_beta import LINKS, Link, PassProjection, flops, project_pass
+from benchmarks.lib.alpha_beta import LINKS, TORCHTITAN_8B, Link, PassProjection, flops, project_pass
 from benchmarks.lib.harness import options, table, write_json
 from benchmarks.lib.llama import LlamaConfig, thunder_tp_plan
 from benchmarks.lib.modes import llama_on_meta
@@ -26,8 +26,6 @@ from thunder_tp.thunder_internals.private import set_parameter
 
 MODES = ("never", "auto", "always")
 LLAMA_3_8B = dict(dim=4096, n_heads=32, n_kv_heads=8, vocab=128256, ffn_hidden=14336, rope_theta=500000.0)
-#: torchtitan, Llama-3-8B on 64 H100s, FSDP 8 x TP 8 (docs/gpu.md)
-TORCHTITAN = {"without async TP": 4378, "async TP": 4809}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,7 +172,7 @@ def report(args, link: Link, rows: dict) -> str:
     lines += table("TP> | mode | compute / layer (ms)> | chunks add (ms)> | comm / layer, serial (ms)> | "
                    "exposed / layer (ms)> | exposed vs undecomposed> | tokens/s/GPU, no overlap> | "
                    "tokens/s/GPU, schedule>", cells)
-    titan = ", ".join(f"{k} {v:,} tokens/s/GPU" for k, v in TORCHTITAN.items())
+    titan = ", ".join(f"{k} {v:,} tokens/s/GPU" for k, v in TORCHTITAN_8B.items())
     return "\n".join([*lines, "", f"torchtitan, FSDP 8 x TP 8 on 64 H100s: {titan}"])
 
 
