@@ -4,12 +4,14 @@ heads, the next token sampled on the vocabulary shards.
 Checked on 2 and 3 gloo ranks (3: a vocabulary of 256, which 3 does not divide) against one device (the same model,
 ``generate`` without jit, the same seed): top-k + temperature + top-p at batch 4 (TP 2) and greedy at batch 1 (TP 3)
 give one device's tokens for 32 steps (slow: greedy, temperature, top-k, top-p and their combination at batch 1
-and 4 on both); greedy is HF's own ``model.generate``'s tokens;
+and 4 on both), TP through HF's idiom ``jm.generate``; greedy is HF's own ``model.generate``'s tokens;
 the decode step gathers each rank's candidates, never the logits; ``set_sampling("gather")`` gives the same tokens
 from the gathered logits (HF sampling itself; slow). Settings the sampler on shards cannot see are a clear error.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import thunder
@@ -51,12 +53,11 @@ def _model(ranks: int, batch: int) -> torch.nn.Module:
     return generation.set_kv_cache(model, batch, PROMPT + NEW_TOKENS)
 
 
-def _tokens(model: torch.nn.Module, prompts: torch.Tensor, mode: str) -> torch.Tensor:
-    """The 32 new tokens of each row, seeded alike everywhere."""
+def _tokens(generate, prompts: torch.Tensor, mode: str) -> torch.Tensor:
+    """The 32 new tokens of each row from ``generate(prompts, **settings)``, seeded alike everywhere."""
     torch.manual_seed(1234)
     with torch.no_grad():
-        out = generation.generate(model, prompts, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
-                                  **MODES[mode])
+        out = generate(prompts, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0, **MODES[mode])
     return out[:, PROMPT:]
 
 
@@ -73,9 +74,10 @@ def _generations(cases: list[tuple[int, str]], gather: bool) -> dict:
                          executors=FAST_EXECUTORS)
         prompts = torch.randint(0, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(4))
         for mode in [m for b, m in cases if b == batch]:
-            tp = _tokens(jm, prompts, mode)
+            tp = _tokens(jm.generate, prompts, mode)  # routed by the transform to generation.generate(jm, ...)
             decode = totals(thunder_tp.collectives_table(thunder.last_traces(jm)[-1]))
-            results[batch, mode] = dict(one_device=_tokens(reference, prompts, mode), tp=tp, decode=decode)
+            one_device = _tokens(partial(generation.generate, reference), prompts, mode)
+            results[batch, mode] = dict(one_device=one_device, tp=tp, decode=decode)
         if (batch, "greedy") in cases:
             with torch.no_grad():
                 eager = reference.generate(prompts, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
@@ -83,7 +85,8 @@ def _generations(cases: list[tuple[int, str]], gather: bool) -> dict:
             results[batch, "hf eager"] = dict(one_device=eager[:, PROMPT:], tp=results[batch, "greedy"]["tp"])
             if gather:
                 with litgpt_sampling.sampling("gather"):
-                    results[batch, "gather"] = dict(one_device=eager[:, PROMPT:], tp=_tokens(jm, prompts, "greedy"))
+                    gathered = _tokens(jm.generate, prompts, "greedy")
+                results[batch, "gather"] = dict(one_device=eager[:, PROMPT:], tp=gathered)
     return results
 
 

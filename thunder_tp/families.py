@@ -5,6 +5,8 @@ The core (TensorParallel, plans.auto) imports no model family, and neither does 
 (`register_loader`), and the registry runs that on its first use. A family's adapter registers
 - a `prepare(module)` function, which the core calls on every module it is about to trace, so that a model is traced
   alike whatever made its plan (HF's lookasides, for one);
+- a jit hook `hook(jitted, module)`, which a TensorParallel transform calls with the ThunderModule it takes `module`
+  into, so that a family's methods of its models run the program (HF's `generate`);
 - a wrapper rule: which of its modules wrap a layer whose style their own parameters follow (a LoRA pair around its
   base Linear), so that the automatic plan decides the two together;
 - index attributes: attributes that number its blocks and that their forward does not read (litgpt's `block_idx`),
@@ -58,6 +60,25 @@ def prepare_for_tracing(module: nn.Module) -> None:
     load_families()
     for prepare in _preparers:
         prepare(module)
+
+
+JitHook = Callable[["nn.Module", "nn.Module"], None]
+_jit_hooks: list[JitHook] = []
+
+
+def register_jit_hook(hook: JitHook) -> JitHook:
+    """Register a family's `hook(jitted, module)`, called when a TensorParallel program takes `module` (a
+    decorator)."""
+    if hook not in _jit_hooks:
+        _jit_hooks.append(hook)
+    return hook
+
+
+def adapt_jitted(jitted: nn.Module, module: nn.Module) -> None:
+    """Let every registered family adapt `jitted`, the ThunderModule of `module` (each acts only on its own models)."""
+    load_families()
+    for hook in _jit_hooks:
+        hook(jitted, module)
 
 
 @dataclass(frozen=True)

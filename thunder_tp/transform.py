@@ -21,7 +21,7 @@ from thunder_tp.execution.complex_grads import check_complex_grads
 from thunder_tp.execution.overlap import MODES, Mode, decompose_for_overlap
 from thunder_tp.execution.overlap_cost import Costs
 from thunder_tp.execution.saved_values import recompute_matmul_inputs
-from thunder_tp.families import prepare_for_tracing
+from thunder_tp.families import adapt_jitted, prepare_for_tracing
 from thunder_tp.layouts import REPLICATE, Layout, Replicate, Shard, TPGroup, local_shape, uneven
 from thunder_tp.plans.search import AutoPlan, auto
 from thunder_tp.propagation import Propagation
@@ -141,6 +141,7 @@ class TensorParallel(Transform):
         module = original_module(model)
         self._module = model
         prepare_for_tracing(module)  # a model traced alike whatever made its plan
+        adapt_jitted(model, module)  # the family's methods of the model run the program (HF's generate)
         _trace_meta_tensors_on(module, self.tp.group)
         styles = styles_from_distparallel_type(module) | match_plan(module, self._resolved_plan(model))
         planned = planned_tensors(module, styles, self.tp.size)

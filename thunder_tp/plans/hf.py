@@ -21,6 +21,7 @@ from thunder_tp.layouts import REPLICATE, Layout, Shard
 from thunder_tp.models.hf import generation as hf_generation
 from thunder_tp.models.hf import moe as hf_moe
 from thunder_tp.models.hf import register_lookasides
+from thunder_tp.models.hf.attention import head_dim, kv_heads
 from thunder_tp.styles import (
     ColwiseParallel,
     FeatureShardedNorm,
@@ -93,11 +94,11 @@ def hf(
     plan |= _moe_plan(model, reduced) if expert_parallel else _moe_plan(model)
     plan[_name_of(model, model.get_input_embeddings())] = RowwiseParallel(output_layout=reduced)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    cached = hf_generation.has_kv_cache(model)  # decoding: the head's output sampled on vocabulary shards
+    caches = hf_generation.cache_names(model)  # decoding: the head's output sampled on vocabulary shards
     if head is not None:
-        plan[_name_of(model, head)] = ColwiseParallel(output_layout=None if loss_parallel or cached else REPLICATE)
-    plan |= {name: KVCacheParallel() for name in hf_generation.cache_names(model)}
-    heads = FeatureShardedNorm(unit=_head_dim(model), groups=_kv_heads(config))  # split like the heads they norm
+        plan[_name_of(model, head)] = ColwiseParallel(output_layout=None if loss_parallel or caches else REPLICATE)
+    plan |= {name: KVCacheParallel() for name in caches}
+    heads = FeatureShardedNorm(unit=head_dim(config), groups=kv_heads(config))  # split like the heads they norm
     plan |= {name: heads for name in _all_head_norms(model)}
     if sequence_parallel:
         plan |= {name: SequenceParallel(SEQUENCE_DIM) for name in _residual_norms(model)}
@@ -213,7 +214,8 @@ def _style(model: nn.Module, name: str, kind: str, block_output: Layout | None) 
     if kind == "row":
         if not _reads_heads(model, name):
             return RowwiseParallel(output_layout=block_output)
-        return RowwiseParallel(output_layout=block_output, unit=_head_dim(model), groups=_kv_heads(model.config))
+        config = model.config
+        return RowwiseParallel(output_layout=block_output, unit=head_dim(config), groups=kv_heads(config))
     if kind == "sp":
         return SequenceParallel(SEQUENCE_DIM)
     if kind == "replicate":
@@ -228,28 +230,17 @@ def _head_style(model: nn.Module, name: str) -> ColwiseParallel | None:
     features = _out_features(model.get_submodule(name))
     if last in _FUSED_QKV_BLOCKS:
         blocks = _FUSED_QKV_BLOCKS[last]
-        return ColwiseParallel(blocks=(features // blocks,) * blocks, unit=_head_dim(model), groups=_kv_heads(config))
+        return ColwiseParallel(blocks=(features // blocks,) * blocks, unit=head_dim(config), groups=kv_heads(config))
     if last not in _HEAD_PROJECTIONS:
         return None
     kv = _HEAD_PROJECTIONS[last]
-    heads = _kv_heads(config) if kv else config.num_attention_heads
-    return ColwiseParallel(blocks=(features,), unit=features // heads, replicable=(kv,), groups=_kv_heads(config))
+    heads = kv_heads(config) if kv else config.num_attention_heads
+    return ColwiseParallel(blocks=(features,), unit=features // heads, replicable=(kv,), groups=kv_heads(config))
 
 
 def _out_features(module: nn.Module) -> int:
     """A linear layer's output features (nn.Linear's out_features, HF Conv1D's nf)."""
     return module.out_features if hasattr(module, "out_features") else module.nf
-
-
-def _kv_heads(config) -> int:
-    """The number of K/V heads (each shared by the same number of query heads)."""
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def _head_dim(model: nn.Module) -> int:
-    """The size of one attention head."""
-    config = model.config
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _reads_heads(model: nn.Module, name: str) -> bool:

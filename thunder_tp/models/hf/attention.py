@@ -26,6 +26,16 @@ from thunder_tp.thunder_internals.transformers import ignore_causal_mask_check
 _registered: set = set()
 
 
+def kv_heads(config) -> int:
+    """An HF config's number of K/V heads (each shared by the same number of query heads)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def head_dim(config) -> int:
+    """An HF config's size of one attention head."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     """(batch, K/V heads, seq, head dim) -> each head repeated n_rep times, consecutively (HF's repeat_kv)."""
     return hidden_states if n_rep == 1 else torch.repeat_interleave(hidden_states, n_rep, dim=1)

@@ -31,11 +31,12 @@ from transformers import GenerationConfig, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from thunder_tp.models import litgpt_sampling
+from thunder_tp.models.hf.attention import head_dim, kv_heads
 from thunder_tp.ops.sampling import Sampling
 from thunder_tp.thunder_internals.private import interpret_call, original_module
 from thunder_tp.thunder_internals.replay import unwrap, wrap_const
 
-__all__ = ["KVCacheBuffers", "ProgramCache", "generate", "set_kv_cache"]
+__all__ = ["KVCacheBuffers", "ProgramCache", "cache_names", "generate", "set_kv_cache"]
 
 #: generation settings that change the logits between the model and the draw, with their neutral values: with the
 #: sampler on shards the program returns tokens, so any of these set is an error naming set_sampling("gather")
@@ -80,20 +81,13 @@ def set_kv_cache(model: nn.Module, batch_size: int, max_length: int, dtype: torc
         raise TypeError(f"thunder_tp.models.hf.set_kv_cache: {type(model).__name__} has no HF attention modules "
                         "(modules with a layer_idx); it needs a HuggingFace transformers decoder")
     config = attentions[0].config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     parameter = next(model.parameters())
     dtype = dtype or parameter.dtype
     device = torch.device("cpu") if parameter.is_meta and device is None else device or parameter.device
     for attention in attentions:
-        attention.kv_cache = KVCacheBuffers((batch_size, heads, max_length, head_dim), dtype, device)
+        attention.kv_cache = KVCacheBuffers((batch_size, kv_heads(config), max_length, head_dim(config)), dtype, device)
     register_lookaside(model)
     return model
-
-
-def has_kv_cache(model: nn.Module) -> bool:
-    """Whether ``set_kv_cache`` gave the model's attention modules a cache."""
-    return any(isinstance(m, KVCacheBuffers) for m in model.modules())
 
 
 def cache_names(model: nn.Module) -> tuple[str, ...]:
