@@ -45,7 +45,8 @@ from thunder_tp.thunder_internals.private import torch_function_symbols
 from thunder_tp.tracing import repeated_blocks  # noqa: F401  (blocks traced once, in jits with these executors)
 from thunder_tp.tracing.region_cache import CompiledRegions, canonical_form
 
-__all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication"]
+__all__ = ["FUSION_EXECUTOR_NAME", "TPFusionExecutor", "executors", "fusion_executor", "is_communication",
+           "thunder_default_executors"]
 
 Backend = Literal["inductor", "nvfuser"] | None
 
@@ -289,11 +290,23 @@ def executors(backend: Backend = None) -> list[Executor]:
     The model families register themselves first (lookasides for code Thunder cannot trace), and Thunder's
     speed-ups are installed for the compiles of jits given these executors (``thunder_internals.patches``).
     """
-    load_families()
-    patches.install()
+    _prepare_compiles()
     if ranks_of().one_trace_for_all:
         return [ex for ex in _executors(backend) if not isinstance(ex, FusionExecutor)]
     return list(_executors(backend))
+
+
+def thunder_default_executors() -> list[Executor]:
+    """thunder_tp's collectives executor before Thunder's default executors (Thunder's fusion, none of thunder_tp's),
+    prepared as ``executors()`` prepares its jits' compiles."""
+    _prepare_compiles()
+    return [comm_executor, *get_default_executors()]
+
+
+def _prepare_compiles() -> None:
+    """The model families registered, Thunder's speed-ups installed for thunder_tp's compiles."""
+    load_families()
+    patches.install()
 
 
 fusion_executor()  # registers "thunder_tp_fusion" with Thunder at import

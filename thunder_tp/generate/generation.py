@@ -22,9 +22,8 @@ import torch.distributed as dist
 
 import thunder_tp.checkpoint as ck
 from thunder_tp import plans
-from thunder_tp.collectives import comm_executor
 from thunder_tp.collectives.run_mode import ranks_of
-from thunder_tp.execution.executor import executors
+from thunder_tp.execution.executor import executors, thunder_default_executors
 from thunder_tp.models.litgpt_sampling import next_tokens
 from thunder_tp.ops.sampling import Sampling
 from thunder_tp.runtimes.decode_step import DecodeStep, Strategy
@@ -195,7 +194,7 @@ def _jit(model, compile: str, tp_size: int):
     if compile == "eager":
         return model
     transforms = [TensorParallel(plans.litgpt(model))] if tp_size > 1 else []
-    chosen = executors() if compile == "thunder" else [comm_executor, *thunder.get_default_executors()]
+    chosen = executors() if compile == "thunder" else thunder_default_executors()
     return thunder.jit(model, transforms=transforms, executors=chosen)
 
 
