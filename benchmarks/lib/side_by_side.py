@@ -192,11 +192,6 @@ def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
         import thunder_tp
         thunder_tp.dump_traces(jm, os.path.join(args.trace_dir, mode.name))
     result["peak_step_bytes"] = harness.peak_step_bytes(step)
-    measure_memory_and_comm(mode, jm, params, idx, targets, result)
-
-
-def measure_memory_and_comm(mode: Entry, jm, params, idx, targets, result: dict) -> None:
-    """Saved-for-backward bytes and collectives of one more forward/backward."""
     jm.zero_grad(set_to_none=True)
     with harness.step_context(jm):
         saved, loss = hooked_saved_bytes(lambda: jm(idx, targets), params)
@@ -397,55 +392,29 @@ def _mb(b) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
-def _comms(r: dict) -> tuple[dict | None, dict | None]:
-    """A mode's forward and backward collectives: from its traces, or else counted at runtime."""
-    return r.get("comm_forward_trace") or r.get("comm_forward"), r.get("comm_backward_trace") or r.get("comm_backward")
-
-
-def _comm_cell(r: dict) -> str:
-    f, b = _comms(r)
-    if f is None or b is None:
-        return "-"
-    def short(c):
-        abbrev = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
-        return " ".join(f"{n}{abbrev.get(k, k)}" for k, n in sorted(c["counts"].items())) or "0"
-    return f"{short(f)} / {short(b)}"
-
-
-def comm_bytes(r: dict) -> int | None:
-    """Bytes a mode's collectives move per step (forward + backward), from its traces or else counted at runtime."""
-    f, b = _comms(r)
-    return None if f is None or b is None else f["bytes"] + b["bytes"]
-
-
-def baseline_for(name: str) -> str:
-    """The 1-rank run a mode's speed-up is measured against: same model family and runtime."""
-    family = name.rpartition(":")[0] or ("hf" if name == "hf_tp" else "")
-    if family:
-        return f"{family}:thunder"
-    return "thunder" if name.startswith(("tp", "thunder")) else "eager"
-
-
-def speedup(results: dict, name: str, step_s: float) -> float | None:
-    """A step of ``step_s`` seconds of mode ``name`` against its 1-rank baseline's median; None without one."""
-    base = results.get(baseline_for(name), {}).get("median_s")
-    return base / step_s if base else None
-
-
-def parallel_efficiency(results: dict, name: str, step_s: float) -> float | None:
-    """``speedup`` per rank of mode ``name``."""
-    faster = speedup(results, name, step_s)
-    return faster / results[name]["ranks"] if faster else None
-
-
-def _saved_cell(r: dict) -> str:
-    if r.get("runtime") == "thunder" and r.get("saved_bytes_hooks") is not None:
-        return f"{_mb(r.get('saved_bytes'))} ({_mb(r['saved_bytes_hooks'])})"
-    return _mb(r.get("saved_bytes"))
-
-
 def _fmt(x, spec: str) -> str:
     return "–" if x is None else format(x, spec)
+
+
+ABBREVIATIONS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+
+
+def _comm_cells(r: dict) -> tuple[str, str]:
+    """A mode's collectives per pass ('1AG 9AR / 9AR') and the MB they move per step: from its traces, or else
+    counted at runtime; '-' without."""
+    passes = [r.get(f"comm_{p}_trace") or r.get(f"comm_{p}") for p in ("forward", "backward")]
+    if None in passes:
+        return "-", "-"
+    counts = [" ".join(f"{n}{ABBREVIATIONS.get(k, k)}" for k, n in sorted(c["counts"].items())) or "0" for c in passes]
+    return " / ".join(counts), _mb(sum(c["bytes"] for c in passes))
+
+
+def parallel_efficiency(results: dict, name: str) -> float | None:
+    """Mode ``name``'s speed-up over its 1-rank run of the same family and runtime, per rank; None without one."""
+    family = name.rpartition(":")[0] or ("hf" if name == "hf_tp" else "")
+    baseline = f"{family}:thunder" if family else "thunder" if name.startswith(("tp", "thunder")) else "eager"
+    base = results.get(baseline, {}).get("median_s")
+    return base / results[name]["median_s"] / results[name]["ranks"] if base else None
 
 
 def markdown_table(results: dict) -> str:
@@ -455,22 +424,23 @@ def markdown_table(results: dict) -> str:
     for name, r in results.items():
         first = _fmt(r.get("first_iter_s"), ".1f")
         if "median_s" not in r:
-            reason = r.get("error") or r.get("skipped") or "not run"
-            cells.append([name, r.get("ranks", "–"), *["–"] * 6, first, *["–"] * 7, reason])
+            cells.append([name, r.get("ranks", "–"), *["–"] * 5, first, *["–"] * 7,
+                          r.get("error") or r.get("skipped") or "not run"])
             continue
-        faster = speedup(results, name, r["median_s"])
+        saved = _mb(r.get("saved_bytes"))
+        if r.get("runtime") == "thunder" and r.get("saved_bytes_hooks") is not None:
+            saved += f" ({_mb(r['saved_bytes_hooks'])})"
         cells.append([
             name, r["ranks"], f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
-            f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"), _fmt(faster, ".2f"),
-            _fmt(parallel_efficiency(results, name, r["median_s"]), ".2f"), first, _mb(r.get("param_bytes")),
-            _saved_cell(r), _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
-            " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–",
-            _comm_cell(r), _mb(comm_bytes(r)), "yes" if r.get("loss_ok") else "NO"])
+            f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"),
+            _fmt(parallel_efficiency(results, name), ".2f"), first, _mb(r.get("param_bytes")), saved,
+            _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
+            " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–", *_comm_cells(r),
+            "yes" if r.get("loss_ok") else "NO"])
     return "\n".join(harness.table(
-        "mode | ranks> | step median (ms)> | min–max (ms)> | tokens/s> | × DTensor TP (or HF's)> | "
-        "speed-up vs 1 rank> | parallel eff.> | first iter (s)> | params/rank (MB)> | saved for bwd (MB)> | "
-        "peak step mem (MB)> | page faults/step> | fusion regions fwd / bwd> | collectives fwd / bwd | "
-        "comm/step (MB)> | loss ok", cells))
+        "mode | ranks> | step median (ms)> | min–max (ms)> | tokens/s> | × DTensor TP (or HF's)> | parallel eff.> | "
+        "first iter (s)> | params/rank (MB)> | saved for bwd (MB)> | peak step mem (MB)> | page faults/step> | "
+        "fusion regions fwd / bwd> | collectives fwd / bwd | comm/step (MB)> | loss ok", cells))
 
 
 def summary_line(r: dict) -> str:
@@ -478,7 +448,7 @@ def summary_line(r: dict) -> str:
     if "median_s" not in r:
         return r.get("error") or r.get("skipped") or "not run"
     return (f"median {r['median_s'] * 1e3:.0f} ms (min {r['min_s'] * 1e3:.0f}, max {r['max_s'] * 1e3:.0f}), "
-            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cell(r)}, "
+            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cells(r)[0]}, "
             f"{r.get('minor_faults_per_step', 0):.0f} page faults/step")
 
 
@@ -489,36 +459,34 @@ def paired_ratio(a: dict, b: dict) -> float | None:
     return statistics.median(pairs) if pairs else None
 
 
-def _ratio(a: dict, b: dict, target: float) -> dict:
-    """``a``'s step time over ``b``'s: of the medians over all steps, and paired by round."""
-    return {"ratio": a["median_s"] / b["median_s"], "ratio_paired_by_round": paired_ratio(a, b), "target": target}
-
-
-def _efficiency(tp: dict, single: dict, world: int, target: float) -> dict:
-    """The single device's step time over ``world`` times the TP mode's: of the medians, and paired by round."""
-    paired = paired_ratio(single, tp)
-    return {"value": single["median_s"] / (world * tp["median_s"]),
-            "value_paired_by_round": None if paired is None else paired / world, "target": target}
+#: the run's targets: name -> (mode, the mode it is held against, target); against "thunder": parallel efficiency
+TARGETS = {"tp_vs_dtensor": ("tp", "dtensor_tp", 0.85), "parallel_efficiency": ("tp", "thunder", 0.9),
+           "tp_vs_dtensor_loss_parallel": ("tp_lp", "dtensor_tp_lp", 0.85),
+           "parallel_efficiency_loss_parallel": ("tp_lp", "thunder", 0.9),
+           "hf:tp_vs_hf_tp": ("hf:tp", "hf_tp", 0.7), "hf:tp_lp_vs_hf_tp": ("hf:tp_lp", "hf_tp", 0.7)}
 
 
 def targets_summary(results: dict, world: int) -> dict:
     """The run against its targets (step time against DTensor's and the single device's, first iteration against plain
-    thunder.jit), measured."""
+    thunder.jit), measured: of the medians over all steps, and paired by round."""
     out: dict = {}
-    tp, single = results.get("tp", {}), results.get("thunder", {})
-    for key, a, b in (("tp_vs_dtensor", "tp", "dtensor_tp"), ("parallel_efficiency", "tp", "thunder"),
-                      ("tp_vs_dtensor_loss_parallel", "tp_lp", "dtensor_tp_lp"),
-                      ("parallel_efficiency_loss_parallel", "tp_lp", "thunder"),
-                      ("hf:tp_vs_hf_tp", "hf:tp", "hf_tp"), ("hf:tp_lp_vs_hf_tp", "hf:tp_lp", "hf_tp")):
+    for key, (a, b, target) in TARGETS.items():
         ra, rb = results.get(a, {}), results.get(b, {})
-        if "median_s" in ra and "median_s" in rb:
-            target = 0.7 if key.startswith("hf") else 0.85
-            out[key] = _efficiency(ra, rb, world, 0.9) if b == "thunder" else _ratio(ra, rb, target)
+        if "median_s" not in ra or "median_s" not in rb:
+            continue
+        if b == "thunder":  # the single device's step time over world times the TP mode's
+            paired = paired_ratio(rb, ra)
+            out[key] = {"value": rb["median_s"] / (world * ra["median_s"]),
+                        "value_paired_by_round": None if paired is None else paired / world, "target": target}
+        else:
+            out[key] = {"ratio": ra["median_s"] / rb["median_s"], "ratio_paired_by_round": paired_ratio(ra, rb),
+                        "target": target}
+    tp, single = results.get("tp", {}), results.get("thunder", {})
     if "first_iter_s" in tp and "first_iter_s" in single:
         out["first_iter_vs_thunder_jit"] = {"ratio": tp["first_iter_s"] / single["first_iter_s"], "target": 1.3}
     if "comm_forward_trace" in tp:
         out["tp_collectives"] = {"forward": tp["comm_forward_trace"]["counts"],
-                                            "backward": tp["comm_backward_trace"]["counts"]}
+                                 "backward": tp["comm_backward_trace"]["counts"]}
     return out
 
 
