@@ -9,7 +9,6 @@ The method and what it leaves out: docs/gpu.md.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -37,34 +36,20 @@ class Link:
     latency_s: dict[str, float]
     bus_bytes_per_s: dict[str, float]
     sources: dict[str, str] = field(default_factory=dict)
-    #: kind -> ((idle seconds, latency seconds), ...) ascending: a transport whose latency grows with how long it sat
-    #: idle before the call (gloo: its threads sleep; measured by projection/calibrate.py). Empty: ``latency_s`` always.
-    latency_after_idle: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
-    def seconds(self, kind: str, nbytes: float, group_size: int, idle_s: float | None = None) -> float:
-        """One collective's time (ring formulas), after ``idle_s`` of the link idle where its latency depends on it."""
+    def seconds(self, kind: str, nbytes: float, group_size: int) -> float:
+        """One collective's time (ring formulas)."""
         if group_size <= 1:
             return 0.0
         if kind == SEND_RECV:
             numbers = SEND_RECV if SEND_RECV in self.latency_s else "all_gather"
-            return self.latency(numbers, idle_s) + nbytes / self.bus_bytes_per_s[numbers]
+            return self.latency_s[numbers] + nbytes / self.bus_bytes_per_s[numbers]
         kind = kind if kind in KINDS else "all_gather"
-        return self.latency(kind, idle_s) + costs.ring_factor(kind, group_size) * nbytes / self.bus_bytes_per_s[kind]
-
-    def latency(self, kind: str, idle_s: float | None = None) -> float:
-        """The latency of ``kind``: interpolated in ``idle_s`` between the measured points (clamped at both ends)."""
-        points = self.latency_after_idle.get(kind)
-        if not points or idle_s is None:
-            return self.latency_s[kind]
-        for (x0, y0), (x1, y1) in itertools.pairwise(points):
-            if idle_s <= x1:
-                return y0 + (y1 - y0) * min(max((idle_s - x0) / (x1 - x0), 0.0), 1.0)
-        return points[-1][1]
+        return self.latency_s[kind] + costs.ring_factor(kind, group_size) * nbytes / self.bus_bytes_per_s[kind]
 
     def overridden(self, spec: str) -> Link:
         """A copy with ``kind.latency_us=X`` / ``kind.bus_gbps=Y`` (comma-separated; kind ``all`` for every kind)."""
         latency, bandwidth, sources = dict(self.latency_s), dict(self.bus_bytes_per_s), dict(self.sources)
-        idle = dict(self.latency_after_idle)
         for item in filter(None, (s.strip() for s in spec.split(","))):
             try:
                 key, value = item.split("=")
@@ -82,21 +67,17 @@ class Link:
                     latency[k], bandwidth[k] = latency["all_gather"], bandwidth["all_gather"]
                 if what == "latency_us":
                     latency[k] = number * 1e-6
-                    idle.pop(k, None)
                 else:
                     bandwidth[k] = number * 1e9
                 sources[f"{k}.{what}"] = "command line"
-        return replace(self, latency_s=latency, bus_bytes_per_s=bandwidth, sources=sources, latency_after_idle=idle)
+        return replace(self, latency_s=latency, bus_bytes_per_s=bandwidth, sources=sources)
 
     def table(self) -> str:
         """The parameters as a markdown table with their sources."""
         rows = []
         for k in (k for k in (*KINDS, SEND_RECV) if k in self.latency_s):
             source = "; ".join(s for key, s in self.sources.items() if key.startswith(k) or key == "all")
-            latency = f"{self.latency_s[k] * 1e6:.1f}"
-            if self.latency_after_idle.get(k):
-                latency = ", ".join(f"{y * 1e6:.0f} after {x * 1e3:g} ms idle" for x, y in self.latency_after_idle[k])
-            rows.append([k, latency, f"{self.bus_bytes_per_s[k] / 1e9:.2f}", source])
+            rows.append([k, f"{self.latency_s[k] * 1e6:.1f}", f"{self.bus_bytes_per_s[k] / 1e9:.2f}", source])
         table = harness.table("kind | latency (µs)> | bus bandwidth (GB/s)> | source", rows)
         return "\n".join([f"alpha-beta parameters ({self.name}):", "", *table])
 
@@ -187,7 +168,7 @@ def project_pass(trace: TraceCtx | RecordedPass | None, compute_s: float, link: 
         consumed = [pending[n] for n in _names(bsym.flat_args) if n in pending]
         if call is not None:
             start = max(clock, link_free)
-            seconds = link.seconds(call["kind"], call["bytes"], call["group_size"], idle_s=start - link_free)
+            seconds = link.seconds(call["kind"], call["bytes"], call["group_size"])
             link_free = start + seconds
             record = {"kind": call["kind"], "bytes": call["bytes"], "group_size": call["group_size"],
                       "seconds": seconds, "issued_s": clock, "done_s": link_free}
