@@ -118,10 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{dim}", type=int, default=None, help="override the preset's")
     p.add_argument("--full_layers", type=int, default=None, help="the depth reported (default: the preset's)")
     p.add_argument("--layers", default="0,2", help="depths measured: two (extrapolated to --full_layers) or one")
-    p.add_argument("--peak_at_full", action="store_true", help="measure each row's peak memory at --full_layers (a "
-                   "run of its own, one step) instead of extrapolating it (still, where that run fails)")
     p.add_argument("--tp", default="1,2,4,8", help="TP sizes")
-    p.add_argument("--rank", type=int, default=None, help="the rank run (default: the last of each group)")
     p.add_argument("--train_modes", default="a,b,c", help="training modes ('' for none)")
     p.add_argument("--decode_modes", default="d,e,f", help="decode modes ('' for none)")
     p.add_argument("--plan", choices=PLANS, default="tp_sp_lp",
@@ -214,9 +211,8 @@ def release_memory(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, device, structure: bool = True
-                 ) -> dict:
-    """One training measurement; ``structure``: with the collectives of a step (a compiled mode runs one more)."""
+def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, device) -> dict:
+    """One training measurement with the collectives of a step (a compiled mode runs one more)."""
     def measure() -> dict:
         cfg = llama_config(dims, depth, args.seq)
         torch.manual_seed(0)  # the same weights in every mode: (a) and (b) compute the same loss
@@ -225,9 +221,8 @@ def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: in
         batch = harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
         result = harness.timed_training(model, batch, optimizer, args.steps, args.warmup, device)
         result["param_bytes"] = harness.param_bytes(model)
-        if structure:
-            result.update(harness.thunder_structure(model) if mode.runtime == "thunder"
-                                  else compiled_training_structure(model, args, cfg, device, tp))
+        result.update(harness.thunder_structure(model) if mode.runtime == "thunder"
+                      else compiled_training_structure(model, args, cfg, device, tp))
         return result
     return run_row(mode, tp, rank, device, measure)
 
@@ -261,25 +256,20 @@ def sweep(args: argparse.Namespace, device: torch.device) -> dict:
     dims = model_dims(args)
     train, train_skipped = _selected(TRAINING, args.train_modes, device)
     decode, decode_skipped = _selected(DECODE, args.decode_modes, device)
-    peak_run = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 1})  # the run at full depth, for its peak
-    full = dims["n_layer"] if args.peak_at_full and dims["n_layer"] not in args.depths else None
     rows = []
     for tp in [int(t) for t in args.tp.split(",") if t]:
-        rank = tp - 1 if args.rank is None else args.rank
+        rank = tp - 1
         for mode in train:
             by_depth = {d: training_row(mode, args, dims, d, tp, rank, device) for d in args.depths}
-            peak = training_row(mode, peak_run, dims, full, tp, rank, device, structure=False) if full else None
-            rows.append(_row("training", mode, tp, rank, None, by_depth, args, dims, peak))
+            rows.append(_row("training", mode, tp, rank, None, by_depth, args, dims))
         for batch in [int(b) for b in args.decode_batches.split(",") if b]:
             for mode in decode:
                 by_depth = {d: decode_row(mode, args, dims, d, tp, rank, batch, device) for d in args.depths}
-                peak = decode_row(mode, peak_run, dims, full, tp, rank, batch, device) if full else None
-                rows.append(_row("decode", mode, tp, rank, batch, by_depth, args, dims, peak))
+                rows.append(_row("decode", mode, tp, rank, batch, by_depth, args, dims))
     return {"dims": dims, "rows": rows, "skipped": {**train_skipped, **decode_skipped}}
 
 
-def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, by_depth: dict, args, dims,
-         peak: dict | None = None) -> dict:
+def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, by_depth: dict, args, dims) -> dict:
     """A row at the reported depth: each timing and byte figure extrapolated from the measured depths, the projection of
     each depth extrapolated alike."""
     row = {"workload": workload, "mode": mode.key, "description": mode.description, "tp": tp, "rank": rank,
@@ -293,26 +283,10 @@ def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, b
     for key in figures:
         if all(r.get(key) is not None for r in by_depth.values()):
             row[key] = _at_depth({d: r[key] for d, r in by_depth.items()}, dims["n_layer"])
-    row["peak_source"] = _peak_source(row, by_depth, peak, dims["n_layer"])
     row["loss_finite"] = all(r["loss_finite"] for r in by_depth.values())
     row["collectives"] = deepest["collectives"]
     row["projection"] = _projection(workload, mode, by_depth, args, dims)
     return row
-
-
-def _peak_source(row: dict, by_depth: dict, peak: dict | None, layers: int) -> str:
-    """How the row's peak memory was had: measured at the reported depth (taken from ``peak``, the run at that depth,
-    into the row), else extrapolated (why, where that run failed), or measured at the one depth run."""
-    if peak is not None:
-        row["peak_run"] = {k: v for k, v in peak.items() if k != "traces"}  # the JSON holds no trace
-        if peak.get("peak_bytes") is not None:
-            row["peak_bytes"] = peak["peak_bytes"]
-            return f"measured at {layers} layers"
-    if row.get("peak_bytes") is None:
-        return "not measured"
-    if peak is not None and "error" in peak:
-        return f"extrapolated ({layers} layers: {peak['error']})"
-    return "extrapolated" if len(by_depth) == 2 else f"measured at {next(iter(by_depth))} layers"
 
 
 def _at_depth(values: dict[int, float], layers: int) -> float:
@@ -402,20 +376,18 @@ def _training_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def _peak(row: dict) -> str:
-    """The peak memory and how it was had: measured at the reported depth or at the one run, or extrapolated."""
-    source = row.get("peak_source", "")
-    if row.get("peak_bytes") is None or not source:
-        return harness.fmt_bytes(row.get("peak_bytes"))
-    tag = "extrapolated" if source.startswith("extrapolated") else source.removeprefix("measured at ")
-    return f"{harness.fmt_bytes(row['peak_bytes'])} ({tag})"
+    """The peak memory and how it was had: extrapolated, or measured at the one depth run."""
+    if row.get("peak_bytes") is None:
+        return harness.fmt_bytes(None)
+    depths = list(row["depths"])
+    return f"{harness.fmt_bytes(row['peak_bytes'])} ({'extrapolated' if len(depths) == 2 else f'{depths[0]} layers'})"
 
 
 def _memory_notes(rows: list[dict]) -> list[str]:
-    """Why a peak is extrapolated where the run at full depth failed; what earlier rows left allocated."""
-    notes = [f"- {r['workload']} TP={r['tp']} ({r['mode']}): peak {r['peak_source']}" for r in rows
-             if "error" in r.get("peak_run", {})]
+    """What earlier rows left allocated."""
+    notes = []
     for r in rows:
-        left = max((d.get("left_bytes", 0) for d in (*r["depths"].values(), r.get("peak_run", {}))), default=0)
+        left = max((d.get("left_bytes", 0) for d in r["depths"].values()), default=0)
         if left:
             notes.append(f"- {r['workload']} TP={r['tp']} ({r['mode']}): {harness.fmt_bytes(left)} still allocated "
                          "before its run, subtracted from its peak")
