@@ -1,4 +1,4 @@
-"""The trainer: a litgpt GPT (or an HF model) under a mode of ``lib/modes.py``, flags as Thunder's benchmark_litgpt.
+"""The trainer: a litgpt GPT under a mode of ``lib/modes.py``, flags as Thunder's benchmark_litgpt.
 
     torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --model_name pythia-14m --distributed_mode tp
     torchrun --nproc-per-node 2 -m benchmarks.benchmark_litgpt --compare thunder,tp,dtensor_tp   # side by side
@@ -97,14 +97,14 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     """Build, train and report on this rank."""
     groups = litgpt_setup.resolve_groups(args, rank, world)
     config, model, jm = litgpt_setup.build(args, groups, device)
-    info = litgpt_setup.model_info(args, config)
     params, local = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in jm.parameters())
-    harness.log(rank, f"model {info.name}: {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.vocab_size}, "
+    harness.log(rank, f"model {config.name}: {config.n_layer} layers, n_embd {config.n_embd}, vocab "
+                      f"{config.padded_vocab_size}, "
                       f"{params} parameters ({local} on rank 0); block_size {args.block_size}, micro_batch_size "
                       f"{args.micro_batch_size}; world {world}, tp {groups.tp_size}, cp {groups.cp_size}, dp "
                       f"{groups.dp_size}; mode {args.distributed_mode}, compile {args.compile}, loss_parallel "
                       f"{args.loss_parallel}, device {device}")
-    losses, times, step_bytes = train(args, groups, device, jm, info.vocab_size)
+    losses, times, step_bytes = train(args, groups, device, jm, config.padded_vocab_size)
     if not all(math.isfinite(x) for x in losses):
         harness.log(rank, f"ERROR: non-finite loss: {losses}")
         return 1
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     tokens_per_iter = steps * args.micro_batch_size * args.block_size * groups.dp_size
     fp8, cp = args.use_torchao_fp8_linear, groups.cp_size > 1
     results: dict[str, Any] = {
-        "model_name": info.name, "n_layers": info.n_layer, "block_size": args.block_size,
+        "model_name": config.name, "n_layers": config.n_layer, "block_size": args.block_size,
         "micro_batch_size": args.micro_batch_size, "global_batch_size": steps * args.micro_batch_size * groups.dp_size,
         "gradient_accumulation_steps": steps, "checkpoint_activations": args.checkpoint_activations,
         "dtype": args.dtype, "world_size": world, "tp_size": groups.tp_size, "dp_size": groups.dp_size,
@@ -232,9 +232,8 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--simulate {n} simulates a TP group of {n} ranks; drop --tp_size or set it to {n}")
     # model and batch as plain tensors, before the simulation: inside it, factories make per-rank LocalTensors
     config = litgpt_setup.make_config(args)
-    info = litgpt_setup.model_info(args, config)
     model = litgpt_setup.make_model(args, config, torch.device("cpu"))
-    idx, targets = litgpt_setup.make_batch(args, info.vocab_size, 0, 0, torch.device("cpu"))
+    idx, targets = litgpt_setup.make_batch(args, config.padded_vocab_size, 0, 0, torch.device("cpu"))
     with thunder_tp.simulate(world_size=n):
         args.compile = "thunder"  # thunder_tp.executors(): Thunder's torch executor inside a simulation
         jm = litgpt_setup.wrap(model, args, litgpt_setup.Groups(0, n, n, 0, None, 1, 0, None))
@@ -252,8 +251,8 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
             rank_bytes[r] += piece.numel() * piece.element_size()
     full_bytes = harness.param_bytes(model)
     lines = [
-        f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {info.name}, "
-        f"{info.n_layer} layers, mode {args.distributed_mode}, loss_parallel {args.loss_parallel}, "
+        f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {config.name}, "
+        f"{config.n_layer} layers, mode {args.distributed_mode}, loss_parallel {args.loss_parallel}, "
         f"block_size {args.block_size}, micro_batch_size {args.micro_batch_size}",
         f"forward + backward: {seconds:.2f} s (simulated, all ranks)",
         *(f"rank {r}: loss {losses[r].item():.6f}, parameters {harness.fmt_bytes(rank_bytes[r])}" for r in range(n)),
@@ -264,7 +263,7 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
         lines.append(f"traces of every simulated rank written to {Path(args.trace_dir).resolve()}")
     print("\n".join(lines), flush=True)
     if args.json_path:
-        results = {"simulate": n, "model_name": info.name, "n_layers": info.n_layer,
+        results = {"simulate": n, "model_name": config.name, "n_layers": config.n_layer,
                    "distributed_mode": args.distributed_mode, "loss_parallel": args.loss_parallel,
                    "losses": {r: v.item() for r, v in losses.items()}, "param_bytes_per_rank": rank_bytes,
                    "param_bytes_full_model": full_bytes, "collectives": collectives}

@@ -185,7 +185,7 @@ def _one_device_first_loss(argv: list[str]) -> float:
     args = bench.parse_args([*TINY, *argv])
     config = setup.make_config(args)
     model = setup.make_model(args, config, torch.device("cpu"))
-    idx, targets = setup.make_batch(args, setup.model_info(args, config).vocab_size, 0, 0, torch.device("cpu"))
+    idx, targets = setup.make_batch(args, config.padded_vocab_size, 0, 0, torch.device("cpu"))
     with torch.no_grad():
         return model(idx, targets).item()
 

@@ -21,9 +21,7 @@ EVERY_MODE = {
     "tp", "tp_auto", "tp_sp", "tp_lp",
     "dtensor_tp_lp", "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
     "litgpt:thunder", "litgpt:tp", "litgpt:tp_sp",
-    "hf:thunder", "hf_tp", "hf:tp", "hf:tp_lp",
 }
-HF_MODES = {"hf:thunder", "hf_tp", "hf:tp", "hf:tp_lp"}
 #: modes that compile with Inductor by default (the slow-marked test)
 INDUCTOR_MODES = ("tp", "dtensor_tp_compile", "thunder_inductor")
 #: a bound for a run on a loaded machine (minutes on 2 shared cores); a hung rank fails earlier, after the
@@ -90,7 +88,7 @@ def test_compare_runs_every_mode(tmp_path):
     assert set(modes) == EVERY_MODE - {"dtensor_tp_compile", "thunder_inductor"}, sorted(modes)
     _check_modes(modes)
     # the same model gives the same first-step loss in every Llama mode
-    llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith(("litgpt", "hf")) and "loss_step1" in r}
+    llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith("litgpt") and "loss_step1" in r}
     assert max(llama) - min(llama) <= 1e-4 * max(llama), llama
     # Megatron's minimum: 2 all_reduce per block + the embedding's (forward) / lm_head's (backward), the logits gathered
     for name in ("tp", "dtensor_tp"):
@@ -100,7 +98,7 @@ def test_compare_runs_every_mode(tmp_path):
         assert backward["counts"] == {"all_reduce": 3}, (name, backward)
     # parameters: single device holds the whole model, a TP rank its shards (DTensor's and thunder_tp's alike)
     for name, r in modes.items():
-        if "param_bytes" in r and not name.startswith(("litgpt", "hf")):
+        if "param_bytes" in r and not name.startswith("litgpt"):
             assert r["param_bytes"] == _llama_param_bytes(r["ranks"]), (name, r["param_bytes"])
     assert "| tp |" in stdout and "| dtensor_sp |" in stdout
 
@@ -189,18 +187,3 @@ def test_targets_pair_the_modes_round_by_round():
     assert targets["parallel_efficiency"]["value_paired_by_round"] == pytest.approx(0.9)
     assert targets["parallel_efficiency"]["value"] == pytest.approx(0.8)
 
-
-@pytest.mark.slow  # the side-by-side runs and gates: the tests above; HF models under TP: test_hf
-def test_compare_hf_against_its_own_tp(tmp_path):
-    """HF's own TP and thunder_tp's TP / TP + loss parallel on a 1-layer HF Llama, each gated against one device,
-    timed in alternating rounds."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # from_pretrained(tp_plan="auto")
-    report, stdout = _compare(tmp_path, ",".join(sorted(HF_MODES)), "--compile", "thunder_default", "--rounds", "2")
-    assert set(report["modes"]) == HF_MODES
-    _check_modes(report["modes"])
-    for name in HF_MODES:
-        assert len(report["modes"][name]["round_medians_s"]) == 2, name
-    forward = report["modes"]["hf:tp"]["comm_forward_trace"]["counts"]
-    assert forward == {"all_reduce": 3, "all_gather": 1}, forward  # Megatron's minimum for one block
-    assert "| hf:tp |" in stdout and "hf:tp_vs_hf_tp" in stdout

@@ -24,10 +24,6 @@ B = str2bool  # the table's boolean type
 #: benchmark_litgpt's flags: (name, type, default, help[, other add_argument keywords])
 FLAGS = [
     ("model_name", str, "pythia-14m", "litgpt Config.from_name (random weights)"),
-    ("hf_model_type", str, "", "train this HuggingFace transformers architecture instead (e.g. llama: "
-     "AutoConfig.for_model, random weights, plans.hf; needs transformers==4.52.4), sizes from --hf_config"),
-    ("hf_config", str, "", "JSON of HF config fields over the default sizes (dim 512, 4 layers, 8 / 4 heads, FFN 1536, "
-     "vocab 8192), e.g. '{\"hidden_size\": 1024}'"),
     ("litgpt_config", str, "", "JSON of litgpt Config fields over --model_name's, e.g. '{\"n_embd\": 64, \"n_head\": "
      "4, \"head_size\": 16}'"),
     ("n_layers", int, None, "override the config's n_layer"),
@@ -65,7 +61,7 @@ FLAGS = [
      "causal attention (block_size a multiple of 2 * cp; without it, of cp)"),
     ("dp_size", int, None, "data-parallel size of the 2-D modes (tp_ddp, tp_fsdp); dp * tp = world (default: world "
      "// tp)"),
-    ("plan", str, "hand", "hand: plans.litgpt / plans.hf; auto: plans.auto searches the plan (printed by rank 0)",
+    ("plan", str, "hand", "hand: plans.litgpt; auto: plans.auto searches the plan (printed by rank 0)",
      {"choices": ["hand", "auto"]}),
     ("loss_parallel", B, False, "cross-entropy over vocab-sharded logits"),
     ("dump_thunder_traces", B, False, "every rank writes its final traces to --trace_dir (one line says where)"),
@@ -103,7 +99,7 @@ def add_flags(p, flags: list[tuple]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = options("Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.", dtype="float32")
     add_flags(p, FLAGS)
-    add_flags(p.add_argument_group("side by side (--compare): [litgpt:|hf:]mode of lib/modes.py"), COMPARE_FLAGS)
+    add_flags(p.add_argument_group("side by side (--compare): [litgpt:]mode of lib/modes.py"), COMPARE_FLAGS)
     args = p.parse_args(argv)
     if args.compare and args.compile == "eager":
         p.error("--compare runs every mode it names (eager is the eager one): use --compile thunder or "
@@ -117,8 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
     if float8_error := option_error(args):
         p.error(float8_error)
-    if args.hf_model_type and args.checkpoint_activations:
-        p.error("--checkpoint_activations checkpoints litgpt blocks; it is not available with --hf_model_type")
     if cp_error := context_parallel_error(args):
         p.error(cp_error)
     if args.compile == "eager" and args.distributed_mode != "none":

@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib.harness import DTYPES, EXECUTORS, log, random_batch, seeded_model
-from benchmarks.lib.llama import LlamaConfig, hf_sizes
 from benchmarks.lib.modes import MODES, How
 
 #: Thunder's benchmark_litgpt fp8 modes (TransformerEngine), refused with an explanation
@@ -77,45 +76,13 @@ def _own_group(rank: int, world: int, groups: list[list[int]]):
 # model and data
 
 
-#: --hf_model_type's sizes unless --hf_config overrides them: the benchmark Llama's
-HF_SIZES = hf_sizes(LlamaConfig())
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the report says about the model, litgpt's or HF's."""
-
-    name: str
-    n_layer: int
-    n_embd: int
-    vocab_size: int
-
-
-def model_info(args: argparse.Namespace, config) -> ModelInfo:
-    """Name, layers, width and vocabulary of a litgpt Config or an HF config."""
-    if args.hf_model_type:
-        return ModelInfo(f"hf:{args.hf_model_type}", config.num_hidden_layers, config.hidden_size, config.vocab_size)
-    return ModelInfo(config.name, config.n_layer, config.n_embd, config.padded_vocab_size)
-
-
 def make_config(args: argparse.Namespace):
-    """The litgpt Config of --model_name (fields of --litgpt_config over it), or the HF config of --hf_model_type (sizes
-    HF_SIZES | --hf_config)."""
-    if args.hf_model_type:
-        return _hf_config(args)
+    """The litgpt Config of --model_name (fields of --litgpt_config over it)."""
     from litgpt import Config
     overrides: dict[str, Any] = json.loads(args.litgpt_config or "{}") | {"block_size": args.block_size}
     if args.n_layers is not None:
         overrides["n_layer"] = args.n_layers
     return Config.from_name(args.model_name, **overrides)
-
-
-def _hf_config(args: argparse.Namespace):
-    from transformers import AutoConfig
-    sizes = HF_SIZES | json.loads(args.hf_config or "{}") | {"max_position_embeddings": args.block_size}
-    if args.n_layers is not None:
-        sizes["num_hidden_layers"] = args.n_layers
-    return AutoConfig.for_model(args.hf_model_type, **sizes)
 
 
 #: tokens are drawn from [0, DATA_VOCAB), as in Thunder's benchmark, so that the loss visibly goes down
@@ -150,26 +117,15 @@ def checkpoint_blocks(model: nn.Module) -> None:
 
 
 def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Module:
-    """The litgpt GPT (or HF CausalLM) with its loss, seeded random weights in ``--dtype``, its linears torchao's float8
-    ones and its blocks checkpointed if asked."""
-    if args.hf_model_type:
-        model = seeded_model(lambda: _hf_with_loss(config), args.seed, device, DTYPES[args.dtype])
-    else:
-        from thunder_tp.plans.litgpt import GPTWithLoss
-        model = seeded_model(lambda: GPTWithLoss(config), args.seed, device, DTYPES[args.dtype])
+    """The litgpt GPT with its loss, seeded random weights in ``--dtype``, its linears torchao's float8 ones and its
+    blocks checkpointed if asked."""
+    from thunder_tp.plans.litgpt import GPTWithLoss
+    model = seeded_model(lambda: GPTWithLoss(config), args.seed, device, DTYPES[args.dtype])
     if args.use_torchao_fp8_linear:
         model = convert_to_float8(model, args.torchao_fp8_recipe, device)
     if args.checkpoint_activations:
         checkpoint_blocks(model)
     return model
-
-
-def _hf_with_loss(config) -> nn.Module:
-    """An HF CausalLM returning only its loss (the logits are never returned, so never gathered)."""
-    from transformers import AutoModelForCausalLM
-
-    from thunder_tp.plans.hf import CausalLMLoss
-    return CausalLMLoss(AutoModelForCausalLM.from_config(config))
 
 
 def build(args: argparse.Namespace, groups: Groups, device: torch.device):

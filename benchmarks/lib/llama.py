@@ -1,5 +1,5 @@
 """The benchmark Llama (separate q/k/v, RMSNorm, RoPE, SwiGLU, GQA, causal SDPA, untied embedding and lm_head), the
-litgpt and HF configs of the same dims, thunder_tp's plan for it, and the litgpt twin that the decode benchmarks run
+litgpt config of the same dims, thunder_tp's plan for it, and the litgpt twin that the decode benchmarks run
 (bench_generate's flags, its KV cache, and gpt-fast-style TP written by hand: ``shard_by_hand``)."""
 
 from __future__ import annotations
@@ -133,18 +133,6 @@ class WithLoss(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(idx)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def hf_sizes(cfg: LlamaConfig) -> dict:
-    """An HF LlamaConfig's sizes for the dims of ``cfg``."""
-    return dict(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.ffn_hidden, vocab_size=cfg.vocab)
-
-
-def hf_config(cfg: LlamaConfig):
-    """An HF LlamaConfig with the same dims as ``cfg``."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    return HFLlamaConfig(**hf_sizes(cfg), max_position_embeddings=cfg.max_seq)
 
 
 def litgpt_config(cfg: LlamaConfig):

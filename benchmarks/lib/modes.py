@@ -1,9 +1,8 @@
 """The one mode registry: how a benchmark wraps its model (eager, thunder.jit, thunder_tp TP, DDP/FSDP over it,
-DTensor TP, HF's own TP, TP by hand); the trainer, its ``--compare``, bench_rank and bench_generate select from it."""
+DTensor TP, TP by hand); the trainer, its ``--compare``, bench_rank and bench_generate select from it."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -46,17 +45,14 @@ class Mode:
     runtime: str = "thunder"  # eager, thunder or compile
     distributed: bool = True
     data_parallel: bool = False  # syncs grads over the DP groups
-    family: str = ""  # the model family it needs, "" for any
 
 
 def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """thunder_tp's hand plan for the benchmark Llama, an HF CausalLM or a litgpt GPT (the model's own)."""
+    """thunder_tp's hand plan for the benchmark Llama or a litgpt GPT (the model's own)."""
     import thunder_tp
-    from thunder_tp.plans.hf import CausalLMLoss
     if isinstance(model, WithLoss):
         return thunder_tp_plan(sequence_parallel, loss_parallel)
-    plans = thunder_tp.plans.hf if isinstance(model, CausalLMLoss) else thunder_tp.plans.litgpt
-    return plans(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return thunder_tp.plans.litgpt(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 def dtensor_plan(kind: str, loss_parallel: bool = False) -> dict:
@@ -174,16 +170,6 @@ def dtensor(model: nn.Module, how: How, kind: str, compile: bool = False, loss_p
     return torch.compile(model, backend=how.compile_backend) if compile else model
 
 
-def _hf_tp(model: nn.Module, how: How) -> nn.Module:
-    """HF's own TP (``from_pretrained(tp_plan="auto")``, eager) of the model, each rank saving its copy first."""
-    from transformers import AutoModelForCausalLM
-
-    from thunder_tp.plans.hf import CausalLMLoss
-    with tempfile.TemporaryDirectory(prefix="hf_tp_") as directory:
-        model.model.save_pretrained(directory)
-        return CausalLMLoss(AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", torch_dtype=torch.float32))
-
-
 def _manual_tp(model: nn.Module, how: How) -> nn.Module:
     """A litgpt GPT under gpt-fast-style TP by hand (``shard_by_hand``), its KV cache (if set) set again."""
     cache = model.transformer.h[0].attn.kv_cache if len(model.transformer.h) else None
@@ -228,7 +214,6 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("dtensor_sp", "DTensor TP+SP (torchtitan's plan)", partial(dtensor, kind="sp"), runtime="eager"),
     Mode("dtensor_tp_compile", "DTensor TP, best plan, torch.compile", partial(dtensor, kind="best", compile=True),
          runtime="compile"),
-    Mode("hf_tp", "HF's tp_plan='auto' (DTensor), eager", _hf_tp, runtime="eager", family="hf"),
     Mode("manual_tp", "hand-written TP (gpt-fast style), eager", _manual_tp, runtime="eager"),
 )}
 

@@ -26,14 +26,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib import harness
-from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, hf_config, litgpt_config
+from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, litgpt_config
 from benchmarks.lib.modes import MODES, How, Mode
 
 #: the first-step loss's tolerance against one device (10x for the second step)
 LOSS_RTOL = 1e-4
-#: --compare all: every mode on the benchmark Llama, and litgpt's and HF's Llama of the same dims (``family:mode``)
+#: --compare all: every mode on the benchmark Llama, and litgpt's Llama of the same dims (``litgpt:mode``)
 ALL = ("eager,thunder,thunder_defaults,thunder_inductor,tp,tp_auto,tp_sp,tp_lp,dtensor_tp_lp,dtensor_tp_default,"
-       "dtensor_tp,dtensor_sp,dtensor_tp_compile,litgpt:thunder,litgpt:tp,litgpt:tp_sp,hf:thunder,hf_tp,hf:tp,hf:tp_lp")
+       "dtensor_tp,dtensor_sp,dtensor_tp_compile,litgpt:thunder,litgpt:tp,litgpt:tp_sp")
 
 
 @dataclass(frozen=True)
@@ -70,17 +70,12 @@ def entries(names: str, skip: str, how: How) -> list[Entry]:
         if name not in skip.split(",") and name:
             if mode not in MODES:
                 raise SystemExit(f"unknown mode {mode!r} in --compare; choose from {list(MODES)}")
-            out.append(Entry(name, MODES[mode], family or MODES[mode].family or "llama", how))
+            out.append(Entry(name, MODES[mode], family or "llama", how))
     return out
 
 
 def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
-    """The compared model of ``family`` with its loss: the Llama, or litgpt's or HF's Llama of the same dims."""
-    if family == "hf":
-        from transformers import LlamaForCausalLM
-
-        from thunder_tp.plans.hf import CausalLMLoss
-        return harness.seeded_model(lambda: CausalLMLoss(LlamaForCausalLM(hf_config(cfg))), seed)
+    """The compared model of ``family`` with its loss: the Llama, or litgpt's Llama of the same dims."""
     if family == "litgpt":
         from thunder_tp.plans.litgpt import GPTWithLoss
         return harness.seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)
@@ -411,7 +406,7 @@ def _comm_cells(r: dict) -> tuple[str, str]:
 
 def parallel_efficiency(results: dict, name: str) -> float | None:
     """Mode ``name``'s speed-up over its 1-rank run of the same family and runtime, per rank; None without one."""
-    family = name.rpartition(":")[0] or ("hf" if name == "hf_tp" else "")
+    family = name.rpartition(":")[0]
     baseline = f"{family}:thunder" if family else "thunder" if name.startswith(("tp", "thunder")) else "eager"
     base = results.get(baseline, {}).get("median_s")
     return base / results[name]["median_s"] / results[name]["ranks"] if base else None
@@ -419,7 +414,7 @@ def parallel_efficiency(results: dict, name: str) -> float | None:
 
 def markdown_table(results: dict) -> str:
     """One row per mode: step times, speed-ups, memory, fusion regions and collectives, or why it was not timed."""
-    ref = (results.get("dtensor_tp") or results.get("hf_tp") or {}).get("median_s")
+    ref = results.get("dtensor_tp", {}).get("median_s")
     cells = []
     for name, r in results.items():
         first = _fmt(r.get("first_iter_s"), ".1f")
@@ -438,7 +433,7 @@ def markdown_table(results: dict) -> str:
             " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–", *_comm_cells(r),
             "yes" if r.get("loss_ok") else "NO"])
     return "\n".join(harness.table(
-        "mode | ranks> | step median (ms)> | min–max (ms)> | tokens/s> | × DTensor TP (or HF's)> | parallel eff.> | "
+        "mode | ranks> | step median (ms)> | min–max (ms)> | tokens/s> | × DTensor TP> | parallel eff.> | "
         "first iter (s)> | params/rank (MB)> | saved for bwd (MB)> | peak step mem (MB)> | page faults/step> | "
         "fusion regions fwd / bwd> | collectives fwd / bwd | comm/step (MB)> | loss ok", cells))
 
@@ -462,8 +457,7 @@ def paired_ratio(a: dict, b: dict) -> float | None:
 #: the run's targets: name -> (mode, the mode it is held against, target); against "thunder": parallel efficiency
 TARGETS = {"tp_vs_dtensor": ("tp", "dtensor_tp", 0.85), "parallel_efficiency": ("tp", "thunder", 0.9),
            "tp_vs_dtensor_loss_parallel": ("tp_lp", "dtensor_tp_lp", 0.85),
-           "parallel_efficiency_loss_parallel": ("tp_lp", "thunder", 0.9),
-           "hf:tp_vs_hf_tp": ("hf:tp", "hf_tp", 0.7), "hf:tp_lp_vs_hf_tp": ("hf:tp_lp", "hf_tp", 0.7)}
+           "parallel_efficiency_loss_parallel": ("tp_lp", "thunder", 0.9)}
 
 
 def targets_summary(results: dict, world: int) -> dict:
