@@ -26,15 +26,36 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.lib import harness
-from benchmarks.lib.llama import decode_config, generate_args, new_gpt, set_cache
+from benchmarks.lib.llama import LlamaConfig, litgpt_config
 from benchmarks.lib.modes import MODES, How, select
 
-PROMPT_SEED = 1234
+PROMPT_SEED, MODEL_SEED = 1234, 1337
 #: a mode's token may leave the reference's where their reference logits are this many eps of the dtype (times the
 #: largest logit) apart or closer: a near-tie, which rounding decides. Random weights give flat logits (in bf16 the
 #: top two are often 0-2 ulps apart); at the default size eager litgpt's logits are within 6 (fp32) and 1.1 (bf16)
 #: eps x the largest logit of float64's, so two implementations' within ~12, and two tokens' gaps within ~24
 NEAR_TIE_EPS = 32
+
+
+def decode_config(args: argparse.Namespace):
+    """The litgpt Llama of bench_generate's flags, its context the prompt plus the new tokens."""
+    config = litgpt_config(LlamaConfig(dim=args.n_embd, n_layers=args.n_layer, n_heads=args.n_head,
+                                       n_kv_heads=args.n_query_groups, vocab=args.vocab,
+                                       ffn_hidden=args.intermediate_size, max_seq=args.prompt_len + args.new_tokens))
+    config.name = "bench-llama"
+    return config
+
+
+def new_gpt(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The litgpt GPT with seeded random weights (the same on every rank) in ``--dtype``, without a KV cache."""
+    from litgpt import GPT
+    return harness.seeded_model(lambda: GPT(decode_config(args)), MODEL_SEED, device, harness.DTYPES[args.dtype]).eval()
+
+
+def set_cache(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """``model`` with a KV cache for ``--batch`` sequences, in ``--dtype`` (litgpt's default is torch's, float32)."""
+    model.set_kv_cache(batch_size=args.batch, device=device, dtype=harness.DTYPES[args.dtype])
+    return model
 
 
 @dataclass(frozen=True)
@@ -71,8 +92,7 @@ def selected_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
 
 
 def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[torch.Tensor]:
-    """litgpt's greedy loop over ``prompts`` (batch, length): each new token of every row, a (batch,) tensor, as soon as
-    it is sampled (litgpt has called ``.item()`` on it: the device has finished it)."""
+    """litgpt's greedy loop over ``prompts`` (batch, length): each new (batch,) token once litgpt has it."""
     from litgpt.generate.base import batched_generate_fn, generate_fn
     max_returned = prompts.size(1) + new_tokens
     if prompts.size(0) == 1:
@@ -85,8 +105,7 @@ def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> It
 
 
 def generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, float]:
-    """One greedy generation: the new tokens (batch, new_tokens), the seconds to the first token and from it to the
-    last."""
+    """One greedy generation: the new tokens, the seconds to the first token and from it to the last."""
     tokens, stamps = [], []
     start = time.perf_counter()
     for token in token_stream(model, prompts, new_tokens):
@@ -97,8 +116,7 @@ def generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tupl
 
 @dataclass(frozen=True)
 class Reference:
-    """Single-device eager litgpt's greedy tokens (batch, new_tokens) and, computed on first use, its teacher-forced
-    logits at each of them (batch, new_tokens, vocab)."""
+    """Eager litgpt's greedy tokens (batch, new_tokens) and, computed once asked, its logits at each."""
 
     tokens: torch.Tensor
     logits: Callable[[], torch.Tensor]
@@ -122,8 +140,7 @@ def reference(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Refer
 
 
 def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
-    """The near-ties (``NEAR_TIE_EPS``) where each row first leaves the reference's, as {row, token, gap, tolerance};
-    ``TokenMismatch`` at any other difference."""
+    """The near-ties where each row first leaves the reference's; ``TokenMismatch`` at any other difference."""
     if tokens.shape != ref.tokens.shape:
         raise TokenMismatch(f"{name}: {tuple(tokens.shape)} tokens, expected {tuple(ref.tokens.shape)}")
     ties = []
@@ -146,8 +163,7 @@ def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
 
 def timed_generation(mode: Run, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
                      ref: Reference | None) -> tuple[float, float, list[dict]]:
-    """One generation of ``mode``: time to first token, decode tokens/s (the slowest rank's) and near-ties with the
-    reference (checked on rank 0, ``ref`` None elsewhere)."""
+    """One generation: time to first token, tokens/s (the slowest rank's), near-ties (checked given ``ref``)."""
     from thunder_tp.models.litgpt_sampling import sampling
     if mode.ranks != 1:
         dist.barrier()
@@ -271,8 +287,24 @@ def report(args: argparse.Namespace, results: dict, world: int, device: torch.de
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (see the module docstring)."""
-    return generate_args(argv, __doc__.splitlines()[0])
+    """The command line (the model, the prompts, the modes, the timing; see the module docstring)."""
+    p = harness.options(__doc__, dtype="float32")
+    for name, default in (("n_layer", 6), ("n_embd", 1024), ("n_head", 8), ("n_query_groups", 4),
+                          ("intermediate_size", 2816), ("vocab", 16384), ("prompt_len", 128), ("new_tokens", 64)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--batch", type=int, default=1, help="1: litgpt's generate loop; more: its batched loop")
+    p.add_argument("--rounds", type=int, default=5, help="timed generations per mode, one per round, modes alternating")
+    p.add_argument("--warmup", type=int, default=1, help="untimed generations per mode (the first compiles)")
+    p.add_argument("--modes", default="all", help="comma-separated: thunder, eager, tp, tp_gather, manual_tp")
+    p.add_argument("--compile", default="thunder", choices=sorted(harness.EXECUTORS),
+                   help="the thunder modes' executors: thunder_tp.executors() (Inductor fusions on CPU), or "
+                        "Thunder's defaults + thunder_tp's comm executor (no fusion compile: quick)")
+    p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r")
+    p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds")
+    args = p.parse_args(argv)
+    if args.new_tokens < 2 or args.warmup < 1 or args.rounds < 1:
+        p.error("--new_tokens must be at least 2 (a first token and a decode step), --warmup and --rounds at least 1")
+    return args
 
 
 @record  # a failing rank's error and traceback go into torchrun's summary

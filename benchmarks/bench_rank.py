@@ -28,7 +28,7 @@ import torch.nn as nn
 from benchmarks.lib import harness, llama, modes
 from benchmarks.lib.alpha_beta import LINKS, TORCHTITAN_8B, RecordedPass, extrapolate, project_step
 from benchmarks.lib.llama import LlamaConfig
-from benchmarks.lib.modes import MODES, How, dtensor, gpt_on_meta, init_local, llama_on_meta, tp_decode, unstepped
+from benchmarks.lib.modes import MODES, How, dtensor, gpt_on_meta, init_local, llama_on_meta, unstepped
 
 #: --model presets: the dims of litgpt's configs of those names (tiny: for the CPU)
 PRESETS = {
@@ -44,8 +44,7 @@ PLANS = ("tp", "tp_sp", "tp_lp", "tp_sp_lp")
 
 @dataclass(frozen=True)
 class RankMode:
-    """A mode of the tables (docs/gpu.md): ``build`` makes one rank's module, its shards materialized on ``device`` with
-    random weights."""
+    """A mode of the tables (docs/gpu.md): ``build`` makes one rank's module with random weights on ``device``."""
 
     key: str
     description: str
@@ -72,14 +71,21 @@ def _dtensor_training(cfg, device, dtype, quick: bool, plan: str, overlap: str) 
 
 
 def _thunder_decode(strategy: str | None, config, context: int, batch: int, device, dtype, quick: bool):
-    """thunder_tp's decode through a DecodeStep of ``strategy`` (quick: bound), or (None) the jitted module's call."""
+    """One rank's GPT and KV cache (built on the meta device) under the tp mode, through a ``thunder_tp.DecodeStep`` of
+    ``strategy`` (quick: bound), or (None) the jitted module's call."""
+    from litgpt.model import build_mask_cache
+
+    import thunder_tp
+    model = gpt_on_meta(config, context, dtype)
+    model.set_kv_cache(batch_size=batch, device=torch.device("meta"), dtype=dtype)
+    model.mask_cache = build_mask_cache(context + 1, device)  # a plain attribute, not a buffer
+    jm = MODES["tp"].wrap(model, how(device, quick))
     strategy = "bound" if quick and strategy == "compiled" else strategy
-    return tp_decode(config, context, batch, dtype, how(device, quick), strategy)
+    return jm if strategy is None else thunder_tp.DecodeStep(jm, strategy)
 
 
 def _compiled_decode(registered: str, config, context: int, batch: int, device, dtype, quick: bool) -> nn.Module:
-    """The GPT under ``registered`` (hand TP, or eager: the whole GPT), its KV cache, under torch.compile (CUDA graphs
-    on a GPU)."""
+    """The GPT under ``registered`` (hand TP, or eager) with its KV cache, under torch.compile."""
     model = gpt_on_meta(config, context, dtype)
     model.collectives = []
     model = MODES[registered].wrap(model, how(device, quick))
@@ -161,21 +167,12 @@ def litgpt_config(dims: dict, layers: int):
     return llama.litgpt_config(llama_config(dims, layers, 8192))
 
 
-def compiled_training_structure(model: nn.Module, args: argparse.Namespace, cfg: LlamaConfig, device, tp: int) -> dict:
-    """The collectives of one more forward and backward of a compiled mode, counted by CommDebugMode (after timing: a
-    dispatch mode makes Dynamo run the rest eagerly)."""
-    from benchmarks.lib.side_by_side import counted_step
-    passes = counted_step(model, *harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device))
-    return {"traces": {}, "collectives": {name: [[k, tp, b] for k, b in records]
-                                          for name, records in zip(("forward", "backward"), passes, strict=True)}}
-
-
-def run_row(mode: RankMode, tp: int, rank: int, device: torch.device, measure: Callable[[], dict]) -> dict:
-    """``measure()`` as rank ``rank`` of a fake group of ``tp`` ranks, after releasing what earlier rows left."""
+def run_row(tp: int, device: torch.device, measure: Callable[[], dict]) -> dict:
+    """``measure()`` as the last rank of a fake group of ``tp`` ranks, after releasing what earlier rows left."""
     import thunder_tp
     left = release_memory(device)
     try:
-        with thunder_tp.one_rank(tp, rank, device), warnings.catch_warnings(record=True) as caught:
+        with thunder_tp.one_rank(tp, tp - 1, device), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
             result = measure()
     except Exception as e:
@@ -211,36 +208,34 @@ def release_memory(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, device) -> dict:
-    """One training measurement with the collectives of a step (a compiled mode runs one more)."""
-    def measure() -> dict:
-        cfg = llama_config(dims, depth, args.seq)
-        torch.manual_seed(0)  # the same weights in every mode: (a) and (b) compute the same loss
-        model = mode.build(cfg, device, harness.DTYPES[args.dtype], args.quick, plan=args.plan, overlap=args.overlap)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        batch = harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
-        result = harness.timed_training(model, batch, optimizer, args.steps, args.warmup, device)
-        result["param_bytes"] = harness.param_bytes(model)
-        result.update(harness.thunder_structure(model) if mode.runtime == "thunder"
-                      else compiled_training_structure(model, args, cfg, device, tp))
-        return result
-    return run_row(mode, tp, rank, device, measure)
+def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, device) -> dict:
+    """One training measurement with the collectives of a step (a compiled mode runs one more, counted by
+    CommDebugMode after timing: a dispatch mode makes Dynamo run the rest eagerly)."""
+    from benchmarks.lib.side_by_side import counted_step
+    cfg = llama_config(dims, depth, args.seq)
+    torch.manual_seed(0)  # the same weights in every mode: (a) and (b) compute the same loss
+    model = mode.build(cfg, device, harness.DTYPES[args.dtype], args.quick, plan=args.plan, overlap=args.overlap)
+    batch = harness.random_batch(args.batch, args.seq, cfg.vocab, 1234, device)
+    result = harness.timed_training(model, batch, torch.optim.AdamW(model.parameters(), lr=1e-4), args.steps,
+                                    args.warmup, device)
+    result["param_bytes"] = harness.param_bytes(model)
+    if mode.runtime == "thunder":
+        return result | harness.thunder_structure(model)
+    forward, backward = counted_step(model, *batch)
+    return result | {"traces": {}, "collectives": {"forward": [[k, tp, b] for k, b in forward],
+                                                   "backward": [[k, tp, b] for k, b in backward]}}
 
 
-def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, rank: int, batch: int, device) -> dict:
-    def measure() -> dict:
-        dtype = harness.DTYPES[args.dtype]
-        model = mode.build(litgpt_config(dims, depth), args.context, batch, device, dtype, args.quick)
-        result = harness.timed_decode(model, batch, args.context, args.steps, args.warmup, device)
-        module = unstepped(model)
-        result.update(param_bytes=harness.param_bytes(module), kv_cache_bytes=harness.kv_cache_bytes(module))
-        if mode.runtime == "thunder":
-            result.update(harness.thunder_structure(module))
-        else:
-            result.update(traces={},
-                          collectives={"forward": [[k, tp, b] for k, b in model.collectives], "backward": []})
-        return result
-    return run_row(mode, tp, rank, device, measure)
+def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, batch: int, device) -> dict:
+    """One decode measurement with the collectives of a step."""
+    model = mode.build(litgpt_config(dims, depth), args.context, batch, device, harness.DTYPES[args.dtype], args.quick)
+    result = harness.timed_decode(model, batch, args.context, args.steps, args.warmup, device)
+    module = unstepped(model)
+    result.update(param_bytes=harness.param_bytes(module), kv_cache_bytes=harness.kv_cache_bytes(module))
+    if mode.runtime == "thunder":
+        return result | harness.thunder_structure(module)
+    return result | {"traces": {}, "collectives": {"forward": [[k, tp, b] for k, b in model.collectives],
+                                                   "backward": []}}
 
 
 def _selected(table: tuple[RankMode, ...], keys: str, device: torch.device) -> tuple[list[RankMode], dict[str, str]]:
@@ -258,21 +253,21 @@ def sweep(args: argparse.Namespace, device: torch.device) -> dict:
     decode, decode_skipped = _selected(DECODE, args.decode_modes, device)
     rows = []
     for tp in [int(t) for t in args.tp.split(",") if t]:
-        rank = tp - 1
         for mode in train:
-            by_depth = {d: training_row(mode, args, dims, d, tp, rank, device) for d in args.depths}
-            rows.append(_row("training", mode, tp, rank, None, by_depth, args, dims))
+            by_depth = {d: run_row(tp, device, partial(training_row, mode, args, dims, d, tp, device))
+                        for d in args.depths}
+            rows.append(_row("training", mode, tp, None, by_depth, args, dims))
         for batch in [int(b) for b in args.decode_batches.split(",") if b]:
             for mode in decode:
-                by_depth = {d: decode_row(mode, args, dims, d, tp, rank, batch, device) for d in args.depths}
-                rows.append(_row("decode", mode, tp, rank, batch, by_depth, args, dims))
+                by_depth = {d: run_row(tp, device, partial(decode_row, mode, args, dims, d, tp, batch, device))
+                            for d in args.depths}
+                rows.append(_row("decode", mode, tp, batch, by_depth, args, dims))
     return {"dims": dims, "rows": rows, "skipped": {**train_skipped, **decode_skipped}}
 
 
-def _row(workload: str, mode: RankMode, tp: int, rank: int, batch: int | None, by_depth: dict, args, dims) -> dict:
-    """A row at the reported depth: each timing and byte figure extrapolated from the measured depths, the projection of
-    each depth extrapolated alike."""
-    row = {"workload": workload, "mode": mode.key, "description": mode.description, "tp": tp, "rank": rank,
+def _row(workload: str, mode: RankMode, tp: int, batch: int | None, by_depth: dict, args, dims) -> dict:
+    """A row at the reported depth: every figure and the projection extrapolated from the measured depths."""
+    row = {"workload": workload, "mode": mode.key, "description": mode.description, "tp": tp, "rank": tp - 1,
            "batch": batch if batch is not None else args.batch, "depths": by_depth}
     if errors := [r["error"] for r in by_depth.values() if "error" in r]:
         row["error"] = errors[0]
@@ -359,17 +354,19 @@ def _describe_difference(a: dict, b: dict) -> str:
     return "; ".join(parts) or "the same"
 
 
+def _failed(r: dict, *cells) -> str:
+    """A failed row: its leading cells, the mode and the error."""
+    return "| " + " | ".join(map(str, cells)) + f" | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||"
+
+
 def _training_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    cells = []
-    for r in rows:
-        if "error" in r:
-            cells.append(f"| {r['tp']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||")
-            continue
-        times = [_ms(r[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")]
-        kinds = f"{_kinds(r['collectives']['forward'])} / {_kinds(r['collectives']['backward'])}"
-        tokens = r["batch"] * args.seq / r["step_s"] / r["tp"]
-        cells.append([r["tp"], f"({r['mode']}) {r['description']}", *times, _peak(r),
-                      harness.fmt_bytes(r["param_bytes"]), kinds, "yes" if r["loss_finite"] else "NO", f"{tokens:.0f}"])
+    cells = [_failed(r, r["tp"]) if "error" in r else
+             [r["tp"], f"({r['mode']}) {r['description']}",
+              *(_ms(r[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")), _peak(r),
+              harness.fmt_bytes(r["param_bytes"]),
+              f"{_kinds(r['collectives']['forward'])} / {_kinds(r['collectives']['backward'])}",
+              "yes" if r["loss_finite"] else "NO", f"{r['batch'] * args.seq / r['step_s'] / r['tp']:.0f}"]
+             for r in rows]
     return harness.table("TP> | mode | step (ms)> | forward> | backward> | AdamW> | peak memory> | params / rank> | "
                          f"collectives fwd / bwd ({max(args.depths)} layers) | loss finite | "
                          "tokens/s/GPU, compute only>", cells)
@@ -385,13 +382,9 @@ def _peak(row: dict) -> str:
 
 def _memory_notes(rows: list[dict]) -> list[str]:
     """What earlier rows left allocated."""
-    notes = []
-    for r in rows:
-        left = max((d.get("left_bytes", 0) for d in r["depths"].values()), default=0)
-        if left:
-            notes.append(f"- {r['workload']} TP={r['tp']} ({r['mode']}): {harness.fmt_bytes(left)} still allocated "
-                         "before its run, subtracted from its peak")
-    return notes
+    left = {id(r): max((d.get("left_bytes", 0) for d in r["depths"].values()), default=0) for r in rows}
+    return [f"- {r['workload']} TP={r['tp']} ({r['mode']}): {harness.fmt_bytes(left[id(r)])} still allocated before "
+            "its run, subtracted from its peak" for r in rows if left[id(r)]]
 
 
 def _per_layer_us(row: dict) -> str:
@@ -404,8 +397,7 @@ def _per_layer_us(row: dict) -> str:
 
 
 def _decode_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
-    cells = [f"| {r['tp']} | {r['batch']} | ({r['mode']}) {r['description']} | failed: {r['error']} |||||||||"
-             if "error" in r else
+    cells = [_failed(r, r["tp"], r["batch"]) if "error" in r else
              [r["tp"], r["batch"], f"({r['mode']}) {r['description']}", _ms(r["step_s"]), _ms(r["host_s"]),
               _ms(r["back_to_back_s"]), _per_layer_us(r), f"{r['host_s'] / r['step_s']:.2f}",
               f"{r['batch'] / r['back_to_back_s']:.1f}", _kinds(r["collectives"]["forward"]),
@@ -415,15 +407,10 @@ def _decode_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                          "params / rank> | KV cache / rank>", cells)
 
 
-def _first_loss(row: dict) -> float:
-    """The row's first measured loss at its deepest depth."""
-    return row["depths"][max(row["depths"])]["samples"][0]["loss"]
-
-
 def _losses_agree(a: dict, b: dict, dtype: str) -> tuple[bool, str]:
-    """Whether two training rows' first measured losses (the same weights and batch) agree: within a few roundings of a
-    bf16 loss (2e-2 relative), else 1e-4."""
-    la, lb = _first_loss(a), _first_loss(b)
+    """Whether two training rows' first measured losses at their deepest depth (the same weights and batch) agree:
+    within a few roundings of a bf16 loss (2e-2 relative), else 1e-4."""
+    la, lb = (r["depths"][max(r["depths"])]["samples"][0]["loss"] for r in (a, b))
     rtol = 2e-2 if dtype == "bfloat16" else 1e-4
     agree = abs(la - lb) <= rtol * max(abs(la), abs(lb))
     return agree, f"loss {la:.4f} vs {lb:.4f}{'' if agree else f' (must agree within {rtol:g}: FAILED)'}"

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,15 +28,12 @@ from benchmarks.lib import harness, litgpt_setup
 from benchmarks.lib.litgpt_options import parse_args
 from benchmarks.lib.side_by_side import compare, compare_process
 
-T = TypeVar("T")
-
 # the benchmark
 
 
 def train(args: argparse.Namespace, groups: litgpt_setup.Groups, device: torch.device, jm: nn.Module,
           vocab: int) -> tuple[list[float], list[float], int | None]:
-    """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): losses, the slowest rank's times and
-    (``--measure_step_memory``) this rank's peak memory of the last iteration."""
+    """``--max_iters`` SGD iterations: losses, the slowest rank's times, (given the flag) the last one's memory."""
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
     load_checkpoints(args, jm, optimizer)
     steps = litgpt_setup.accumulation_steps(args, groups.dp_size)
@@ -45,17 +42,16 @@ def train(args: argparse.Namespace, groups: litgpt_setup.Groups, device: torch.d
         rows = steps * args.micro_batch_size
         idx, targets = litgpt_setup.make_batch(args, vocab, groups.dp_rank, it, device, rows=rows)
         # gradients accumulate over the micro-batches; timed waits for the device's work
-        train = partial(harness.train_step, jm, optimizer, idx, targets, args.micro_batch_size)
-        step = partial(harness.timed, train, device)
+        step = partial(harness.timed, partial(harness.train_step, jm, optimizer, idx, targets, args.micro_batch_size),
+                       device)
         if args.measure_step_memory and it == args.max_iters - 1:
             (loss, dt), step_bytes = with_step_memory(step)
         else:
             loss, dt = step()
-        loss_value = loss.item()
-        losses.append(loss_value)
+        losses.append(loss.item())
         times.append(dt)
         tag = " (warm-up)" if it < args.warmup_iters else ""
-        harness.log(groups.rank, f"iter {it}: loss {loss_value:.4f}, iter time: {dt * 1000:.2f} ms{tag}")
+        harness.log(groups.rank, f"iter {it}: loss {losses[-1]:.4f}, iter time: {dt * 1000:.2f} ms{tag}")
     if args.save_checkpoint:
         import thunder_tp.checkpoint as ck
         ck.save(args.save_checkpoint, jm, optimizer)
@@ -63,7 +59,7 @@ def train(args: argparse.Namespace, groups: litgpt_setup.Groups, device: torch.d
     return losses, harness.slowest_rank(times, device), step_bytes
 
 
-def with_step_memory(step: Callable[[], T]) -> tuple[T, int | None]:
+def with_step_memory(step: Callable[[], Any]) -> tuple[Any, int | None]:
     """``step()`` and the memory it needed above what was live before it (``harness.peak_step_bytes``)."""
     results = []
     peak = harness.peak_step_bytes(lambda: results.append(step()))

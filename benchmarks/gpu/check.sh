@@ -1,18 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks on a one-GPU machine, by parts (GPU_PARTS, comma-separated; docs/gpu.md says what each measures):
-#   bash benchmarks/gpu/check.sh [OUT_DIR]            # "tests,bench": the CUDA tests, a one-GPU --compare of backends
-#   GPU_PARTS=rank bash benchmarks/gpu/check.sh       # bench_rank.py's phases at Llama-3 shapes, by priority
-#   GPU_PARTS=bf16|decode32|compile32|overlap ...     # bf16 plans; full-depth decode; time to first step; overlap
-# Each part fits one 10-minute device call with the install. Expects python3 with torch on CUDA, and in .whl/ the
-# wheels of what that python lacks: lightning-thunder, litgpt and their small deps (looseversion, optree, dill,
-# jsonargparse), transformers 4.52.4 with its huggingface-hub and tokenizers (requirements-ci.txt's pins) for the HF
-# tests, and nvFuser (pyproject's `nvfuser` extra; nvfuser-cu130-torch210 of the same version where torch is built
-# for CUDA 13). Where torch is 2.11 (the wheel is built for 2.10), also the one-symbol shim `g++ -O2 -shared -fPIC -o
-# .whl/nvfuser_abi_shim.so benchmarks/gpu/nvfuser_abi_shim.cpp`, and, where the machine lacks it, zstd's library as
-# .whl/lib/libzstd.so.1. Time limits (seconds): GPU_TESTS_S (240: on a cold machine the whole set takes two runs),
-# GPU_CHECK_S (tests and bench, 480), GPU_RANK_S (rank, decode32, compile32, overlap: a phase starts with 60 left,
-# 540), GPU_BF16_S (420); GPU_TESTS (pytest -k), GPU_MODES (--compare) and GPU_DECODE_LAYERS (decode32's depths)
-# narrow a rerun.
+# The GPU checks on a one-GPU machine, by parts (GPU_PARTS, comma-separated; default "tests,bench"):
+#   bash benchmarks/gpu/check.sh [OUT_DIR]; GPU_PARTS=rank|bf16|decode32|compile32|overlap bash ...
+# What each part measures, the wheels it expects in .whl/ and its time limits: docs/gpu.md, "Running the GPU checks".
 set -u
 OUT_DIR="${1:-${OUT:-/tmp/gpu_check}}"
 mkdir -p "$OUT_DIR"

@@ -137,8 +137,7 @@ class PassProjection:
 
 @dataclass(frozen=True)
 class RecordedPass:
-    """A pass's collectives counted at runtime (``[kind, group size, bytes]`` each), without a trace: no schedule, so
-    every collective is taken as waited for at once (no overlap)."""
+    """A pass's collectives counted at runtime (``[kind, group size, bytes]``): no schedule, so no overlap."""
 
     calls: list
 
@@ -207,8 +206,7 @@ class StepProjection:
 
 def project_step(traces: dict[str, TraceCtx | None], compute_s: dict[str, float], link: Link,
                  other_s: float = 0.0) -> StepProjection:
-    """A step of passes (``{"forward": trace, "backward": trace}`` with their measured compute) plus ``other_s`` of work
-    without collectives (the optimizer step)."""
+    """A step of passes (``{name: trace}`` with their compute) plus ``other_s`` without collectives."""
     passes = {name: project_pass(traces.get(name), compute_s[name], link) for name in compute_s}
     return StepProjection(
         no_overlap_s=sum(p.no_overlap_s for p in passes.values()) + other_s,

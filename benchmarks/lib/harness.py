@@ -30,8 +30,7 @@ import thunder_tp.thunder_internals.quiet  # noqa: F401  (before Thunder's first
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def options(doc: str, dtype: str | None = None) -> argparse.ArgumentParser:
-    """A benchmark's parser: ``doc``'s first line as its description, defaults shown, ``--json_path`` (written when
-    given) and, with a default ``dtype``, ``--dtype``."""
+    """A benchmark's parser: ``doc``'s first line, defaults shown, ``--json_path`` and (given ``dtype``) ``--dtype``."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json_path", default="", help="write the results as JSON here")
@@ -113,10 +112,8 @@ def thunder_tp_executors() -> list:
 
 def thunder_default_executors() -> list:
     """Thunder's default executors behind thunder_tp's comm executor (no fusion executor of thunder_tp's)."""
-    import thunder
-
-    from thunder_tp.collectives import comm_executor
-    return [comm_executor, *thunder.get_default_executors()]
+    from thunder_tp.execution.executor import thunder_default_executors as executors
+    return executors()
 
 
 #: --compile -> the executors list for thunder.jit
@@ -136,23 +133,13 @@ def alternating_rounds(runs: Sequence[T], rounds: int) -> Iterator[tuple[int, T]
 
 
 def steps_per_round(steps: int, rounds: int) -> list[int]:
-    """``steps`` spread over ``rounds`` rounds (at least one step each, so at most ``steps`` rounds), the first rounds
-    one more where they do not divide."""
+    """``steps`` spread over at most ``rounds`` rounds, the first rounds one more where they do not divide."""
     rounds = max(1, min(rounds, steps))
     return [steps // rounds + (r < steps % rounds) for r in range(rounds)]
 
 
-def add_round(result: dict, times: list[float], faults: list[float] | None = None) -> None:
-    """One round of a mode's timed steps into ``result``: the times, their median and (given) the minor page faults."""
-    result["times_s"] += times
-    result["round_medians_s"].append(statistics.median(times))
-    if faults is not None:
-        result["minor_faults"] += faults
-
-
 def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on the ranks that run a mode of ``ranks`` ranks (all, or for 1 rank 0 alone while the others wait at a
-    barrier)."""
+    """``fn()`` on the ranks of a mode of ``ranks`` ranks (all, or 1: rank 0 while the others wait)."""
     if ranks != 1:
         return fn()
     out = fn() if dist.get_rank() == 0 else None
@@ -223,17 +210,15 @@ def slowest_rank(times: list[float], device: torch.device | None = None) -> list
     return t.tolist()
 
 
-def time_steps(step: Callable[[], Any], steps: int, *, distributed: bool,
-               device: torch.device | None = None) -> tuple[list[float], list[float]]:
-    """Wall seconds and minor page faults of each of ``steps`` calls of ``step()``, the device's work included."""
-    times, faults = [], []
+def time_steps(step: Callable[[], Any], steps: int, *, distributed: bool, device: torch.device | None = None
+               ) -> list[float]:
+    """Wall seconds of each of ``steps`` calls of ``step()``, the device's work included (the slowest rank's)."""
+    times = []
     for _ in range(steps):
         if distributed:
             dist.barrier()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         times.append(timed(step, device)[1])
-        faults.append(float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
-    return (slowest_rank(times, device), slowest_rank(faults, device)) if distributed else (times, faults)
+    return slowest_rank(times, device) if distributed else times
 
 
 def time_stats(times: list[float]) -> dict[str, float]:
@@ -277,8 +262,7 @@ def saved_for_backward(forward_trace) -> dict | None:
 
 
 def collectives_per_iteration(jm: nn.Module) -> dict:
-    """The collectives of the last forward and backward traces: ``tables`` (``thunder_tp.collectives_table``) and
-    ``per_iteration`` (count, bytes and ``by_kind`` per pass)."""
+    """The last traces' collectives: ``tables`` and ``per_iteration`` (count, bytes, ``by_kind`` per pass)."""
     import thunder
 
     import thunder_tp
@@ -383,13 +367,11 @@ def _peak_bytes(step: Callable[[], object], device: torch.device) -> int | None:
 
 
 def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimizer, steps: int, warmup: int,
-                   device: torch.device, before_step: Callable[[], None] = lambda: None) -> dict:
-    """Warm-up and timed steps of forward (with the loss) + backward + ``optimizer``: medians in seconds of each part,
-    the losses finite, peak memory."""
+                   device: torch.device) -> dict:
+    """Warm-up and timed training steps: each part's median seconds, the losses finite, peak memory."""
     idx, targets = batch
     def step() -> dict:
         optimizer.zero_grad(set_to_none=True)
-        before_step()
         sync(device)
         t0 = time.perf_counter()
         with step_context(model):
@@ -414,8 +396,7 @@ def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimi
     return result
 
 
-def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup: int, device: torch.device,
-                 before_step: Callable[[], None] = lambda: None) -> dict:
+def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup: int, device: torch.device) -> dict:
     """One-token KV-cache forwards at ``position``: the synchronized step, the host's part of it (call to return, before
     synchronizing) and the step of back-to-back calls (medians, seconds)."""
     token = torch.zeros(batch, 1, dtype=torch.int64, device=device)
@@ -431,7 +412,6 @@ def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup
             first_step_s = first_step_s or time.perf_counter() - t0  # the first: the compiling step
         samples = []
         for _ in range(steps):
-            before_step()
             sync(device)
             t0 = time.perf_counter()
             logits = model(token, where)
@@ -451,8 +431,7 @@ def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup
 
 
 def thunder_structure(jm: nn.Module) -> dict:
-    """The final traces (the last with collectives, so a CUDA-graph trace reads the trace before it) and their
-    collectives as ``[kind, group size, bytes]`` per pass."""
+    """The last traces with collectives and those as ``[kind, group size, bytes]`` per pass."""
     import thunder
 
     from thunder_tp.tools.debug import collective_calls

@@ -117,8 +117,7 @@ def checkpoint_blocks(model: nn.Module) -> None:
 
 
 def make_model(args: argparse.Namespace, config, device: torch.device) -> nn.Module:
-    """The litgpt GPT with its loss, seeded random weights in ``--dtype``, its linears torchao's float8 ones and its
-    blocks checkpointed if asked."""
+    """The litgpt GPT with its loss and seeded weights in ``--dtype``, float8 and checkpointed if asked."""
     from thunder_tp.plans.litgpt import GPTWithLoss
     model = seeded_model(lambda: GPTWithLoss(config), args.seed, device, DTYPES[args.dtype])
     if args.use_torchao_fp8_linear:
@@ -138,8 +137,7 @@ def build(args: argparse.Namespace, groups: Groups, device: torch.device):
 
 
 def wrap(model: nn.Module, args: argparse.Namespace, groups: Groups) -> nn.Module:
-    """The model under --distributed_mode's mode, ContextParallel over the CP group first (then the mode's TP splits the
-    CP-local program)."""
+    """The model under --distributed_mode's mode, ContextParallel over the CP group first."""
     return MODES[mode_name(args)].wrap(model, how_of(args, groups))
 
 
@@ -159,8 +157,7 @@ def mode_name(args: argparse.Namespace) -> str:
 
 
 def resolve_groups(args: argparse.Namespace, rank: int, world: int) -> Groups:
-    """This rank's TP, CP and DP groups from --distributed_mode, --tp_size, --context_parallel_size and --dp_size (an
-    error naming the fix if they don't fit)."""
+    """This rank's TP, CP and DP groups from the flags (an error naming the fix if they don't fit)."""
     mode, cp_size = MODES[mode_name(args)], args.context_parallel_size
     if world % cp_size:
         raise SystemExit(f"--context_parallel_size {cp_size} must divide the world size {world}")
@@ -195,8 +192,7 @@ FLOAT8_CAPABILITY = (8, 9)
 
 
 def keeps_in_high_precision(module: nn.Module, name: str) -> bool:
-    """The linears left unconverted, as torchtitan leaves them: the head, and those whose dims are not multiples of 16
-    (what torch._scaled_mm takes)."""
+    """The linears torchtitan leaves unconverted: the head, and dims not multiples of 16."""
     return name.rsplit(".", 1)[-1] == "lm_head" or module.in_features % 16 != 0 or module.out_features % 16 != 0
 
 

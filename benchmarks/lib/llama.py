@@ -1,10 +1,9 @@
 """The benchmark Llama (separate q/k/v, RMSNorm, RoPE, SwiGLU, GQA, causal SDPA, untied embedding and lm_head), the
-litgpt config of the same dims, thunder_tp's plan for it, and the litgpt twin that the decode benchmarks run
-(bench_generate's flags, its KV cache, and gpt-fast-style TP written by hand: ``shard_by_hand``)."""
+litgpt config of the same dims, thunder_tp's plan for it, and gpt-fast-style TP of a litgpt GPT written by hand
+(``shard_by_hand``, the decode benchmarks' reference)."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.lib.harness import DTYPES, EXECUTORS, options, seeded_model, tensor_bytes
+from benchmarks.lib.harness import tensor_bytes
 
 
 @dataclass
@@ -166,30 +165,6 @@ def thunder_tp_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dic
     return plan
 
 
-MODEL_SEED = 1337
-
-
-def decode_config(args: argparse.Namespace):
-    """The litgpt Llama of bench_generate's flags, its context the prompt plus the new tokens."""
-    config = litgpt_config(LlamaConfig(dim=args.n_embd, n_layers=args.n_layer, n_heads=args.n_head,
-                                       n_kv_heads=args.n_query_groups, vocab=args.vocab,
-                                       ffn_hidden=args.intermediate_size, max_seq=args.prompt_len + args.new_tokens))
-    config.name = "bench-llama"
-    return config
-
-
-def new_gpt(args: argparse.Namespace, device: torch.device) -> nn.Module:
-    """The litgpt GPT with seeded random weights (the same on every rank) in ``--dtype``, without a KV cache."""
-    from litgpt import GPT
-    return seeded_model(lambda: GPT(decode_config(args)), MODEL_SEED, device, DTYPES[args.dtype]).eval()
-
-
-def set_cache(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn.Module:
-    """``model`` with a KV cache for ``--batch`` sequences, in ``--dtype`` (litgpt's default is torch's, float32)."""
-    model.set_kv_cache(batch_size=args.batch, device=device, dtype=DTYPES[args.dtype])
-    return model
-
-
 def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
     """Give ``linear`` its own copy of ``weight`` (a slice of the full weight, which is then freed)."""
     linear.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format), requires_grad=False)
@@ -231,24 +206,3 @@ def shard_by_hand(model: nn.Module, rank: int, world: int) -> list[tuple[str, in
     model.lm_head.register_forward_hook(all_gather)
     model.register_forward_pre_hook(lambda module, inputs: calls.clear())
     return calls
-
-
-def generate_args(argv: list[str] | None = None, description: str = "bench_generate.py") -> argparse.Namespace:
-    """bench_generate.py's command line (the model, the prompts, the modes, the timing), parsed from ``argv``."""
-    p = options(description, dtype="float32")
-    for name, default in (("n_layer", 6), ("n_embd", 1024), ("n_head", 8), ("n_query_groups", 4),
-                          ("intermediate_size", 2816), ("vocab", 16384), ("prompt_len", 128), ("new_tokens", 64)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--batch", type=int, default=1, help="1: litgpt's generate loop; more: its batched loop")
-    p.add_argument("--rounds", type=int, default=5, help="timed generations per mode, one per round, modes alternating")
-    p.add_argument("--warmup", type=int, default=1, help="untimed generations per mode (the first compiles)")
-    p.add_argument("--modes", default="all", help="comma-separated: thunder, eager, tp, tp_gather, manual_tp")
-    p.add_argument("--compile", default="thunder", choices=sorted(EXECUTORS),
-                   help="the thunder modes' executors: thunder_tp.executors() (Inductor fusions on CPU), or "
-                        "Thunder's defaults + thunder_tp's comm executor (no fusion compile: quick)")
-    p.add_argument("--pin_cores", type=int, default=1, help="CPU runs: pin local rank r to core r")
-    p.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds")
-    args = p.parse_args(argv)
-    if args.new_tokens < 2 or args.warmup < 1 or args.rounds < 1:
-        p.error("--new_tokens must be at least 2 (a first token and a decode step), --warmup and --rounds at least 1")
-    return args

@@ -241,19 +241,6 @@ def gpt_on_meta(config, context: int, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
-def tp_decode(config, context: int, batch: int, dtype: torch.dtype, how: How, strategy: str | None):
-    """One rank's GPT (built on the meta device, its KV cache too) under the tp mode, materialized on
-    ``how.materialize``; through a ``thunder_tp.DecodeStep`` of ``strategy`` unless None."""
-    from litgpt.model import build_mask_cache
-
-    import thunder_tp
-    model = gpt_on_meta(config, context, dtype)
-    model.set_kv_cache(batch_size=batch, device=torch.device("meta"), dtype=dtype)
-    model.mask_cache = build_mask_cache(context + 1, how.materialize)  # a plain attribute, not a buffer
-    jm = MODES["tp"].wrap(model, how)
-    return jm if strategy is None else thunder_tp.DecodeStep(jm, strategy)
-
-
 def unstepped(model: Any) -> nn.Module:
     """The jitted module of a ``thunder_tp.DecodeStep``, else ``model``."""
     import thunder_tp

@@ -9,7 +9,6 @@ import gc
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import torch.nn as nn
 
 from benchmarks.lib import harness
 from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, litgpt_config
-from benchmarks.lib.modes import MODES, How, Mode
+from benchmarks.lib.modes import MODES, How
 
 #: the first-step loss's tolerance against one device (10x for the second step)
 LOSS_RTOL = 1e-4
@@ -38,39 +37,28 @@ ALL = ("eager,thunder,thunder_defaults,thunder_inductor,tp,tp_auto,tp_sp,tp_lp,d
 
 @dataclass(frozen=True)
 class Entry:
-    """A mode of the registry on one of the compared models: ``[family:]mode``, the benchmark Llama without one."""
+    """A mode of the registry on one of the compared models: ``[litgpt:]mode``, the benchmark Llama without one."""
 
     name: str
-    mode: Mode
     family: str
-    how: How
-
-    @property
-    def ranks(self) -> int:
-        """1: rank 0 alone; 0: every rank."""
-        return 0 if self.mode.distributed else 1
-
-    @property
-    def runtime(self) -> str:
-        return self.mode.runtime
-
-    @property
-    def description(self) -> str:
-        return f"{self.family} Llama, {self.mode.description}" if self.family != "llama" else self.mode.description
-
-    def build(self, model: nn.Module) -> nn.Module:
-        return self.mode.wrap(model, self.how)
+    description: str
+    runtime: str
+    ranks: int  # 1: rank 0 alone; 0: every rank
+    build: Callable[[nn.Module], nn.Module]
 
 
 def entries(names: str, skip: str, how: How) -> list[Entry]:
     """The entries of ``names`` (comma-separated, or 'all') but not in ``skip``; unknown modes are an error."""
     out = []
     for name in (ALL if names == "all" else names).split(","):
-        family, _, mode = name.rpartition(":")
+        family, _, key = name.rpartition(":")
         if name not in skip.split(",") and name:
-            if mode not in MODES:
-                raise SystemExit(f"unknown mode {mode!r} in --compare; choose from {list(MODES)}")
-            out.append(Entry(name, MODES[mode], family or "llama", how))
+            if key not in MODES:
+                raise SystemExit(f"unknown mode {key!r} in --compare; choose from {list(MODES)}")
+            mode = MODES[key]
+            description = f"{family} Llama, {mode.description}" if family else mode.description
+            out.append(Entry(name, family or "llama", description, mode.runtime, 0 if mode.distributed else 1,
+                             partial(mode.wrap, how=how)))
     return out
 
 
@@ -87,8 +75,7 @@ class GradientMismatch(AssertionError):
 
 
 def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient by the original model's names (collective: DTensor's ``full_tensor``,
-    thunder_tp's shards through its transforms' reverse of the state dict)."""
+    """Every parameter's full gradient by the original model's names (collective: shards are gathered)."""
     from torch.distributed.tensor import DTensor
     grads = {}
     for name, p in module.named_parameters():
@@ -147,7 +134,7 @@ def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: d
     """Build, check every gradient and the first two losses, warm up; this rank's result and (jm, opt, params)."""
     distributed = mode.ranks != 1
     result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
-                    "runtime": mode.runtime, "times_s": [], "round_medians_s": [], "minor_faults": []}
+                    "runtime": mode.runtime, "times_s": [], "round_medians_s": []}
     if distributed:
         dist.barrier()
     t0 = time.perf_counter()
@@ -179,14 +166,12 @@ def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: d
 def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps, traces, peak memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
-    step = partial(harness.train_step, jm, opt, idx, targets)
     result.update(harness.time_stats(result["times_s"]))
-    result["minor_faults_per_step"] = statistics.median(result["minor_faults"])
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.dump_thunder_traces and mode.runtime == "thunder":
         import thunder_tp
         thunder_tp.dump_traces(jm, os.path.join(args.trace_dir, mode.name))
-    result["peak_step_bytes"] = harness.peak_step_bytes(step)
+    result["peak_step_bytes"] = harness.peak_step_bytes(partial(harness.train_step, jm, opt, idx, targets))
     jm.zero_grad(set_to_none=True)
     with harness.step_context(jm):
         saved, loss = hooked_saved_bytes(lambda: jm(idx, targets), params)
@@ -248,8 +233,9 @@ def time_rounds(modes: list[Entry], states: dict, idx, targets, args, results: d
         def run(mode=mode, steps=per_round[r]):
             jm, opt, _ = states[mode.name]
             step = partial(harness.train_step, jm, opt, idx, targets)
-            times, faults = harness.time_steps(step, steps, distributed=mode.ranks != 1)
-            harness.add_round(results[mode.name], times, faults)
+            times = harness.time_steps(step, steps, distributed=mode.ranks != 1)
+            results[mode.name]["times_s"] += times
+            results[mode.name]["round_medians_s"].append(statistics.median(times))
         harness.on_ranks(mode.ranks, run)
     return timed_modes
 
@@ -279,33 +265,26 @@ def compare(args: argparse.Namespace, rank: int, world: int, device: torch.devic
 
 @contextlib.contextmanager
 def compare_process(args: argparse.Namespace):
-    """What a side-by-side run sets up before its process group: ranks pinned one per core (CPU) and an empty Inductor
-    cache (honest first-iteration times), removed after."""
+    """Ranks pinned one per core (CPU) and an empty Inductor cache (honest first iterations), removed after."""
     if args.pin_cores and not torch.cuda.is_available():
         harness.pin_to_core()
-    cache_dir = None
-    if args.fresh_inductor_cache:
-        cache_dir = tempfile.mkdtemp(prefix=f"compare_inductor_{os.environ.get('RANK', '0')}_")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    try:
-        yield
-    finally:
+    with (tempfile.TemporaryDirectory(prefix=f"compare_inductor_{os.environ.get('RANK', '0')}_",
+                                      ignore_cleanup_errors=True)
+          if args.fresh_inductor_cache else contextlib.nullcontext()) as cache_dir:
         if cache_dir:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        yield
 
 
-_C10D_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "all_gather": "all_gather",
-               "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all", "all_to_all": "all_to_all",
-               "all_reduce": "all_reduce", "broadcast": "broadcast"}
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def _kind(name: str) -> str:
     """Collective kind of an op schema name such as 'c10d::allreduce_' or '_c10d_functional::all_gather_into_tensor'."""
     short = name.split("::")[-1].lstrip("_")
-    for key, kind in _C10D_KINDS.items():
-        if short.startswith(key):
-            return kind
-    return short
+    spelled = short.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+    spelled = spelled.replace("alltoall", "all_to_all")
+    return next((kind for kind in _KINDS if spelled.startswith(kind)), short)
 
 
 def _payload(name: str, args, out) -> int:
@@ -336,8 +315,7 @@ def counted_step(model: nn.Module, idx, targets) -> tuple[list, list]:
 
 
 def comm_mode():
-    """A CommDebugMode that also records (kind, bytes) of each collective it sees (DTensor's funcol ops and c10d ops,
-    which thunder's torch.distributed calls go through)."""
+    """A CommDebugMode that also records (kind, bytes) of each funcol and c10d collective."""
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
     class CommBytesMode(CommDebugMode):
@@ -394,14 +372,13 @@ def _fmt(x, spec: str) -> str:
 ABBREVIATIONS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
 
 
-def _comm_cells(r: dict) -> tuple[str, str]:
-    """A mode's collectives per pass ('1AG 9AR / 9AR') and the MB they move per step: from its traces, or else
-    counted at runtime; '-' without."""
+def _comm_cell(r: dict) -> str:
+    """A mode's collectives per pass ('1AG 9AR / 9AR'): from its traces, or else counted at runtime; '-' without."""
     passes = [r.get(f"comm_{p}_trace") or r.get(f"comm_{p}") for p in ("forward", "backward")]
     if None in passes:
-        return "-", "-"
-    counts = [" ".join(f"{n}{ABBREVIATIONS.get(k, k)}" for k, n in sorted(c["counts"].items())) or "0" for c in passes]
-    return " / ".join(counts), _mb(sum(c["bytes"] for c in passes))
+        return "-"
+    return " / ".join(" ".join(f"{n}{ABBREVIATIONS.get(k, k)}" for k, n in sorted(c["counts"].items())) or "0"
+                      for c in passes)
 
 
 def parallel_efficiency(results: dict, name: str) -> float | None:
@@ -419,7 +396,7 @@ def markdown_table(results: dict) -> str:
     for name, r in results.items():
         first = _fmt(r.get("first_iter_s"), ".1f")
         if "median_s" not in r:
-            cells.append([name, r.get("ranks", "–"), *["–"] * 5, first, *["–"] * 7,
+            cells.append([name, r.get("ranks", "–"), *["–"] * 5, first, *["–"] * 5,
                           r.get("error") or r.get("skipped") or "not run"])
             continue
         saved = _mb(r.get("saved_bytes"))
@@ -429,13 +406,12 @@ def markdown_table(results: dict) -> str:
             name, r["ranks"], f"{r['median_s'] * 1e3:.0f}", f"{r['min_s'] * 1e3:.0f}–{r['max_s'] * 1e3:.0f}",
             f"{r['tokens_per_s']:.0f}", _fmt(r["median_s"] / ref if ref else None, ".2f"),
             _fmt(parallel_efficiency(results, name), ".2f"), first, _mb(r.get("param_bytes")), saved,
-            _mb(r.get("peak_step_bytes")), _fmt(r.get("minor_faults_per_step"), ".0f"),
-            " / ".join(map(str, r["fusion_regions"])) if "fusion_regions" in r else "–", *_comm_cells(r),
+            _mb(r.get("peak_step_bytes")), " / ".join(map(str, r.get("fusion_regions", ["–"]))), _comm_cell(r),
             "yes" if r.get("loss_ok") else "NO"])
     return "\n".join(harness.table(
         "mode | ranks> | step median (ms)> | min–max (ms)> | tokens/s> | × DTensor TP> | parallel eff.> | "
-        "first iter (s)> | params/rank (MB)> | saved for bwd (MB)> | peak step mem (MB)> | page faults/step> | "
-        "fusion regions fwd / bwd> | collectives fwd / bwd | comm/step (MB)> | loss ok", cells))
+        "first iter (s)> | params/rank (MB)> | saved for bwd (MB)> | peak step mem (MB)> | "
+        "fusion regions fwd / bwd> | collectives fwd / bwd | loss ok", cells))
 
 
 def summary_line(r: dict) -> str:
@@ -443,8 +419,7 @@ def summary_line(r: dict) -> str:
     if "median_s" not in r:
         return r.get("error") or r.get("skipped") or "not run"
     return (f"median {r['median_s'] * 1e3:.0f} ms (min {r['min_s'] * 1e3:.0f}, max {r['max_s'] * 1e3:.0f}), "
-            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cells(r)[0]}, "
-            f"{r.get('minor_faults_per_step', 0):.0f} page faults/step")
+            f"first iter {r['first_iter_s']:.1f} s, loss {r['loss_step1']:.6f}, comm {_comm_cell(r)}")
 
 
 def paired_ratio(a: dict, b: dict) -> float | None:
@@ -461,8 +436,7 @@ TARGETS = {"tp_vs_dtensor": ("tp", "dtensor_tp", 0.85), "parallel_efficiency": (
 
 
 def targets_summary(results: dict, world: int) -> dict:
-    """The run against its targets (step time against DTensor's and the single device's, first iteration against plain
-    thunder.jit), measured: of the medians over all steps, and paired by round."""
+    """The run against its targets: ratios of the medians over all steps, and paired by round."""
     out: dict = {}
     for key, (a, b, target) in TARGETS.items():
         ra, rb = results.get(a, {}), results.get(b, {})
