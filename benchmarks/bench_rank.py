@@ -163,10 +163,6 @@ def llama_config(dims: dict, layers: int, seq: int) -> LlamaConfig:
                        vocab=dims["vocab"], ffn_hidden=dims["intermediate_size"], max_seq=seq, rope_theta=500000.0)
 
 
-def litgpt_config(dims: dict, layers: int):
-    return llama.litgpt_config(llama_config(dims, layers, 8192))
-
-
 def run_row(tp: int, device: torch.device, measure: Callable[[], dict]) -> dict:
     """``measure()`` as the last rank of a fake group of ``tp`` ranks, after releasing what earlier rows left."""
     import thunder_tp
@@ -228,7 +224,8 @@ def training_row(mode: RankMode, args, dims: dict, depth: int, tp: int, device) 
 
 def decode_row(mode: RankMode, args, dims: dict, depth: int, tp: int, batch: int, device) -> dict:
     """One decode measurement with the collectives of a step."""
-    model = mode.build(litgpt_config(dims, depth), args.context, batch, device, harness.DTYPES[args.dtype], args.quick)
+    config = llama.litgpt_config(llama_config(dims, depth, 8192))
+    model = mode.build(config, args.context, batch, device, harness.DTYPES[args.dtype], args.quick)
     result = harness.timed_decode(model, batch, args.context, args.steps, args.warmup, device)
     module = unstepped(model)
     result.update(param_bytes=harness.param_bytes(module), kv_cache_bytes=harness.kv_cache_bytes(module))

@@ -33,9 +33,14 @@ from benchmarks.lib.side_by_side import compare, compare_process
 
 def train(args: argparse.Namespace, groups: litgpt_setup.Groups, device: torch.device, jm: nn.Module,
           vocab: int) -> tuple[list[float], list[float], int | None]:
-    """``--max_iters`` SGD iterations: losses, the slowest rank's times, (given the flag) the last one's memory."""
+    """``--max_iters`` SGD iterations (checkpoints loaded first, saved last): losses, the slowest rank's times, the
+    last one's memory (``--measure_step_memory``)."""
+    import thunder_tp.checkpoint as ck
     optimizer = torch.optim.SGD(jm.parameters(), lr=args.learning_rate)
-    load_checkpoints(args, jm, optimizer)
+    if args.checkpoint:  # pretrained weights (a file), then --resume's model and optimizer (a DCP directory)
+        ck.load(args.checkpoint, jm)
+    if args.resume:
+        ck.load(args.resume, jm, optimizer)
     steps = litgpt_setup.accumulation_steps(args, groups.dp_size)
     losses, times, step_bytes = [], [], None
     for it in range(args.max_iters):
@@ -53,7 +58,6 @@ def train(args: argparse.Namespace, groups: litgpt_setup.Groups, device: torch.d
         tag = " (warm-up)" if it < args.warmup_iters else ""
         harness.log(groups.rank, f"iter {it}: loss {losses[-1]:.4f}, iter time: {dt * 1000:.2f} ms{tag}")
     if args.save_checkpoint:
-        import thunder_tp.checkpoint as ck
         ck.save(args.save_checkpoint, jm, optimizer)
         harness.log(groups.rank, f"checkpoint saved to {args.save_checkpoint}")
     return losses, harness.slowest_rank(times, device), step_bytes
@@ -64,15 +68,6 @@ def with_step_memory(step: Callable[[], Any]) -> tuple[Any, int | None]:
     results = []
     peak = harness.peak_step_bytes(lambda: results.append(step()))
     return results[0], peak
-
-
-def load_checkpoints(args: argparse.Namespace, jm: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """--checkpoint (pretrained weights, a file) then --resume (model and optimizer, a DCP directory)."""
-    import thunder_tp.checkpoint as ck
-    if args.checkpoint:
-        ck.load(args.checkpoint, jm)
-    if args.resume:
-        ck.load(args.resume, jm, optimizer)
 
 
 @record  # a failing rank's error and traceback go into torchrun's summary
@@ -160,9 +155,15 @@ def report(r: dict, rank: int) -> None:
         f"Number of Layers: {r['n_layers']}",
         f"Distributed Mode: {r['distributed_mode']} (world {r['world_size']}, tp {r['tp_size']}, cp "
         f"{r['context_parallel_size']}, dp {r['dp_size']})" + (", loss parallel" if r["loss_parallel"] else ""),
-        *context_parallel_lines(r),
+        *([f"Context parallel: ContextParallel over {r['context_parallel_size']} ranks, keys and values "
+           f"{'all-gathered' if r['cp_rotate'] == 'allgather' else 'passed around the ring'}, sequence chunks "
+           f"{'head-tail (load-balanced)' if r['cp_load_balance'] else 'in order'}"]
+          if r["context_parallel_size"] > 1 else []),
         f"Compiler: {r['compile']}" + (f", TensorParallel(overlap={r['tp_overlap']!r})" if r["tp_size"] > 1 else ""),
-        *float8_lines(r),
+        *([f"[torchao float8] linear{', all-gather' if r['use_torchao_fp8_allgather'] else ''} are enabled: recipe "
+           f"{r['torchao_fp8_recipe']}, {r['float8_linears']} Float8Linear, gemms "
+           f"{'torch._scaled_mm' if r['device'].startswith('cuda') else 'emulated in high precision (CPU)'}"]
+          if r["use_torchao_fp8_linear"] else []),  # as Thunder's "[torchao float8] ... are enabled"
         f"Loss: {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
         f"({'decreased' if r['loss_decreased'] else 'did NOT decrease'})",
         f"Average iter time: {r['average_iter_time_ms']:.2f} ms (over {r['max_iters'] - r['warmup_iters']} iterations)",
@@ -170,7 +171,9 @@ def report(r: dict, rank: int) -> None:
         f"Parameters per rank: {harness.fmt_bytes(r['param_bytes_per_rank'])} (full model: "
         f"{harness.fmt_bytes(r['param_bytes_full_model'])})",
         f"Peak memory ({r['peak_memory_kind']}, rank 0): {harness.fmt_bytes(r['peak_memory_bytes'])}",
-        *step_memory_lines(r),
+        *(["Peak step memory (the last iteration, above what was live before it), per rank: "
+           + ", ".join(harness.fmt_bytes(b) for b in r["peak_step_memory_bytes_per_rank"])]
+          if r["peak_step_memory_bytes"] is not None else []),
     ]
     saved = r.get("saved_for_backward")
     if saved:
@@ -179,33 +182,6 @@ def report(r: dict, rank: int) -> None:
     if r.get("collectives"):
         lines += harness.collectives_lines(r["collectives"]["per_iteration"], "Collectives per iteration")
     print("\n".join(lines), flush=True)
-
-
-def context_parallel_lines(r: dict) -> list[str]:
-    """The summary's context-parallel line, none without CP."""
-    if r["context_parallel_size"] == 1:
-        return []
-    order = "head-tail (load-balanced)" if r["cp_load_balance"] else "in order"
-    return [f"Context parallel: ContextParallel over {r['context_parallel_size']} ranks, keys and values "
-            f"{'all-gathered' if r['cp_rotate'] == 'allgather' else 'passed around the ring'}, sequence chunks {order}"]
-
-
-def step_memory_lines(r: dict) -> list[str]:
-    """The summary's line of the last iteration's peak memory per rank (``--measure_step_memory``), else none."""
-    if r["peak_step_memory_bytes"] is None:
-        return []
-    per_rank = ", ".join(harness.fmt_bytes(b) for b in r["peak_step_memory_bytes_per_rank"])
-    return [f"Peak step memory (the last iteration, above what was live before it), per rank: {per_rank}"]
-
-
-def float8_lines(r: dict) -> list[str]:
-    """The summary's float8 line (as Thunder's "[torchao float8] ... are enabled"), none without float8."""
-    if not r["use_torchao_fp8_linear"]:
-        return []
-    gemms = "torch._scaled_mm" if r["device"].startswith("cuda") else "emulated in high precision (CPU)"
-    gather = ", all-gather" if r["use_torchao_fp8_allgather"] else ""
-    return [f"[torchao float8] linear{gather} are enabled: recipe {r['torchao_fp8_recipe']}, "
-            f"{r['float8_linears']} Float8Linear, gemms {gemms}"]
 
 
 def dump(args: argparse.Namespace, jm: nn.Module, rank: int) -> None:
@@ -241,10 +217,8 @@ def simulate_dry_run(args: argparse.Namespace) -> int:
         if args.dump_thunder_traces:
             thunder_tp.dump_traces(jm, args.trace_dir)
     losses = thunder_tp.per_rank(loss)
-    rank_bytes = {r: 0 for r in range(n)}
-    for p in jm.parameters():
-        for r, piece in thunder_tp.per_rank(p).items():
-            rank_bytes[r] += piece.numel() * piece.element_size()
+    pieces = [thunder_tp.per_rank(p) for p in jm.parameters()]  # {rank: its piece} per parameter
+    rank_bytes = {r: sum(piece[r].numel() * piece[r].element_size() for piece in pieces) for r in range(n)}
     full_bytes = harness.param_bytes(model)
     lines = [
         f"Simulated {n} ranks in one process (thunder_tp.simulate; Thunder's torch executor): model {config.name}, "

@@ -74,10 +74,9 @@ class Link:
 
     def table(self) -> str:
         """The parameters as a markdown table with their sources."""
-        rows = []
-        for k in (k for k in (*KINDS, SEND_RECV) if k in self.latency_s):
-            source = "; ".join(s for key, s in self.sources.items() if key.startswith(k) or key == "all")
-            rows.append([k, f"{self.latency_s[k] * 1e6:.1f}", f"{self.bus_bytes_per_s[k] / 1e9:.2f}", source])
+        rows = [[k, f"{self.latency_s[k] * 1e6:.1f}", f"{self.bus_bytes_per_s[k] / 1e9:.2f}",
+                 "; ".join(s for key, s in self.sources.items() if key.startswith(k) or key == "all")]
+                for k in (*KINDS, SEND_RECV) if k in self.latency_s]
         table = harness.table("kind | latency (µs)> | bus bandwidth (GB/s)> | source", rows)
         return "\n".join([f"alpha-beta parameters ({self.name}):", "", *table])
 

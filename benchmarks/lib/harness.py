@@ -357,15 +357,6 @@ def _medians(samples: list[dict]) -> dict:
     return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
-def _peak_bytes(step: Callable[[], object], device: torch.device) -> int | None:
-    """Peak memory of a step: CUDA's max allocated (everything live, parameters and optimizer state included)."""
-    if device.type != "cuda":
-        return peak_step_bytes(step)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    return torch.cuda.max_memory_allocated(device)
-
-
 def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimizer, steps: int, warmup: int,
                    device: torch.device) -> dict:
     """Warm-up and timed training steps: each part's median seconds, the losses finite, peak memory."""
@@ -388,12 +379,13 @@ def timed_training(model: nn.Module, batch: tuple, optimizer: torch.optim.Optimi
                 "loss": float(loss.detach().float())}
     warmups = [step() for _ in range(warmup)]
     samples = [step() for _ in range(steps)]
-    result = _medians(samples)
-    result["first_step_s"] = (warmups or samples)[0]["step_s"]  # the compiling step (the jit's time not in it)
-    result["loss_finite"] = all(math.isfinite(s["loss"]) for s in samples)
-    result["peak_bytes"] = _peak_bytes(step, device)
-    result["samples"] = samples
-    return result
+    result = _medians(samples) | {"loss_finite": all(math.isfinite(s["loss"]) for s in samples), "samples": samples,
+                                  "first_step_s": (warmups or samples)[0]["step_s"]}  # the compiling step
+    if device.type != "cuda":
+        return result | {"peak_bytes": peak_step_bytes(step)}
+    torch.cuda.reset_peak_memory_stats(device)  # CUDA's peak: everything live, parameters and optimizer state included
+    step()
+    return result | {"peak_bytes": torch.cuda.max_memory_allocated(device)}
 
 
 def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup: int, device: torch.device) -> dict:
@@ -403,13 +395,8 @@ def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup
     where = torch.tensor([position], device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # not the build's (materialization inits at full size)
-    first_step_s = None
     with torch.no_grad():
-        for _ in range(warmup):
-            t0 = time.perf_counter()
-            logits = model(token, where)
-            sync(device)
-            first_step_s = first_step_s or time.perf_counter() - t0  # the first: the compiling step
+        warm = [timed(lambda: model(token, where), device)[1] for _ in range(warmup)]  # the first compiles
         samples = []
         for _ in range(steps):
             sync(device)
@@ -424,7 +411,7 @@ def timed_decode(model: nn.Module, batch: int, position: int, steps: int, warmup
         sync(device)
         back_to_back = (time.perf_counter() - t0) / steps
     result = _medians(samples)
-    result.update(back_to_back_s=back_to_back, first_step_s=first_step_s,
+    result.update(back_to_back_s=back_to_back, first_step_s=warm[0] if warm else None,
                   loss_finite=bool(torch.isfinite(logits).all()), samples=samples,
                   peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
     return result

@@ -137,20 +137,14 @@ def _tp(model: nn.Module, how: How, sequence_parallel: bool = False, loss_parall
     return jit(model, how, [tp_transform(model, how, sequence_parallel)])
 
 
-def _dp_group(how: How):
-    return how.dp_group if how.dp_group is not None else dist.group.WORLD
-
-
-def _tp_ddp(model: nn.Module, how: How) -> nn.Module:
+def _tp_dp(model: nn.Module, how: How, fsdp: bool) -> nn.Module:
+    """TP, then Thunder's DDP or FSDP over ``how``'s DP group (default: every rank)."""
     from thunder.distributed.transforms.ddp_v2 import DDPTransform
-    ddp = DDPTransform(process_group=_dp_group(how), bucket_size_in_mb=25.0, broadcast_from=None)
-    return jit(model, how, [tp_transform(model, how), ddp])
-
-
-def _tp_fsdp(model: nn.Module, how: How) -> nn.Module:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
-    fsdp = FSDPTransform(device=next(model.parameters()).device, process_group=_dp_group(how))
-    return jit(model, how, [tp_transform(model, how), fsdp])
+    group = how.dp_group if how.dp_group is not None else dist.group.WORLD
+    dp = (FSDPTransform(device=next(model.parameters()).device, process_group=group) if fsdp
+          else DDPTransform(process_group=group, bucket_size_in_mb=25.0, broadcast_from=None))
+    return jit(model, how, [tp_transform(model, how), dp])
 
 
 def dtensor(model: nn.Module, how: How, kind: str, compile: bool = False, loss_parallel: bool = False) -> nn.Module:
@@ -203,8 +197,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("tp_sp_lp", "thunder_tp TP+SP, loss parallel", partial(_tp, sequence_parallel=True, loss_parallel=True)),
     Mode("tp_auto", "thunder_tp TP, the plan plans.auto searched",
          lambda model, how: _tp(model, replace(how, plan="auto"))),
-    Mode("tp_ddp", "thunder_tp TP, Thunder's DDP over the DP groups", _tp_ddp, data_parallel=True),
-    Mode("tp_fsdp", "thunder_tp TP, Thunder's FSDP over the DP groups", _tp_fsdp, data_parallel=True),
+    Mode("tp_ddp", "thunder_tp TP, Thunder's DDP over the DP groups", partial(_tp_dp, fsdp=False), data_parallel=True),
+    Mode("tp_fsdp", "thunder_tp TP, Thunder's FSDP over the DP groups", partial(_tp_dp, fsdp=True), data_parallel=True),
     Mode("dtensor_tp_default", "DTensor TP, default plan (Colwise/Rowwise per linear)",
          partial(dtensor, kind="default"), runtime="eager"),
     Mode("dtensor_tp", "DTensor TP, best eager plan (+PrepareModuleInput)", partial(dtensor, kind="best"),

@@ -143,17 +143,14 @@ def summary(args, projected: dict) -> dict:
     for tp, depths in projected.items():
         rows[tp] = {}
         for mode in MODES:
-            one, two = depths[1][mode], depths[2][mode]
-            def per_layer(field: str, one=one, two=two) -> float:
-                return _sum(two, field) - _sum(one, field)
-            def whole(field: str, one=one, two=two) -> float:
-                return _sum(one, field) + (args.layers - 1) * (_sum(two, field) - _sum(one, field))
-            exposed = per_layer("overlap_s") - per_layer("compute_s")
+            one = {f: _sum(depths[1][mode], f) for f in ("compute_s", "comm_s", "no_overlap_s", "overlap_s")}
+            layer = {f: _sum(depths[2][mode], f) - v for f, v in one.items()}
+            whole = {f: v + (args.layers - 1) * layer[f] for f, v in one.items()}
             rows[tp][mode] = {
-                "layer_compute_ms": per_layer("compute_s") * 1e3, "layer_comm_ms": per_layer("comm_s") * 1e3,
-                "layer_exposed_ms": exposed * 1e3,
-                "tokens_per_s_no_overlap": args.seq / whole("no_overlap_s") / tp,
-                "tokens_per_s": args.seq / whole("overlap_s") / tp,
+                "layer_compute_ms": layer["compute_s"] * 1e3, "layer_comm_ms": layer["comm_s"] * 1e3,
+                "layer_exposed_ms": (layer["overlap_s"] - layer["compute_s"]) * 1e3,
+                "tokens_per_s_no_overlap": args.seq / whole["no_overlap_s"] / tp,
+                "tokens_per_s": args.seq / whole["overlap_s"] / tp,
             }
         base = rows[tp]["never"]
         for mode in MODES:
