@@ -26,7 +26,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.lib.harness import init_distributed, pin_to_core, random_batch, slowest_rank
+    from benchmarks.lib.harness import init_distributed, pin_to_core, random_batch, slowest_rank, time_steps
     pin_to_core()
     torch.set_num_threads(1)
     rank, world, device = init_distributed()
@@ -41,12 +41,7 @@ def child(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
     step()
     first_s, cpu_s = time.perf_counter() - start, _cpu_seconds() - cpu_start
-    steps = []
-    for _ in range(args.steps):
-        begin = time.perf_counter()
-        step()
-        steps.append(time.perf_counter() - begin)
-    step_s = statistics.median(steps)
+    step_s = statistics.median(time_steps(step, args.steps, distributed=False))
     first_s, cpu_s, step_s = slowest_rank([first_s, cpu_s, step_s])
     if rank == 0:
         print(json.dumps(_figures(model, first_s, cpu_s, step_s)), flush=True)

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.lib import harness
 from benchmarks.lib.llama import LlamaConfig, litgpt_config
-from benchmarks.lib.modes import MODES, How, select
+from benchmarks.lib.modes import MODES, How, Selected, select
 
 PROMPT_SEED, MODEL_SEED = 1234, 1337
 #: a mode's token may leave the reference's where their reference logits are this many eps of the dtype (times the
@@ -58,16 +58,6 @@ def set_cache(model: nn.Module, args: argparse.Namespace, device: torch.device) 
     return model
 
 
-@dataclass(frozen=True)
-class Run:
-    """A mode of ``RUNS``: ``build`` makes its module; ``ranks`` 1 runs it on rank 0 alone (``on_ranks``)."""
-
-    name: str
-    description: str
-    ranks: int
-    build: Callable[..., nn.Module]
-
-
 class TokenMismatch(Exception):
     """A mode generated other tokens than single-device eager litgpt."""
 
@@ -77,38 +67,31 @@ RUNS = {"thunder": ("thunder", "(a)", "shards"), "eager": ("eager", "(b)", "shar
         "tp_gather": ("tp", "(c') logits gathered,", "gather"), "manual_tp": ("manual_tp", "(d)", "shards")}
 
 
-def selected_modes(args: argparse.Namespace, device: torch.device) -> list[Run]:
+def selected_modes(args: argparse.Namespace, device: torch.device) -> list[Selected]:
     """The modes of ``--modes``: ``mode.build(shared)`` makes its module (``shared``: rank 0's single-device GPT)."""
     how, world = How(harness.EXECUTORS[args.compile]), dist.get_world_size()
     def build(registered: str, shared: nn.Module | None) -> nn.Module:
         mode = MODES[registered]
         return mode.wrap(set_cache(new_gpt(args, device), args, device) if mode.distributed else shared, how)
-    def run(name: str, registered: str, label: str) -> Run:
+    def run(name: str, registered: str, label: str) -> Selected:
         mode = MODES[registered]
         where = f", TP={world}" if mode.distributed else ", one device"
-        return Run(name, f"{label} {mode.description}{where}", world if mode.distributed else 1,
-                   partial(build, registered))
+        return Selected(name, f"{label} {mode.description}{where}", mode.runtime, world if mode.distributed else 1,
+                        partial(build, registered))
     return [run(name, *RUNS[name][:2]) for name in select(RUNS, args.modes, "--modes")]
 
 
-def token_stream(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> Iterator[torch.Tensor]:
-    """litgpt's greedy loop over ``prompts`` (batch, length): each new (batch,) token once litgpt has it."""
-    from litgpt.generate.base import batched_generate_fn, generate_fn
-    max_returned = prompts.size(1) + new_tokens
-    if prompts.size(0) == 1:
-        yield from generate_fn(model, prompts[0], max_returned, temperature=0.0, include_prompt=False,
-                               include_eos=True)
-    else:
-        for row_tokens in batched_generate_fn(model, prompts, max_returned, sample_args={"temperature": 0.0},
-                                              include_prompt=False, include_eos=True):
-            yield torch.cat(row_tokens)
-
-
 def generation(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, float]:
-    """One greedy generation: the new tokens, the seconds to the first token and from it to the last."""
+    """One greedy generation by litgpt's loop: the new tokens, the seconds to the first token and from it on."""
+    from litgpt.generate.base import batched_generate_fn, generate_fn
+    length = prompts.size(1) + new_tokens
+    stream = (generate_fn(model, prompts[0], length, temperature=0.0, include_prompt=False, include_eos=True)
+              if prompts.size(0) == 1 else
+              map(torch.cat, batched_generate_fn(model, prompts, length, sample_args={"temperature": 0.0},
+                                                 include_prompt=False, include_eos=True)))
     tokens, stamps = [], []
     start = time.perf_counter()
-    for token in token_stream(model, prompts, new_tokens):
+    for token in stream:  # litgpt has called .item() on it: the device has finished it
         stamps.append(time.perf_counter())
         tokens.append(token)
     return torch.stack(tokens, dim=1), stamps[0] - start, stamps[-1] - stamps[0]
@@ -161,7 +144,7 @@ def check_tokens(name: str, tokens: torch.Tensor, ref: Reference) -> list[dict]:
     return ties
 
 
-def timed_generation(mode: Run, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
+def timed_generation(mode: Selected, module: nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
                      ref: Reference | None) -> tuple[float, float, list[dict]]:
     """One generation: time to first token, tokens/s (the slowest rank's), near-ties (checked given ``ref``)."""
     from thunder_tp.models.litgpt_sampling import sampling
@@ -188,7 +171,7 @@ def decode_collectives(module: nn.Module) -> dict | None:
     return None
 
 
-def prepare(mode: Run, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
+def prepare(mode: Selected, shared: nn.Module | None, prompts: torch.Tensor, args: argparse.Namespace,
             ref: Reference | None, result: dict) -> nn.Module | None:
     """Build ``mode`` and run its first generation (compiles, checked) into ``result``."""
     try:
@@ -205,7 +188,7 @@ def prepare(mode: Run, shared: nn.Module | None, prompts: torch.Tensor, args: ar
     return module
 
 
-def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device) -> dict:
+def run_modes(modes: list[Selected], args: argparse.Namespace, device: torch.device) -> dict:
     """Build and check every mode, then run the rest of the warm-up and the timed generations in alternating rounds."""
     import thunder
     rank = dist.get_rank()
@@ -223,7 +206,7 @@ def run_modes(modes: list[Run], args: argparse.Namespace, device: torch.device) 
             modules[mode.name] = module
     ready = [m for m in modes if m.name in modules]
     for r, mode in harness.alternating_rounds(ready, args.warmup - 1 + args.rounds):  # a generation per mode and round
-        def run(mode: Run = mode, timed: bool = r >= args.warmup - 1) -> None:
+        def run(mode: Selected = mode, timed: bool = r >= args.warmup - 1) -> None:
             ttft, tokens_per_s, _ = timed_generation(mode, modules[mode.name], prompts, args, ref)
             if timed:
                 results[mode.name]["ttft_s"].append(ttft)

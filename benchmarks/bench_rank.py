@@ -269,14 +269,12 @@ def _row(workload: str, mode: RankMode, tp: int, batch: int | None, by_depth: di
     if errors := [r["error"] for r in by_depth.values() if "error" in r]:
         row["error"] = errors[0]
         return row
-    deepest = by_depth[max(by_depth)]
-    figures = ("forward_s", "backward_s", "optimizer_s", "step_s", "host_s", "back_to_back_s", "peak_bytes",
-               "param_bytes", "kv_cache_bytes")
-    for key in figures:
+    for key in ("forward_s", "backward_s", "optimizer_s", "step_s", "host_s", "back_to_back_s", "peak_bytes",
+                "param_bytes", "kv_cache_bytes"):
         if all(r.get(key) is not None for r in by_depth.values()):
             row[key] = _at_depth({d: r[key] for d, r in by_depth.items()}, dims["n_layer"])
     row["loss_finite"] = all(r["loss_finite"] for r in by_depth.values())
-    row["collectives"] = deepest["collectives"]
+    row["collectives"] = by_depth[max(by_depth)]["collectives"]
     row["projection"] = _projection(workload, mode, by_depth, args, dims)
     return row
 

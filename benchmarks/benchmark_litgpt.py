@@ -104,18 +104,16 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     steps = litgpt_setup.accumulation_steps(args, groups.dp_size)
     tokens_per_iter = steps * args.micro_batch_size * args.block_size * groups.dp_size
     fp8, cp = args.use_torchao_fp8_linear, groups.cp_size > 1
-    results: dict[str, Any] = {
-        "model_name": config.name, "n_layers": config.n_layer, "block_size": args.block_size,
-        "micro_batch_size": args.micro_batch_size, "global_batch_size": steps * args.micro_batch_size * groups.dp_size,
-        "gradient_accumulation_steps": steps, "checkpoint_activations": args.checkpoint_activations,
-        "dtype": args.dtype, "world_size": world, "tp_size": groups.tp_size, "dp_size": groups.dp_size,
-        "context_parallel_size": groups.cp_size, "cp_rotate": args.cp_rotate if cp else None,
-        "cp_load_balance": args.cp_load_balance if cp else None, "distributed_mode": args.distributed_mode,
-        "compile": args.compile, "loss_parallel": args.loss_parallel, "use_torchao_fp8_linear": fp8,
-        "use_torchao_fp8_allgather": args.use_torchao_fp8_allgather,
-        "torchao_fp8_recipe": args.torchao_fp8_recipe if fp8 else None,
-        "float8_linears": litgpt_setup.count_float8_linears(model) if fp8 else 0, "tp_overlap": args.tp_overlap,
-        "device": str(device), "max_iters": args.max_iters, "warmup_iters": args.warmup_iters, "losses": losses,
+    results: dict[str, Any] = {k: getattr(args, k) for k in (
+        "block_size", "micro_batch_size", "checkpoint_activations", "dtype", "distributed_mode", "compile", "max_iters",
+        "loss_parallel", "use_torchao_fp8_linear", "use_torchao_fp8_allgather", "tp_overlap", "warmup_iters")}
+    results |= {
+        "model_name": config.name, "n_layers": config.n_layer, "gradient_accumulation_steps": steps,
+        "global_batch_size": steps * args.micro_batch_size * groups.dp_size, "world_size": world,
+        "tp_size": groups.tp_size, "dp_size": groups.dp_size, "context_parallel_size": groups.cp_size,
+        "cp_rotate": args.cp_rotate if cp else None, "cp_load_balance": args.cp_load_balance if cp else None,
+        "torchao_fp8_recipe": args.torchao_fp8_recipe if fp8 else None, "device": str(device), "losses": losses,
+        "float8_linears": litgpt_setup.count_float8_linears(model) if fp8 else 0,
         "loss_decreased": losses[-1] < losses[0], "iter_times_ms": [t * 1000 for t in times],
         "average_iter_time_ms": avg_s * 1000, "tokens_per_iter": tokens_per_iter,
         "tokens_per_sec": tokens_per_iter / avg_s,

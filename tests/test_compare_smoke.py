@@ -20,7 +20,6 @@ EVERY_MODE = {
     "eager", "thunder", "thunder_defaults", "thunder_inductor",
     "tp", "tp_auto", "tp_sp", "tp_lp",
     "dtensor_tp_lp", "dtensor_tp_default", "dtensor_tp", "dtensor_sp", "dtensor_tp_compile",
-    "litgpt:thunder", "litgpt:tp", "litgpt:tp_sp",
 }
 #: modes that compile with Inductor by default (the slow-marked test)
 INDUCTOR_MODES = ("tp", "dtensor_tp_compile", "thunder_inductor")
@@ -88,7 +87,7 @@ def test_compare_runs_every_mode(tmp_path):
     assert set(modes) == EVERY_MODE - {"dtensor_tp_compile", "thunder_inductor"}, sorted(modes)
     _check_modes(modes)
     # the same model gives the same first-step loss in every Llama mode
-    llama = {r["loss_step1"] for n, r in modes.items() if not n.startswith("litgpt") and "loss_step1" in r}
+    llama = {r["loss_step1"] for r in modes.values() if "loss_step1" in r}
     assert max(llama) - min(llama) <= 1e-4 * max(llama), llama
     # Megatron's minimum: 2 all_reduce per block + the embedding's (forward) / lm_head's (backward), the logits gathered
     for name in ("tp", "dtensor_tp"):
@@ -98,7 +97,7 @@ def test_compare_runs_every_mode(tmp_path):
         assert backward["counts"] == {"all_reduce": 3}, (name, backward)
     # parameters: single device holds the whole model, a TP rank its shards (DTensor's and thunder_tp's alike)
     for name, r in modes.items():
-        if "param_bytes" in r and not name.startswith("litgpt"):
+        if "param_bytes" in r:
             assert r["param_bytes"] == _llama_param_bytes(r["ranks"]), (name, r["param_bytes"])
     assert "| tp |" in stdout and "| dtensor_sp |" in stdout
 
@@ -145,12 +144,12 @@ def _gate_with_one_wrong_shard(mode_names: list[str]) -> dict:
 
     cfg = llama.LlamaConfig(**DIMS, max_seq=SEQ)
     idx, targets = harness.random_batch(BATCH, SEQ, cfg.vocab, 1234, torch.device("cpu"))
-    model = side_by_side.make_model("llama", cfg, 0)
-    reference = side_by_side.reference_run("llama", cfg, model.state_dict(), idx, targets, lr=1e-2)["grads"]
+    model = side_by_side.make_model(cfg, 0)
+    reference = side_by_side.reference_run(cfg, model.state_dict(), idx, targets, lr=1e-2)["grads"]
     modes = {e.name: e for e in side_by_side.entries(",".join(mode_names), "", How(thunder_default_executors))}
     out = {}
     for name in mode_names:
-        jm = modes[name].build(side_by_side.make_model("llama", cfg, 0))
+        jm = modes[name].build(side_by_side.make_model(cfg, 0))
         harness.train_step(jm, torch.optim.SGD(jm.parameters(), lr=1e-2), idx, targets)
         error = side_by_side.check_gradients(name, side_by_side.full_grads(jm), reference, rtol=1e-4)
         grad = dict(jm.named_parameters())[WRONG].grad

@@ -99,7 +99,7 @@ def add_flags(p, flags: list[tuple]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = options("Training benchmark of a litgpt GPT under thunder_tp tensor parallelism.", dtype="float32")
     add_flags(p, FLAGS)
-    add_flags(p.add_argument_group("side by side (--compare): [litgpt:]mode of lib/modes.py"), COMPARE_FLAGS)
+    add_flags(p.add_argument_group("side by side (--compare): modes of lib/modes.py"), COMPARE_FLAGS)
     args = p.parse_args(argv)
     if args.compare and args.compile == "eager":
         p.error("--compare runs every mode it names (eager is the eager one): use --compile thunder or "
@@ -111,10 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.low_precision_mode != "none":
         p.error(f"--low_precision_mode {args.low_precision_mode}: fp8 through TransformerEngine is not supported by "
                 "thunder_tp; use --low_precision_mode none with --dtype bfloat16 for a bf16 model")
-    if float8_error := option_error(args):
-        p.error(float8_error)
-    if cp_error := context_parallel_error(args):
-        p.error(cp_error)
+    if error := option_error(args) or context_parallel_error(args):
+        p.error(error)
     if args.compile == "eager" and args.distributed_mode != "none":
         p.error("--compile eager runs plain PyTorch, which has no tensor parallelism: use --distributed_mode none, "
                 "or --compile thunder / thunder_default")

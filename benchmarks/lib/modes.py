@@ -47,6 +47,17 @@ class Mode:
     data_parallel: bool = False  # syncs grads over the DP groups
 
 
+@dataclass(frozen=True)
+class Selected:
+    """A mode as a benchmark runs it: ``build`` makes its module, on ``ranks`` ranks (1: rank 0 alone, ``on_ranks``)."""
+
+    name: str
+    description: str
+    runtime: str
+    ranks: int
+    build: Callable[..., nn.Module]
+
+
 def tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
     """thunder_tp's hand plan for the benchmark Llama or a litgpt GPT (the model's own)."""
     import thunder_tp

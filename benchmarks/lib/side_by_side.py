@@ -16,7 +16,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -25,48 +25,31 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks.lib import harness
-from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss, litgpt_config
-from benchmarks.lib.modes import MODES, How
+from benchmarks.lib.llama import Llama, LlamaConfig, WithLoss
+from benchmarks.lib.modes import MODES, How, Selected
 
 #: the first-step loss's tolerance against one device (10x for the second step)
 LOSS_RTOL = 1e-4
-#: --compare all: every mode on the benchmark Llama, and litgpt's Llama of the same dims (``litgpt:mode``)
+#: --compare all: every mode of the registry for the benchmark Llama
 ALL = ("eager,thunder,thunder_defaults,thunder_inductor,tp,tp_auto,tp_sp,tp_lp,dtensor_tp_lp,dtensor_tp_default,"
-       "dtensor_tp,dtensor_sp,dtensor_tp_compile,litgpt:thunder,litgpt:tp,litgpt:tp_sp")
+       "dtensor_tp,dtensor_sp,dtensor_tp_compile")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """A mode of the registry on one of the compared models: ``[litgpt:]mode``, the benchmark Llama without one."""
-
-    name: str
-    family: str
-    description: str
-    runtime: str
-    ranks: int  # 1: rank 0 alone; 0: every rank
-    build: Callable[[nn.Module], nn.Module]
-
-
-def entries(names: str, skip: str, how: How) -> list[Entry]:
+def entries(names: str, skip: str, how: How) -> list[Selected]:
     """The entries of ``names`` (comma-separated, or 'all') but not in ``skip``; unknown modes are an error."""
     out = []
     for name in (ALL if names == "all" else names).split(","):
-        family, _, key = name.rpartition(":")
         if name not in skip.split(",") and name:
-            if key not in MODES:
-                raise SystemExit(f"unknown mode {key!r} in --compare; choose from {list(MODES)}")
-            mode = MODES[key]
-            description = f"{family} Llama, {mode.description}" if family else mode.description
-            out.append(Entry(name, family or "llama", description, mode.runtime, 0 if mode.distributed else 1,
-                             partial(mode.wrap, how=how)))
+            if name not in MODES:
+                raise SystemExit(f"unknown mode {name!r} in --compare; choose from {list(MODES)}")
+            mode = MODES[name]
+            ranks = dist.get_world_size() if mode.distributed else 1
+            out.append(Selected(name, mode.description, mode.runtime, ranks, partial(mode.wrap, how=how)))
     return out
 
 
-def make_model(family: str, cfg: LlamaConfig, seed: int) -> nn.Module:
-    """The compared model of ``family`` with its loss: the Llama, or litgpt's Llama of the same dims."""
-    if family == "litgpt":
-        from thunder_tp.plans.litgpt import GPTWithLoss
-        return harness.seeded_model(lambda: GPTWithLoss(litgpt_config(cfg)), seed)
+def make_model(cfg: LlamaConfig, seed: int) -> nn.Module:
+    """The compared Llama with its loss, seeded."""
     return harness.seeded_model(lambda: WithLoss(Llama(cfg)), seed)
 
 
@@ -120,9 +103,9 @@ def llama_config(args: argparse.Namespace) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
-def reference_run(kind: str, cfg: LlamaConfig, state: dict, idx, targets, lr: float) -> dict:
+def reference_run(cfg: LlamaConfig, state: dict, idx, targets, lr: float) -> dict:
     """Eager single-device first and second-step losses and first-step gradients (float64 copies)."""
-    model = make_model(kind, cfg, 0)
+    model = make_model(cfg, 0)
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     loss1 = harness.train_step(model, opt, idx, targets).item()
@@ -130,11 +113,11 @@ def reference_run(kind: str, cfg: LlamaConfig, state: dict, idx, targets, lr: fl
     return {"losses": [loss1, harness.train_step(model, opt, idx, targets).item()], "grads": grads}
 
 
-def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
+def prepare_mode(mode: Selected, model: nn.Module, idx, targets, args, reference: dict) -> tuple[dict, Any]:
     """Build, check every gradient and the first two losses, warm up; this rank's result and (jm, opt, params)."""
     distributed = mode.ranks != 1
-    result: dict = {"description": mode.description, "ranks": dist.get_world_size() if distributed else 1,
-                    "runtime": mode.runtime, "times_s": [], "round_medians_s": []}
+    result: dict = {"description": mode.description, "ranks": mode.ranks, "runtime": mode.runtime, "times_s": [],
+                    "round_medians_s": []}
     if distributed:
         dist.barrier()
     t0 = time.perf_counter()
@@ -143,10 +126,10 @@ def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: d
     loss1 = harness.train_step(jm, opt, idx, targets)
     harness.sync()
     result["first_iter_s"] = time.perf_counter() - t0
-    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference[mode.family]["grads"], args.grad_rtol)
+    result["grad_error"] = check_gradients(mode.name, full_grads(jm), reference["grads"], args.grad_rtol)
     loss2 = harness.train_step(jm, opt, idx, targets)
     result["loss_step1"], result["loss_step2"] = loss1.item(), loss2.item()
-    ref1, ref2 = reference[mode.family]["losses"]
+    ref1, ref2 = reference["losses"]
     ok = math.isclose(loss1.item(), ref1, rel_tol=LOSS_RTOL) and math.isclose(loss2.item(), ref2,
                                                                                    rel_tol=10 * LOSS_RTOL)
     result |= {"reference_losses": [ref1, ref2], "param_bytes": harness.param_bytes(jm)}
@@ -163,7 +146,7 @@ def prepare_mode(mode: Entry, model: nn.Module, idx, targets, args, reference: d
     return result, (jm, opt, list(jm.parameters()))
 
 
-def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
+def finish_mode(mode: Selected, state, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps, traces, peak memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
     result.update(harness.time_stats(result["times_s"]))
@@ -194,16 +177,15 @@ def finish_mode(mode: Entry, state, idx, targets, args, result: dict) -> None:
     jm.zero_grad(set_to_none=True)
 
 
-def prepare_all(modes: list[Entry], cfg: LlamaConfig, idx, targets, args, results: dict) -> dict:
+def prepare_all(modes: list[Selected], cfg: LlamaConfig, idx, targets, args, results: dict) -> dict:
     """Build, gate and warm up every mode; each ready mode's (jm, opt, params)."""
-    kinds = sorted({m.family for m in modes})
-    initial = {k: make_model(k, cfg, 0).state_dict() for k in kinds}
+    initial = make_model(cfg, 0).state_dict()
     # every rank runs the reference itself: each checks the full gradients it gathered
-    reference = {k: reference_run(k, cfg, initial[k], idx, targets, args.learning_rate) for k in kinds}
+    reference = reference_run(cfg, initial, idx, targets, args.learning_rate)
     states: dict = {}
-    def prepare(mode: Entry) -> None:
-        model = make_model(mode.family, cfg, 0)
-        model.load_state_dict(initial[mode.family])
+    def prepare(mode: Selected) -> None:
+        model = make_model(cfg, 0)
+        model.load_state_dict(initial)
         try:
             results[mode.name], state = prepare_mode(mode, model, idx, targets, args, reference)
             if state is not None:
@@ -223,7 +205,7 @@ def prepare_all(modes: list[Entry], cfg: LlamaConfig, idx, targets, args, result
     return states
 
 
-def time_rounds(modes: list[Entry], states: dict, idx, targets, args, results: dict) -> list[Entry]:
+def time_rounds(modes: list[Selected], states: dict, idx, targets, args, results: dict) -> list[Selected]:
     """The timed steps of every ready mode in alternating rounds; the modes timed."""
     ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
     dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
@@ -382,9 +364,8 @@ def _comm_cell(r: dict) -> str:
 
 
 def parallel_efficiency(results: dict, name: str) -> float | None:
-    """Mode ``name``'s speed-up over its 1-rank run of the same family and runtime, per rank; None without one."""
-    family = name.rpartition(":")[0]
-    baseline = f"{family}:thunder" if family else "thunder" if name.startswith(("tp", "thunder")) else "eager"
+    """Mode ``name``'s speed-up over its 1-rank run of the same runtime, per rank; None without one."""
+    baseline = "thunder" if name.startswith(("tp", "thunder")) else "eager"
     base = results.get(baseline, {}).get("median_s")
     return base / results[name]["median_s"] / results[name]["ranks"] if base else None
 

@@ -1,1 +1,1 @@
-"""A step on N GPUs projected from one rank (alpha-beta), the link measured on gloo, and the check against gloo."""
+"""The projection of a Llama step on N GPUs with the TP collectives decomposed for overlap (alpha-beta)."""
