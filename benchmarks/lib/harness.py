@@ -132,12 +132,6 @@ def alternating_rounds(runs: Sequence[T], rounds: int) -> Iterator[tuple[int, T]
             yield r, run
 
 
-def steps_per_round(steps: int, rounds: int) -> list[int]:
-    """``steps`` spread over at most ``rounds`` rounds, the first rounds one more where they do not divide."""
-    rounds = max(1, min(rounds, steps))
-    return [steps // rounds + (r < steps % rounds) for r in range(rounds)]
-
-
 def on_ranks(ranks: int, fn: Callable[[], Any]) -> Any:
     """``fn()`` on the ranks of a mode of ``ranks`` ranks (all, or 1: rank 0 while the others wait)."""
     if ranks != 1:
@@ -219,12 +213,6 @@ def time_steps(step: Callable[[], Any], steps: int, *, distributed: bool, device
             dist.barrier()
         times.append(timed(step, device)[1])
     return slowest_rank(times, device) if distributed else times
-
-
-def time_stats(times: list[float]) -> dict[str, float]:
-    """Median, min, max and quartiles of step times (seconds)."""
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "q1_s": q[0], "q3_s": q[2]}
 
 
 def tensor_bytes(t) -> int:

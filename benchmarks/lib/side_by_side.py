@@ -149,7 +149,8 @@ def prepare_mode(mode: Selected, model: nn.Module, idx, targets, args, reference
 def finish_mode(mode: Selected, state, idx, targets, args, result: dict) -> None:
     """Statistics of the timed steps, traces, peak memory, saved-for-backward bytes and collectives of more steps."""
     jm, opt, params = state
-    result.update(harness.time_stats(result["times_s"]))
+    times = result["times_s"]
+    result.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times))
     result["tokens_per_s"] = idx.numel() / result["median_s"]
     if args.dump_thunder_traces and mode.runtime == "thunder":
         import thunder_tp
@@ -210,7 +211,9 @@ def time_rounds(modes: list[Selected], states: dict, idx, targets, args, results
     ready = torch.tensor([m.name in states for m in modes], dtype=torch.int32)
     dist.broadcast(ready, 0)  # rank 0 knows the single-device modes; a distributed mode's check is collective
     timed_modes = [m for m, ok in zip(modes, ready.tolist(), strict=True) if ok]
-    per_round = harness.steps_per_round(args.max_iters - args.warmup_iters, args.rounds)
+    steps = args.max_iters - args.warmup_iters
+    rounds = max(1, min(args.rounds, steps))
+    per_round = [steps // rounds + (r < steps % rounds) for r in range(rounds)]  # the first ones one more
     for r, mode in harness.alternating_rounds(timed_modes, len(per_round)):  # every mode a few steps per round
         def run(mode=mode, steps=per_round[r]):
             jm, opt, _ = states[mode.name]
