@@ -199,14 +199,14 @@ def test_cache_of_another_dtype_is_a_clear_error():
     _, model = models_with_cache(config, 1)
     model.set_kv_cache(batch_size=1, dtype=torch.float32)  # the model computes in float64
     with pytest.raises(TypeError, match=r"set_kv_cache\(batch_size, dtype=torch.float64\) before thunder.jit"):
-        greedy(thunder.jit(model), torch.randint(0, VOCAB, (1, PROMPT)), 1)
+        greedy(thunder.jit(model, executors=FAST_EXECUTORS), torch.randint(0, VOCAB, (1, PROMPT)), 1)
 
 
 def test_batch_larger_than_the_cache_is_a_clear_error():
     _, model = models_with_cache(gen_config("gqa"), 1)
     with pytest.raises(ValueError,
                        match=r"a batch of 2 sequences, but the KV cache holds 1: model.set_kv_cache\(batch_size=2\)"):
-        greedy(thunder.jit(model), torch.randint(0, VOCAB, (2, PROMPT)), 1)
+        greedy(thunder.jit(model, executors=FAST_EXECUTORS), torch.randint(0, VOCAB, (2, PROMPT)), 1)
 
 
 def _compiles_for_prompts(lengths: list[int]) -> list[int]:

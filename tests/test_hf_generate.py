@@ -130,3 +130,9 @@ def test_a_model_without_a_cache_is_a_clear_error():
     model = AutoModelForCausalLM.from_config(make_config("llama"))
     with pytest.raises(ValueError, match="set_kv_cache"):
         generation.generate(model, torch.zeros(1, PROMPT, dtype=torch.long), max_new_tokens=2)
+
+
+def test_a_model_jitted_without_thunder_tp_is_a_clear_error():
+    jm = thunder.jit(_model(2, 1))  # Thunder's executors: thunder_tp's lookasides do not serve its compiles
+    with pytest.raises(ValueError, match="jitted without thunder_tp"):
+        generation.generate(jm, torch.zeros(1, PROMPT, dtype=torch.long), max_new_tokens=2)

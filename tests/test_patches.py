@@ -50,12 +50,22 @@ def f(x, scale):
 def untimed(trace):
     return re.sub(r"\(took \d+ milliseconds\)", "", str(trace))
 
+def models():  # a litgpt GPT and an HF Llama (GQA): their families divert code of theirs to lookasides
+    from litgpt import GPT, Config
+    from tests.hf_models import make_model
+    torch.manual_seed(0)
+    gpt = GPT(Config(n_layer=1, n_embd=32, n_head=4, n_query_groups=2, block_size=16, padded_vocab_size=64))
+    llama = make_model("llama")
+    llama.config.use_cache = False
+    return gpt, llama
+
 def jitted_runs():
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
     options = {"debug_options": thunder.DebugOptions(record_interpreter_history=True)}
-    runs = {}
-    for name, fn, args in (("function", f, (torch.ones(2, 4), 3)), ("module", module, (torch.ones(3, 4),))):
+    runs, tokens = {}, torch.zeros(1, 8, dtype=torch.long)
+    for name, fn, args in (("function", f, (torch.ones(2, 4), 3)), ("module", module, (torch.ones(3, 4),)),
+                           ("litgpt", gpt, (tokens,)), ("hf", llama, (tokens,))):
         jf = thunder.jit(fn, **options)
         jf(*args)
         runs[name] = {"traces": [untimed(t) for t in thunder.last_traces(jf)],
@@ -77,6 +87,10 @@ def thunders_objects():
     objects.update({f"_general_jit_lookaside_map[{k!r}]": id(v) for k, v in jit_ext._general_jit_lookaside_map.items()})
     return objects
 
+# Dynamo wraps nn.Module.__init__ on its first use (torch's own patch, as thunder_tp's Inductor regions will): the
+# plain jits of models that build modules interpret that wrapper before and after alike
+torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+gpt, llama = models()
 before, objects, executors = jitted_runs(), thunders_objects(), executor_lists()
 import thunder_tp
 from thunder_tp import ColwiseParallel, RowwiseParallel, TensorParallel
@@ -90,6 +104,7 @@ with thunder_tp.simulate(world_size=2):
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     thunder.jit(mlp, transforms=[TensorParallel(plan)], executors=thunder_tp.executors())(torch.ones(3, 4))
+thunder_tp.models.hf.register_lookasides(llama)  # as plans.hf does: the HF family's lookasides registered
 tp = thunder.jit(f, executors=thunder_tp.executors(),
                  debug_options=thunder.DebugOptions(record_interpreter_history=True))
 tp(torch.ones(2, 4), 3)
@@ -118,10 +133,11 @@ def test_importing_thunder_tp_replaces_nothing_of_thunders(fresh_process):
     assert all(name.startswith("thunder_tp_") for names in added.values() for name in names), added
 
 
-@pytest.mark.parametrize("kind", ["function", "module"])
+@pytest.mark.parametrize("kind", ["function", "module", "litgpt", "hf"])
 def test_a_plain_jit_after_thunder_tp_compiled_is_thunders(fresh_process, kind):
     """The traces (computation and prologue) are those before thunder_tp was imported, and the interpreter ran the
-    instructions it ran then: Thunder's own path, not the speed-ups'."""
+    instructions it ran then: Thunder's own path, not the speed-ups', nor the model families' lookasides (litgpt's
+    GPT forward, HF's repeat_kv and causal-mask check), which serve thunder_tp's compiles only."""
     before, after = fresh_process["before"][kind], fresh_process["after"][kind]
     assert after["traces"] == before["traces"]
     assert after["prologue"] == before["prologue"]

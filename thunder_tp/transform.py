@@ -141,6 +141,7 @@ class TensorParallel(Transform):
         module = original_module(model)
         self._module = model
         prepare_for_tracing(module)  # a model traced alike whatever made its plan
+        patches.mark(model)  # its compiles are thunder_tp's, whatever its executors
         adapt_jitted(model, module)  # the family's methods of the model run the program (HF's generate)
         _trace_meta_tensors_on(module, self.tp.group)
         styles = styles_from_distparallel_type(module) | match_plan(module, self._resolved_plan(model))

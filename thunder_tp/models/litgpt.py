@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from thunder.core.dtypes import to_torch_dtype
-from thunder.core.jit_ext import register_general_jit_lookaside
 
 from thunder_tp.families import Wrapper, register_index_attribute, register_wrapper_rule
 from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
 from thunder_tp.styles import LoRAPairParallel
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import interpret_call
 
 __all__ = ["kv_cache_forward", "llama_moe_forward"]
@@ -99,12 +99,12 @@ def _lora_pair(module: nn.Module) -> Wrapper | None:
 
 if KVCache is not None:
 
-    @register_general_jit_lookaside(KVCache.forward)
+    @patches.register_lookaside(KVCache.forward)
     def _kv_cache_lookaside(cache, input_pos, k, v):
         """thunder.jit traces `kv_cache_forward` wherever litgpt's KVCache.forward is called."""
         return interpret_call(kv_cache_forward, cache, input_pos, k, v)
 
-    @register_general_jit_lookaside(LLaMAMoE.forward)
+    @patches.register_lookaside(LLaMAMoE.forward)
     def _llama_moe_lookaside(module, x):
         """thunder.jit traces `llama_moe_forward` wherever litgpt's LLaMAMoE.forward is called."""
         return interpret_call(llama_moe_forward, module, x)

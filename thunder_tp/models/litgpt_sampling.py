@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from thunder.core.jit_ext import register_general_jit_lookaside
 
 from thunder_tp.ops.sampling import Sampling, draw_keys, sample, sample_tokens
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import interpret_call, original_module
 
 __all__ = ["KEYS", "SAMPLERS", "SAMPLING", "batched_next_token", "copy_of", "current_sampler", "next_token",
@@ -68,11 +68,12 @@ def sampling(sampler: str) -> Iterator[None]:
 
 
 def samples_in_program(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or the module Fabric wraps) is a jitted litgpt GPT whose forward takes ``SAMPLING``."""
+    """Whether ``model`` (or the module Fabric wraps) is a litgpt GPT jitted for thunder_tp (whose forward takes
+    ``SAMPLING``: the lookaside serves thunder_tp's compiles only)."""
     from thunder.core.module import ThunderModule
 
     model = getattr(model, "_forward_module", model)
-    if _GPT is None or not isinstance(model, ThunderModule):
+    if _GPT is None or not isinstance(model, ThunderModule) or not patches.compiles_for_thunder_tp(model):
         return False
     return type(original_module(model)).forward is _GPT.forward
 
@@ -161,7 +162,7 @@ _LITGPT: dict[str, Callable[..., Any]] = {}
 if _GPT is not None:
     _gpt_forward = copy_of(_GPT.forward)
 
-    @register_general_jit_lookaside(_GPT.forward)
+    @patches.register_lookaside(_GPT.forward)
     def _gpt_forward_lookaside(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """thunder.jit traces the forward, and with ``SAMPLING`` the tokens of its last position."""
         return interpret_call(_sampled_forward if SAMPLING in kwargs else _gpt_forward, model, *args, **kwargs)

@@ -8,9 +8,9 @@ import functools
 
 import torch
 from thunder.core.interpreter import unwrap, wrap_const
-from thunder.core.jit_ext import register_general_jit_lookaside
 
 from thunder_tp.models.float8 import Recipe, float8_matmul
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import interpret_call
 
 __all__ = ["float8_linear_forward", "recipe"]
@@ -39,7 +39,7 @@ except ImportError:  # torchao is an optional extra
 
 if Float8Linear is not None:
 
-    @register_general_jit_lookaside(Float8Linear.forward)
+    @patches.register_lookaside(Float8Linear.forward)
     def _float8_linear_lookaside(module, input):
         """thunder.jit traces `float8_linear_forward` wherever a Float8Linear is called."""
         m = unwrap(module)

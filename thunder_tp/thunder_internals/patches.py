@@ -5,7 +5,8 @@ or mapping key, the replacement) instead of assigning it at import. `install()` 
 once, and is called by thunder_tp's entry points (``thunder_tp.executors()``, `applied()`), never by an import.
 A replacement is a dispatcher (`dispatching`): the speed-up while `active()`, Thunder's original otherwise, so
 that a ``thunder.jit`` that does not use thunder_tp runs Thunder's own code even after thunder_tp compiled.
-`uninstall()` puts Thunder's originals back.
+`uninstall()` puts Thunder's originals back. The model families' lookasides of their models' code
+(`register_lookaside`) are in Thunder's lookaside map only while some thread is inside `applied()`.
 
 `active()` holds inside `applied()` (thunder_tp's TP module calls, the plan search's interpretation, or a user who
 wants the speed-ups for a plain ``thunder.jit``), and while Thunder compiles a jit whose executors include
@@ -32,7 +33,8 @@ from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import _general_jit_lookaside_map
 
 __all__ = ["MARKER", "MODULES", "active", "active_for", "applied", "applying", "declare", "declare_lookaside",
-           "declared", "dispatching", "install", "installed", "uninstall"]
+           "compiles_for_thunder_tp", "declared", "dispatching", "install", "installed", "mark", "register_lookaside",
+           "uninstall"]
 
 #: the modules of this folder that declare patches, imported by `install()`
 MODULES = ("untraced", "grad_mode", "inductor", "instructions", "global_names", "builtin_containers", "pytree",
@@ -46,6 +48,10 @@ _MARK = "_thunder_tp_compiles"
 _ABSENT = object()
 _applied: ContextVar[bool] = ContextVar("thunder_tp_patches_applied", default=False)
 _lock = threading.Lock()
+#: the model families' lookasides (`register_lookaside`), put in Thunder's map while `_applied_depth` > 0
+_family_lookasides: dict[Callable, Callable] = {}
+#: how many `applied()` blocks are open, over every thread
+_applied_depth = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,23 @@ def declare_lookaside(fn: Callable, lookaside: Callable) -> None:
         return lookaside(*args, **kwargs) if active() else _interpret_call(interpreted, *args, **kwargs)
 
     _declared.append(Patch(_caller_module(), _general_jit_lookaside_map, fn, dispatch))
+
+
+def register_lookaside(fn: Callable) -> Callable[[Callable], Callable]:
+    """A decorator registering its lookaside of `fn` for the compiles inside `applied()` (thunder_tp's): what the
+    model families divert (their code Thunder cannot trace, or traces otherwise than TP needs), registered when they
+    load. The lookasides are in Thunder's map only while some thread is inside `applied()`: any other compile finds
+    Thunder's map as it was and interprets `fn` as Thunder does."""
+
+    def register(lookaside: Callable) -> Callable:
+        install()  # a jit of thunder_tp's made from now on enters `applied()` as it compiles
+        with _lock:
+            _family_lookasides[fn] = lookaside
+            if _applied_depth:
+                _general_jit_lookaside_map[fn] = lookaside
+        return lookaside
+
+    return register
 
 
 def declared() -> list[Patch]:
@@ -127,6 +150,18 @@ def active() -> bool:
     return _applied.get() or _marked(get_compile_data())
 
 
+def compiles_for_thunder_tp(jitted: Any) -> bool:
+    """Whether the compiles of `jitted` (a ``thunder.jit`` result) are thunder_tp's: its executors include
+    thunder_tp's, or a TensorParallel transform marked them (`mark`)."""
+    return _marked(getattr(jitted, "_lc_cd", None))
+
+
+def mark(jitted: Any) -> None:
+    """Make the compiles of `jitted` (a ``thunder.jit`` result) thunder_tp's, whatever its executors (a
+    TensorParallel program's)."""
+    setattr(jitted._lc_cd, _MARK, True)
+
+
 def _marked(compile_data: Any) -> bool:
     """Whether `compile_data`'s executors include thunder_tp's (kept on it)."""
     if compile_data is None:
@@ -140,13 +175,33 @@ def _marked(compile_data: Any) -> bool:
 
 @contextlib.contextmanager
 def applied() -> Iterator[None]:
-    """The speed-ups for every compile inside (re-entrant; installed first if they are not)."""
+    """The speed-ups and the model families' lookasides for every compile inside (re-entrant; installed first if
+    they are not)."""
     install()
+    _enter_family_lookasides()
     token = _applied.set(True)
     try:
         yield
     finally:
         _applied.reset(token)
+        _exit_family_lookasides()
+
+
+def _enter_family_lookasides() -> None:
+    global _applied_depth
+    with _lock:
+        if not _applied_depth:
+            _general_jit_lookaside_map.update(_family_lookasides)
+        _applied_depth += 1
+
+
+def _exit_family_lookasides() -> None:
+    global _applied_depth
+    with _lock:
+        _applied_depth -= 1
+        if not _applied_depth:
+            for fn in _family_lookasides:
+                _general_jit_lookaside_map.pop(fn, None)
 
 
 def applying(call: Callable) -> Callable:
@@ -161,12 +216,18 @@ def applying(call: Callable) -> Callable:
 
 
 def dispatching(fast: Callable, original: Callable) -> Callable:
-    """A function calling `fast` while `active()`, else `original` (Thunder's)."""
+    """A function calling `fast` while `active()`, else `original` (Thunder's). Where Thunder's interpreter meets it
+    (a pytree function called by code it interprets), it interprets the function the dispatcher would call, not the
+    dispatcher: a plain jit runs the instructions it ran before (a lookaside declared with it)."""
 
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
         return (fast if active() else original)(*args, **kwargs)
 
+    def interpreted(*args, **kwargs):
+        return _interpret_call(fast if active() else original, *args, **kwargs)
+
+    _declared.append(Patch(_caller_module(), _general_jit_lookaside_map, dispatch, interpreted))
     return dispatch
 
 

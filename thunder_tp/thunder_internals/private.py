@@ -173,7 +173,10 @@ def _reusing(fn, args, kwargs, /, **options):
     if kept is not None and kept.signature == _call_signature(fn, args, kwargs):
         kept.reused = True
         return kept.results
-    return _interpret(fn, args, kwargs, **options)
+    if not patches.active():
+        return _interpret(fn, args, kwargs, **options)
+    with patches.applied():  # the model families' lookasides too, in a jit made before the patches were installed
+        return _interpret(fn, args, kwargs, **options)
 
 
 def _call_signature(fn, args, kwargs) -> tuple:

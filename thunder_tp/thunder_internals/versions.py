@@ -57,6 +57,8 @@ PATCHES = {
     "min_cuts": Patch("lightning-thunder", "rematerialization's nx"),
     "untraced": Patch("lightning-thunder", "a general-jit lookaside for dynamo's GenerationTracker.tag"),
     "grad_mode": Patch("lightning-thunder", "general-jit lookasides for torch.inference_mode's __enter__, __exit__"),
+    "patches": Patch("lightning-thunder", "general-jit lookasides: the model families' (inside applied() only) and "
+                                          "one per dispatcher; installs the others' patches"),
     "inductor": Patch("torch", "VecISA.check_build"),
     "distributed": Patch("torch", "reduce_scatter_tensor and the _c10d_functional reduce_scatter kernels"),
     "dtensor": Patch("torch", "DTensor's, FSDP2's and composable replicate's entry points, wherever bound"),
@@ -67,7 +69,6 @@ NOT_PATCHING = {
     "checkpointing": "tags proxies with Thunder's recompute tag",
     "computation": "reads Thunder's cache entries and traces",
     "dynamo": "asks torch._dynamo's private functions",
-    "patches": "installs the patches the modules of PATCHES declare, each active in thunder_tp's compiles only",
     "overlapping_inputs": "checks a call's inputs before Thunder groups them",
     "prologue": "reads and edits TP's own traces' prologues",
     "quiet": "warning and log filters",

@@ -18,8 +18,8 @@ import sys
 
 import torch
 import torch.nn as nn
-from thunder.core.jit_ext import register_general_jit_lookaside
 
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import interpret_call
 from thunder_tp.thunder_internals.transformers import ignore_causal_mask_check
 
@@ -68,12 +68,12 @@ def register_lookasides(model: nn.Module) -> None:
     from transformers.pytorch_utils import Conv1D
 
     if Conv1D.forward not in _registered:
-        register_general_jit_lookaside(Conv1D.forward)(lambda module, x: interpret_call(conv1d_forward, module, x))
+        patches.register_lookaside(Conv1D.forward)(lambda module, x: interpret_call(conv1d_forward, module, x))
         _registered.add(Conv1D.forward)
 
     ignore = ignore_causal_mask_check()
     if ignore not in _registered:
-        register_general_jit_lookaside(ignore)(
+        patches.register_lookaside(ignore)(
             lambda *args, **kwargs: interpret_call(ignore_causal_mask_sdpa, *args, **kwargs)
         )
         _registered.add(ignore)
@@ -81,5 +81,5 @@ def register_lookasides(model: nn.Module) -> None:
     modules = [sdpa, *(sys.modules[type(m).__module__] for m in model.modules())]
     for fn in {getattr(module, "repeat_kv", None) for module in modules} - {None}:
         if fn not in _registered:
-            register_general_jit_lookaside(fn)(lambda x, n_rep: interpret_call(repeat_kv, x, n_rep))
+            patches.register_lookaside(fn)(lambda x, n_rep: interpret_call(repeat_kv, x, n_rep))
             _registered.add(fn)

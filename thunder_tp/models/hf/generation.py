@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from thunder.core.jit_ext import register_general_jit_lookaside
 from transformers import GenerationConfig, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from thunder_tp.models import litgpt_sampling
 from thunder_tp.models.hf.attention import head_dim, kv_heads
 from thunder_tp.ops.sampling import Sampling
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import interpret_call, original_module
 from thunder_tp.thunder_internals.replay import unwrap, wrap_const
 
@@ -147,7 +147,7 @@ def register_lookaside(model: nn.Module) -> None:
         return
     forward = _registered[cls] = litgpt_sampling.copy_of(cls.forward)
 
-    @register_general_jit_lookaside(cls.forward)
+    @patches.register_lookaside(cls.forward)
     def _forward_lookaside(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         cache = unwrap(kwargs.get("past_key_values"))
         if not isinstance(cache, ProgramCache):
@@ -166,7 +166,7 @@ def _last_position(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     return logits if per_row is None else litgpt_sampling.sampled_in_program(logits, per_row, keys)
 
 
-@register_general_jit_lookaside(ProgramCache.update)
+@patches.register_lookaside(ProgramCache.update)
 def _update_lookaside(cache, key_states, value_states, layer_idx, cache_kwargs=None):
     """The write traced through the module (whose buffers are the program's), not through the cache argument."""
     program_cache = unwrap(cache)
@@ -219,6 +219,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.
     """HF's ``model.generate(input_ids, **kwargs)`` run by the jitted ``model`` (or a plain HF model: the one-device
     reference), on the model's static cache (``set_kv_cache``), sampled as the module doc says."""
     hf_model = original_module(model)
+    if hf_model is not model and not patches.compiles_for_thunder_tp(model):
+        raise ValueError("thunder_tp.models.hf.generate: the model is jitted without thunder_tp; jit it with "
+                         "executors=thunder_tp.executors() or a thunder_tp.TensorParallel transform")
     cache = ProgramCache(hf_model)
     if input_ids.shape[0] != cache.max_batch_size:
         raise ValueError(f"thunder_tp.models.hf.generate: {input_ids.shape[0]} prompts for a cache of "

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from thunder.core.jit_ext import register_general_jit_lookaside
 
 from thunder_tp.models.moe import Routing, mlp_parameters, moe_layer
+from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import interpret_call
 
 #: block class name -> the names of each expert's gate, up and down projections
@@ -74,7 +74,7 @@ def register_lookasides(model: nn.Module) -> None:
     for module in model.modules():
         cls = type(module)
         if is_moe_block(module) and cls not in _registered:
-            register_general_jit_lookaside(cls.forward)(
+            patches.register_lookaside(cls.forward)(
                 lambda block, hidden_states: interpret_call(hf_moe_forward, block, hidden_states)
             )
             _registered.add(cls)
