@@ -21,7 +21,6 @@ generator, one (2,) key per row and step (none for greedy rows): seed every rank
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ from thunder_tp.ops.sampling import Sampling, draw_keys, sample, sample_tokens
 from thunder_tp.thunder_internals import patches
 from thunder_tp.thunder_internals.private import interpret_call, original_module
 
-__all__ = ["KEYS", "SAMPLERS", "SAMPLING", "batched_next_token", "copy_of", "current_sampler", "next_token",
+__all__ = ["KEYS", "SAMPLERS", "SAMPLING", "batched_next_token", "current_sampler", "next_token",
            "next_tokens", "sampled_in_program", "samples_in_program", "sampling", "set_sampling"]
 
 #: the keywords of a jitted GPT's call that make it return sampled tokens: each row's (temperature, top_k, top_p),
@@ -143,14 +142,6 @@ def _sample_tokens_call(logits: torch.Tensor, temperature: float, top_k: int | N
     return sample_tokens(logits, key, temperature, top_k, top_p)
 
 
-def copy_of(fn: types.FunctionType) -> types.FunctionType:
-    """A function with ``fn``'s code that is not ``fn``: Thunder's interpreter diverts ``fn`` itself to its
-    lookaside, which interprets this copy without being diverted again."""
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-    return copy
-
-
 try:
     import litgpt.generate.base as _litgpt_base
     from litgpt.model import GPT as _GPT
@@ -160,7 +151,7 @@ except ImportError:  # litgpt is optional: without it there is nothing to divert
 _LITGPT: dict[str, Callable[..., Any]] = {}
 
 if _GPT is not None:
-    _gpt_forward = copy_of(_GPT.forward)
+    _gpt_forward = patches.copy_of(_GPT.forward)
 
     @patches.register_lookaside(_GPT.forward)
     def _gpt_forward_lookaside(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -32,9 +32,9 @@ from thunder.core.compile_data import get_compile_data
 from thunder.core.interpreter import _interpret_call
 from thunder.core.jit_ext import _general_jit_lookaside_map
 
-__all__ = ["MARKER", "MODULES", "active", "active_for", "applied", "applying", "declare", "declare_lookaside",
-           "compiles_for_thunder_tp", "declared", "dispatching", "install", "installed", "mark", "register_lookaside",
-           "uninstall"]
+__all__ = ["MARKER", "MODULES", "active", "active_for", "applied", "applying", "compiles_for_thunder_tp", "copy_of",
+           "declare", "declare_lookaside", "declared", "dispatching", "install", "installed", "mark",
+           "register_lookaside", "uninstall"]
 
 #: the modules of this folder that declare patches, imported by `install()`
 MODULES = ("untraced", "grad_mode", "inductor", "instructions", "global_names", "builtin_containers", "pytree",
@@ -79,13 +79,20 @@ def declare(owner: Any, name: Any, replacement: Any, *, everywhere: bool = False
 def declare_lookaside(fn: Callable, lookaside: Callable) -> None:
     """Register `lookaside` (given the interpreter's wrapped values) for Thunder's interpreter to run in place of
     `fn` in thunder_tp's compiles; any other compile interprets `fn`'s code, as Thunder does without a lookaside."""
-    interpreted = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    interpreted.__kwdefaults__ = fn.__kwdefaults__
+    interpreted = copy_of(fn)
 
     def dispatch(*args, **kwargs):
         return lookaside(*args, **kwargs) if active() else _interpret_call(interpreted, *args, **kwargs)
 
     _declared.append(Patch(_caller_module(), _general_jit_lookaside_map, fn, dispatch))
+
+
+def copy_of(fn: types.FunctionType) -> types.FunctionType:
+    """A function with ``fn``'s code that is not ``fn``: Thunder's interpreter diverts ``fn`` itself to its
+    lookaside, which interprets this copy without being diverted again."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return copy
 
 
 def register_lookaside(fn: Callable) -> Callable[[Callable], Callable]:

@@ -145,7 +145,7 @@ def register_lookaside(model: nn.Module) -> None:
     cls = type(model)
     if cls in _registered:
         return
-    forward = _registered[cls] = litgpt_sampling.copy_of(cls.forward)
+    forward = _registered[cls] = patches.copy_of(cls.forward)
 
     @patches.register_lookaside(cls.forward)
     def _forward_lookaside(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
