@@ -170,7 +170,8 @@ def mark(jitted: Any) -> None:
 
 
 def _marked(compile_data: Any) -> bool:
-    """Whether `compile_data`'s executors include thunder_tp's (kept on it)."""
+    """Whether `compile_data`'s compiles are thunder_tp's: `mark` said so, or its executors include thunder_tp's
+    (kept on it)."""
     if compile_data is None:
         return False
     marked = vars(compile_data).get(_MARK)

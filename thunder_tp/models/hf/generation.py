@@ -7,9 +7,9 @@ the vocabulary shards (``thunder_tp.ops.sampling``), so that a decode step never
 - ``generate(jm, input_ids, **kwargs)`` runs HF's own ``generate`` (its loop, stopping criteria, attention masks,
   cache positions) with every model call routed to the jitted program ``jm`` and the cache ``ProgramCache``: HF's
   ``StaticCache`` bookkeeping on the host, the buffers inside the program. ``jm.generate`` is the same (the
-  transform routes it). A lookaside of the model's forward swaps the host cache for a ``StaticCache`` of the
-  model's own buffers (so the program reads and writes each rank's piece) and, with the sampling keywords of
-  ``litgpt_sampling``, returns the tokens of the last position instead of the logits.
+  transform routes it). A lookaside of ``ProgramCache.update`` writes the cache through the module being traced
+  (so the program reads and writes each rank's piece of the buffers), and one of the model's forward, with the
+  sampling keywords of ``litgpt_sampling``, returns the tokens of the last position instead of the logits.
 - HF then "samples" from logits that are 0 at the program's token and -inf elsewhere, which every warper (temperature,
   top-k, top-p) keeps as they are and ``torch.multinomial`` / ``argmax`` return: HF's token is the program's.
   Settings that change the logits otherwise (repetition penalty, min length, bad words, beams, ...) are refused
